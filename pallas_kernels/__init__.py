@@ -1,0 +1,22 @@
+"""Pallas kernels for paged attention and their pure-jnp references. Arrays in, arrays out."""
+
+from pallas_kernels.kv_cache import write_kv, write_kv_reference
+from pallas_kernels.paged_attention import (
+    paged_attention,
+    paged_attention_reference,
+    resolve_backend,
+)
+from pallas_kernels.ragged_attention import (
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+
+__all__ = [
+    "paged_attention",
+    "paged_attention_reference",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "resolve_backend",
+    "write_kv",
+    "write_kv_reference",
+]

@@ -1,0 +1,118 @@
+"""Decode attention over a paged KV pool: one query token per sequence.
+
+``paged_attention`` is the public entry point; ``paged_attention_reference`` is the pure-jnp oracle
+(and the implementation the engine uses on CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+BACKENDS = ("auto", "gpu", "tpu", "reference")
+
+
+def resolve_backend(backend: str) -> str:
+    """Map ``"auto"`` to the backend for the default JAX platform; validate the name."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    platform = jax.default_backend()
+    return platform if platform in ("gpu", "tpu") else "reference"
+
+
+def gather_context(
+    pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    block_tables: jax.Array,  # i32[num_seqs, max_blocks]
+) -> jax.Array:  # [num_seqs, num_kv_heads, max_blocks * block_size, head_dim]
+    num_kv_heads, _, block_size, head_dim = pages.shape
+    num_seqs, max_blocks = block_tables.shape
+    ctx = pages[:, block_tables]  # [num_kv_heads, num_seqs, max_blocks, block_size, head_dim]
+    ctx = ctx.reshape(num_kv_heads, num_seqs, max_blocks * block_size, head_dim)
+    return ctx.swapaxes(0, 1)
+
+
+def paged_attention_reference(
+    q: jax.Array,  # [num_seqs, num_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    block_tables: jax.Array,  # i32[num_seqs, max_blocks]
+    context_lens: jax.Array,  # i32[num_seqs]
+    *,
+    scale: float,
+) -> jax.Array:  # [num_seqs, num_heads, head_dim]
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[0]
+    group = num_heads // num_kv_heads
+    k = gather_context(k_pages, block_tables)  # [num_seqs, num_kv_heads, ctx, head_dim]
+    v = gather_context(v_pages, block_tables)
+    valid = jnp.arange(k.shape[2])[None, :] < context_lens[:, None]  # [num_seqs, ctx]
+    # Stale slots may hold NaN: zero V there, not only the probabilities (exp(-inf) * NaN = NaN).
+    v = jnp.where(valid[:, None, :, None], v, 0)
+    qg = q.reshape(num_seqs, num_kv_heads, group, head_dim).astype(jnp.float32)
+    s = jnp.einsum("skgd,sktd->skgt", qg, k.astype(jnp.float32)) * scale
+    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0))
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("skgt,sktd->skgd", p, v.astype(jnp.float32))
+    out = out / jnp.where(denom == 0, 1, denom)  # a sequence of length 0 gives zeros
+    return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+
+
+def check_paged_inputs(q, k_pages, v_pages, block_tables, context_lens, *, q_rows_name):
+    """Shared shape validation for the decode and ragged entry points."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [{q_rows_name}, num_heads, head_dim], got shape {q.shape}")
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(
+            "k_pages and v_pages must both be [num_kv_heads, num_blocks, block_size, head_dim], "
+            f"got {k_pages.shape} and {v_pages.shape}"
+        )
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_pages.shape[0]
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if k_pages.shape[3] != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != pool head_dim {k_pages.shape[3]}")
+    if block_tables.ndim != 2 or context_lens.shape != (block_tables.shape[0],):
+        raise ValueError(
+            f"block_tables must be [num_seqs, max_blocks] and context_lens [num_seqs], got "
+            f"{block_tables.shape} and {context_lens.shape}"
+        )
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "backend", "interpret"))
+def paged_attention(
+    q: jax.Array,  # [num_seqs, num_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    block_tables: jax.Array,  # i32[num_seqs, max_blocks]
+    context_lens: jax.Array,  # i32[num_seqs]
+    *,
+    scale: float,
+    backend: str = "auto",
+    interpret: bool = False,
+) -> jax.Array:  # [num_seqs, num_heads, head_dim]
+    """Attention of one query token per sequence over its paged context.
+
+    GQA when num_heads is a multiple of num_kv_heads. Slots at or past ``context_lens`` are ignored
+    whatever they hold (NaN included).
+    """
+    check_paged_inputs(q, k_pages, v_pages, block_tables, context_lens, q_rows_name="num_seqs")
+    if q.shape[0] != block_tables.shape[0]:
+        raise ValueError(
+            f"q has {q.shape[0]} sequences but block_tables has {block_tables.shape[0]}"
+        )
+    backend = resolve_backend(backend)
+    if backend != "reference":
+        raise NotImplementedError(f"the {backend!r} paged-attention kernel is not built yet")
+    del interpret
+    return paged_attention_reference(
+        q, k_pages, v_pages, block_tables, context_lens, scale=scale
+    )

@@ -1,0 +1,124 @@
+"""Attention for packed (ragged) batches over a paged KV pool: prefill, chunked prefill, decode.
+
+Sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``; they are its LAST
+tokens, so query ``j`` of a sequence with ``q_len`` queries and ``context_len`` tokens sits at
+position ``context_len - q_len + j`` and sees keys ``0 ..= that position`` (causal with offset).
+The new tokens' K/V must already be written into the pool.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.paged_attention import (
+    check_paged_inputs,
+    gather_context,
+    paged_attention_reference,
+    resolve_backend,
+)
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,  # [num_tokens, num_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    block_tables: jax.Array,  # i32[num_seqs, max_blocks]
+    context_lens: jax.Array,  # i32[num_seqs]
+    query_start_loc: jax.Array,  # i32[num_seqs + 1]
+    *,
+    scale: float,
+    max_query_len: int | None = None,
+) -> jax.Array:  # [num_tokens, num_heads, head_dim]; rows past query_start_loc[-1] are zero
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = block_tables.shape[0]
+    num_kv_heads = k_pages.shape[0]
+    group = num_heads // num_kv_heads
+    max_q = num_tokens if max_query_len is None else max_query_len
+    if max_q == 1:  # pure decode: every sequence has at most one query row
+        starts = jnp.clip(query_start_loc[:-1], 0, num_tokens - 1)
+        out = paged_attention_reference(
+            q[starts], k_pages, v_pages, block_tables, context_lens, scale=scale
+        )
+        has_q = query_start_loc[1:] > query_start_loc[:-1]
+        out = jnp.where(has_q[:, None, None], out, 0)
+        return jnp.zeros_like(q).at[jnp.where(has_q, starts, num_tokens)].set(out, mode="drop")
+
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # i32[num_seqs]
+    j = jnp.arange(max_q)
+    rows = query_start_loc[:-1, None] + j[None, :]  # i32[num_seqs, max_q]
+    q_pad = q[jnp.clip(rows, 0, num_tokens - 1)]  # [num_seqs, max_q, num_heads, head_dim]
+    q_pad = q_pad.reshape(num_seqs, max_q, num_kv_heads, group, head_dim).astype(jnp.float32)
+
+    k = gather_context(k_pages, block_tables).astype(jnp.float32)  # [S, Hkv, ctx, D]
+    v = gather_context(v_pages, block_tables).astype(jnp.float32)
+    t = jnp.arange(k.shape[2])
+    kv_valid = t[None, :] < context_lens[:, None]  # [num_seqs, ctx]
+    v = jnp.where(kv_valid[:, None, :, None], v, 0)  # stale slots may be NaN
+    q_pos = (context_lens - q_lens)[:, None] + j[None, :]  # [num_seqs, max_q]
+    mask = kv_valid[:, None, :] & (t[None, None, :] <= q_pos[:, :, None])  # [S, max_q, ctx]
+
+    s = jnp.einsum("sqkgd,sktd->skgqt", q_pad, k) * scale
+    s = jnp.where(mask[:, None, None], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0))
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("skgqt,sktd->sqkgd", p / jnp.where(denom == 0, 1, denom), v)
+    out = out.reshape(num_seqs, max_q, num_heads, head_dim)
+
+    # Back to packed rows: row n belongs to the last sequence whose start is <= n.
+    n = jnp.arange(num_tokens)
+    seq = jnp.clip(jnp.searchsorted(query_start_loc, n, side="right") - 1, 0, num_seqs - 1)
+    jj = n - query_start_loc[seq]
+    in_range = (n < query_start_loc[-1]) & (jj < max_q)
+    packed = out[seq, jnp.clip(jj, 0, max_q - 1)]
+    return jnp.where(in_range[:, None, None], packed, 0).astype(q.dtype)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "max_query_len", "backend", "interpret")
+)
+def ragged_paged_attention(
+    q: jax.Array,  # [num_tokens, num_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    block_tables: jax.Array,  # i32[num_seqs, max_blocks]
+    context_lens: jax.Array,  # i32[num_seqs]
+    query_start_loc: jax.Array,  # i32[num_seqs + 1]
+    *,
+    scale: float,
+    max_query_len: int | None = None,
+    backend: str = "auto",
+    interpret: bool = False,
+) -> jax.Array:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of packed query rows of many sequences over their paged contexts.
+
+    ``max_query_len`` (static) bounds every sequence's query count; ``None`` means num_tokens.
+    Rows past ``query_start_loc[-1]`` (padding) come back as zeros.
+    """
+    check_paged_inputs(q, k_pages, v_pages, block_tables, context_lens, q_rows_name="num_tokens")
+    if query_start_loc.shape != (block_tables.shape[0] + 1,):
+        raise ValueError(
+            f"query_start_loc shape {query_start_loc.shape} must be "
+            f"({block_tables.shape[0] + 1},), num_seqs + 1"
+        )
+    if max_query_len is not None and not 1 <= max_query_len <= max(q.shape[0], 1):
+        raise ValueError(
+            f"max_query_len={max_query_len} must be in [1, num_tokens={q.shape[0]}]"
+        )
+    backend = resolve_backend(backend)
+    if backend != "reference":
+        raise NotImplementedError(f"the {backend!r} ragged-attention kernel is not built yet")
+    del interpret
+    return ragged_paged_attention_reference(
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        context_lens,
+        query_start_loc,
+        scale=scale,
+        max_query_len=max_query_len,
+    )
