@@ -1,7 +1,10 @@
 """Decode attention over a paged KV pool: one query token per sequence.
 
-``paged_attention`` is the public entry point; ``paged_attention_reference`` is the pure-jnp oracle
-(and the implementation the engine uses on CPU).
+``paged_attention`` is the public entry point. It runs a Pallas kernel on GPU (Triton lowering,
+``_gpu_decode``) or TPU (Mosaic, ``_tpu_decode``), and ``paged_attention_reference``, the pure-jnp
+oracle, elsewhere (the engine uses it on CPU). Kernels: one program per (sequence, KV head,
+partition) with the GQA group's query heads as matmul rows, online softmax, long contexts split
+into partitions merged afterwards (vLLM's v2), logits and value rows past the length masked.
 """
 
 from __future__ import annotations
@@ -10,6 +13,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels._gpu_decode import paged_attention_gpu
+from pallas_kernels._tpu_decode import paged_attention_tpu
 
 BACKENDS = ("auto", "gpu", "tpu", "reference")
 
@@ -87,7 +93,43 @@ def check_paged_inputs(q, k_pages, v_pages, block_tables, context_lens, *, q_row
         )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "backend", "interpret"))
+def gpu_kernel_supports(block_size: int, head_dim: int) -> bool:
+    """Shapes the GPU kernels take (Triton tiles are powers of two); "auto" falls back otherwise."""
+    pow2 = lambda n: n > 0 and not n & (n - 1)
+    return pow2(block_size) and pow2(head_dim) and head_dim >= 16
+
+
+def pick_backend(backend: str, *, block_size: int, head_dim: int) -> str:
+    """``resolve_backend``, except that "auto" on a GPU takes the reference for shapes the GPU
+    kernel cannot tile (an explicit ``backend="gpu"`` raises instead)."""
+    resolved = resolve_backend(backend)
+    if backend == "auto" and resolved == "gpu" and not gpu_kernel_supports(block_size, head_dim):
+        return "reference"
+    return resolved
+
+
+def tpu_interpret_params(interpret: bool):
+    """``interpret=True`` runs a TPU kernel in TPU interpret mode (also reachable, for whole
+    programs, through ``pltpu.force_tpu_interpret_mode``)."""
+    if not interpret:
+        return False
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams()
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "backend",
+        "interpret",
+        "pages_per_block",
+        "partition_size",
+        "num_warps",
+        "num_stages",
+    ),
+)
 def paged_attention(
     q: jax.Array,  # [num_seqs, num_heads, head_dim]
     k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
@@ -98,21 +140,49 @@ def paged_attention(
     scale: float,
     backend: str = "auto",
     interpret: bool = False,
+    pages_per_block: int | None = None,
+    partition_size: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> jax.Array:  # [num_seqs, num_heads, head_dim]
     """Attention of one query token per sequence over its paged context.
 
     GQA when num_heads is a multiple of num_kv_heads. Slots at or past ``context_lens`` are ignored
-    whatever they hold (NaN included).
+    whatever they hold (NaN included); a sequence of length 0 gives zeros.
+
+    Tuning knobs (kernels only): ``pages_per_block`` pages per inner step (GPU: a power of two with
+    at least 16 tokens; default 128 tokens on GPU, 256 on TPU); ``partition_size`` tokens per
+    context partition (a multiple of the step; default: GPU splits until there are about 512
+    programs, TPU does not split); ``num_warps``/``num_stages`` for the GPU lowering.
+    ``interpret=True`` runs the chosen kernel in interpret mode (tests on CPU).
     """
     check_paged_inputs(q, k_pages, v_pages, block_tables, context_lens, q_rows_name="num_seqs")
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(
             f"q has {q.shape[0]} sequences but block_tables has {block_tables.shape[0]}"
         )
-    backend = resolve_backend(backend)
-    if backend != "reference":
-        raise NotImplementedError(f"the {backend!r} paged-attention kernel is not built yet")
-    del interpret
-    return paged_attention_reference(
-        q, k_pages, v_pages, block_tables, context_lens, scale=scale
-    )
+    backend = pick_backend(backend, block_size=k_pages.shape[2], head_dim=q.shape[2])
+    knobs = dict(scale=scale, pages_per_block=pages_per_block, partition_size=partition_size)
+    if backend == "gpu":
+        return paged_attention_gpu(
+            q,
+            k_pages,
+            v_pages,
+            block_tables,
+            context_lens,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            interpret=interpret,
+            **knobs,
+        )
+    if backend == "tpu":
+        return paged_attention_tpu(
+            q,
+            k_pages,
+            v_pages,
+            block_tables,
+            context_lens,
+            interpret=tpu_interpret_params(interpret),
+            **knobs,
+        )
+    return paged_attention_reference(q, k_pages, v_pages, block_tables, context_lens, scale=scale)

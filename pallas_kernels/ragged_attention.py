@@ -4,6 +4,11 @@ Sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``; they
 tokens, so query ``j`` of a sequence with ``q_len`` queries and ``context_len`` tokens sits at
 position ``context_len - q_len + j`` and sees keys ``0 ..= that position`` (causal with offset).
 The new tokens' K/V must already be written into the pool.
+
+Kernels: on GPU (``_gpu_ragged``) one program per (sequence, KV head, tile of its query rows); on
+TPU (``_tpu_ragged``) one per (KV head, tile of packed rows), looping over the sequences owning
+the tile's rows. A call whose ``max_query_len`` is 1 (pure decode) goes to the decode kernels,
+which split long contexts into partitions.
 """
 
 from __future__ import annotations
@@ -13,11 +18,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._gpu_ragged import ragged_paged_attention_gpu
+from pallas_kernels._tpu_ragged import ragged_paged_attention_tpu
 from pallas_kernels.paged_attention import (
     check_paged_inputs,
     gather_context,
+    paged_attention,
     paged_attention_reference,
-    resolve_backend,
+    pick_backend,
+    tpu_interpret_params,
 )
 
 
@@ -77,8 +86,39 @@ def ragged_paged_attention_reference(
     return jnp.where(in_range[:, None, None], packed, 0).astype(q.dtype)
 
 
+def packed_row_mask(
+    query_start_loc: jax.Array, num_tokens: int, max_query_len: int
+) -> jax.Array:  # bool[num_tokens]
+    """Rows owned by a sequence within its first ``max_query_len`` queries (as the reference)."""
+    num_seqs = query_start_loc.shape[0] - 1
+    n = jnp.arange(num_tokens)
+    seq = jnp.clip(jnp.searchsorted(query_start_loc, n, side="right") - 1, 0, num_seqs - 1)
+    return (n < query_start_loc[-1]) & (n - query_start_loc[seq] < max_query_len)
+
+
+def _decode_rows(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, **kwargs):
+    """max_query_len == 1: each sequence's (at most one) row through the decode kernel."""
+    num_tokens = q.shape[0]
+    starts = jnp.clip(query_start_loc[:-1], 0, num_tokens - 1)
+    out = paged_attention(q[starts], k_pages, v_pages, block_tables, context_lens, **kwargs)
+    has_q = query_start_loc[1:] > query_start_loc[:-1]
+    out = jnp.where(has_q[:, None, None], out, 0)
+    rows = jnp.where(has_q, starts, num_tokens)  # out of range: dropped
+    return jnp.zeros_like(q).at[rows].set(out, mode="drop")
+
+
 @functools.partial(
-    jax.jit, static_argnames=("scale", "max_query_len", "backend", "interpret")
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "max_query_len",
+        "backend",
+        "interpret",
+        "block_q",
+        "pages_per_block",
+        "num_warps",
+        "num_stages",
+    ),
 )
 def ragged_paged_attention(
     q: jax.Array,  # [num_tokens, num_heads, head_dim]
@@ -92,11 +132,21 @@ def ragged_paged_attention(
     max_query_len: int | None = None,
     backend: str = "auto",
     interpret: bool = False,
+    block_q: int | None = None,
+    pages_per_block: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]
     """Causal attention of packed query rows of many sequences over their paged contexts.
 
     ``max_query_len`` (static) bounds every sequence's query count; ``None`` means num_tokens.
-    Rows past ``query_start_loc[-1]`` (padding) come back as zeros.
+    Rows past ``query_start_loc[-1]`` (padding) come back as zeros. Each sequence needs
+    ``query_len <= context_len``.
+
+    Tuning knobs (kernels only): ``block_q`` query rows per tile (GPU: a power of two, times the
+    GQA group padded to a power of two at least 16; TPU: a multiple of 8), ``pages_per_block``
+    pages per key step, ``num_warps``/``num_stages`` for the GPU lowering. ``interpret=True`` runs
+    the chosen kernel in interpret mode (tests on CPU).
     """
     check_paged_inputs(q, k_pages, v_pages, block_tables, context_lens, q_rows_name="num_tokens")
     if query_start_loc.shape != (block_tables.shape[0] + 1,):
@@ -105,20 +155,40 @@ def ragged_paged_attention(
             f"({block_tables.shape[0] + 1},), num_seqs + 1"
         )
     if max_query_len is not None and not 1 <= max_query_len <= max(q.shape[0], 1):
-        raise ValueError(
-            f"max_query_len={max_query_len} must be in [1, num_tokens={q.shape[0]}]"
+        raise ValueError(f"max_query_len={max_query_len} must be in [1, num_tokens={q.shape[0]}]")
+    backend = pick_backend(backend, block_size=k_pages.shape[2], head_dim=q.shape[2])
+    args = (q, k_pages, v_pages, block_tables, context_lens, query_start_loc)
+    max_q = q.shape[0] if max_query_len is None else max_query_len
+    if backend == "reference" or q.shape[0] == 0:
+        return ragged_paged_attention_reference(*args, scale=scale, max_query_len=max_query_len)
+    if max_q == 1:
+        return _decode_rows(
+            *args,
+            scale=scale,
+            backend=backend,
+            interpret=interpret,
+            pages_per_block=pages_per_block,
+            num_warps=num_warps,
+            num_stages=num_stages,
         )
-    backend = resolve_backend(backend)
-    if backend != "reference":
-        raise NotImplementedError(f"the {backend!r} ragged-attention kernel is not built yet")
-    del interpret
-    return ragged_paged_attention_reference(
-        q,
-        k_pages,
-        v_pages,
-        block_tables,
-        context_lens,
-        query_start_loc,
-        scale=scale,
-        max_query_len=max_query_len,
-    )
+    if backend == "gpu":
+        out = ragged_paged_attention_gpu(
+            *args,
+            scale=scale,
+            max_query_len=max_q,
+            block_q=block_q,
+            pages_per_block=pages_per_block,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            interpret=interpret,
+        )
+    else:
+        out = ragged_paged_attention_tpu(
+            *args,
+            scale=scale,
+            block_q=block_q,
+            pages_per_block=pages_per_block,
+            interpret=tpu_interpret_params(interpret),
+        )
+    keep = packed_row_mask(query_start_loc.astype(jnp.int32), q.shape[0], max_q)
+    return jnp.where(keep[:, None, None], out, jnp.zeros_like(out))

@@ -1,0 +1,134 @@
+"""Pieces shared by the GPU and TPU kernels: the online-softmax step, partition merging, tiling.
+
+The softmax helpers operate on values (not refs) and use only ops that lower on Triton, Mosaic TPU
+and Mosaic GPU, so every kernel body runs the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def cdiv(a, b):
+    """Ceiling division of non-negative integers; on traced values ``lax.div`` (truncating, which
+    Mosaic lowers directly, unlike ``//``'s floor semantics)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return -(-a // b)
+    return jax.lax.div(a + b - 1, b)
+
+
+def attention_logits(q, k, scale: float):
+    """``q @ k.T * scale`` in float32: q [rows, head_dim], k [block_k, head_dim]."""
+    s = jax.lax.dot_general(
+        q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    )  # [rows, block_k]
+    return s * scale
+
+
+def online_softmax_step(s, v, m_prev, l_prev, acc_prev):
+    """One flash-attention step over a block of keys.
+
+    s: f32[rows, block_k], masked entries already -inf; v: [block_k, head_dim], rows past the
+    sequence already zeroed; m_prev, l_prev: f32[rows, 1]; acc_prev: f32[rows, head_dim].
+    A row whose logits so far are all -inf keeps m = -inf, den = 0, acc = 0 (no NaN from inf - inf).
+    """
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [rows, 1]
+    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+    alpha = jnp.exp(m_prev - m_safe)  # [rows, 1]; 0 where m_prev = -inf
+    p = jnp.exp(s - m_safe)  # [rows, block_k]; 0 where masked
+    l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+    pv = jax.lax.dot_general(
+        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+    )  # [rows, head_dim]
+    return m_next, l_next, alpha * acc_prev + pv
+
+
+def softmax_init(rows: int, head_dim: int):
+    m = jnp.full((rows, 1), -jnp.inf, jnp.float32)
+    den = jnp.zeros((rows, 1), jnp.float32)
+    acc = jnp.zeros((rows, head_dim), jnp.float32)
+    return m, den, acc
+
+
+def softmax_finish(den, acc):
+    """Normalised output; a row that saw no key (l = 0) gives zeros."""
+    return acc / jnp.where(den == 0.0, 1.0, den)
+
+
+def merge_partitions(
+    o: jax.Array,  # f32[num_splits, ..., head_dim], each partition's normalised output
+    m: jax.Array,  # f32[num_splits, ...], its running max (-inf when it saw no key)
+    den: jax.Array,  # f32[num_splits, ...], its softmax denominator relative to m
+) -> jax.Array:  # f32[..., head_dim]
+    """Combine per-partition softmax results (vLLM's paged-attention v2 reduce step)."""
+    if o.shape[0] == 1:
+        return o[0]
+    m_max = jnp.max(m, axis=0)
+    m_safe = jnp.where(m_max == -jnp.inf, 0.0, m_max)
+    w = den * jnp.exp(m - m_safe)  # [num_splits, ...]; 0 for empty partitions
+    denom = jnp.sum(w, axis=0)
+    out = jnp.sum(o * w[..., None], axis=0)
+    return out / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTiling:
+    """How a decode call is cut: keys in blocks of whole pages, contexts into partitions."""
+
+    pages_per_block: int  # pages per inner-loop step (block_k = pages_per_block * block_size)
+    pages_per_partition: int  # multiple of pages_per_block
+    num_splits: int  # partitions per sequence; the block table is padded to cover them
+
+    @property
+    def padded_max_blocks(self) -> int:
+        return self.pages_per_partition * self.num_splits
+
+
+def decode_tiling(
+    *,
+    block_size: int,
+    max_blocks: int,
+    pages_per_block: int,
+    partition_size: int | None,
+    default_splits: int,
+) -> DecodeTiling:
+    """Validate the knobs and choose the partitioning.
+
+    ``partition_size`` (tokens, a multiple of ``pages_per_block * block_size``) fixes it; ``None``
+    uses ``default_splits`` partitions, each rounded up to whole key blocks.
+    """
+    if pages_per_block < 1:
+        raise ValueError(f"pages_per_block must be >= 1, got {pages_per_block}")
+    block_k = pages_per_block * block_size
+    blocks_per_seq = cdiv(max(max_blocks, 1), pages_per_block)  # key blocks covering the table
+    if partition_size is None:
+        num_splits = max(1, min(default_splits, blocks_per_seq))
+        blocks_per_partition = cdiv(blocks_per_seq, num_splits)
+    else:
+        if partition_size <= 0 or partition_size % block_k:
+            raise ValueError(
+                f"partition_size={partition_size} must be a positive multiple of "
+                f"pages_per_block * block_size = {block_k}"
+            )
+        blocks_per_partition = partition_size // block_k
+    num_splits = cdiv(blocks_per_seq, blocks_per_partition)
+    return DecodeTiling(
+        pages_per_block=pages_per_block,
+        pages_per_partition=blocks_per_partition * pages_per_block,
+        num_splits=num_splits,
+    )
+
+
+def pad_block_tables(block_tables: jax.Array, num_cols: int) -> jax.Array:
+    """Pad with the null block (0) up to ``num_cols`` columns."""
+    extra = num_cols - block_tables.shape[1]
+    if extra < 0:
+        raise AssertionError(f"cannot pad {block_tables.shape} down to {num_cols} columns")
+    return jnp.pad(block_tables, ((0, 0), (0, extra))) if extra else block_tables

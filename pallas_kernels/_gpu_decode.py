@@ -1,0 +1,154 @@
+"""GPU decode attention over a paged KV pool (Pallas, lowered through ``_gpu``).
+
+One program per (sequence, KV head, partition). The query heads of a GQA group are the matmul
+rows (padded to 16, Triton's smallest dot). Each program walks its partition's pages
+``pages_per_block`` at a time with an online softmax and writes its normalised output with the
+running max and denominator; partitions are merged afterwards (vLLM's paged-attention v2).
+Logits AND value rows past the sequence's length are masked: stale slots may hold NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _gpu
+from pallas_kernels._common import (
+    attention_logits,
+    cdiv,
+    decode_tiling,
+    merge_partitions,
+    next_pow2,
+    online_softmax_step,
+    pad_block_tables,
+    softmax_finish,
+    softmax_init,
+)
+
+# Enough programs to fill an H100/H200 (132 SMs) a few times over before splitting contexts.
+TARGET_PROGRAMS = 512
+
+
+def _decode_kernel(
+    lens_ref,  # i32[1]: this sequence's context length
+    bt_ref,  # i32[pages_per_partition]: this partition's slice of the block table
+    q_ref,  # [group_p, head_dim]: the GQA group's query heads (rows past `group` are zero)
+    k_ref,  # [num_blocks, block_size, head_dim]: this KV head's pool
+    v_ref,  # [num_blocks, block_size, head_dim]
+    o_ref,  # [group_p, head_dim]: normalised partial output
+    m_ref,  # f32[group_p]: running max of the logits (-inf if the partition saw no key)
+    l_ref,  # f32[group_p]: softmax denominator relative to m
+    *,
+    scale: float,
+    pages_per_block: int,
+    group: int,
+):
+    split = pl.program_id(2)
+    pages_per_partition = bt_ref.shape[0]
+    _, block_size, head_dim = k_ref.shape
+    rows = q_ref.shape[0]
+    block_k = pages_per_block * block_size
+    length = lens_ref[0]
+    first_page = split * pages_per_partition
+    first_token = first_page * block_size
+    num_tokens = jnp.clip(length - first_token, 0, pages_per_partition * block_size)
+    q = q_ref[...]
+
+    def step(i, carry):
+        ids = bt_ref[pl.ds(i * pages_per_block, pages_per_block)]  # i32[pages_per_block]
+        page = first_page + i * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32)
+        ids = jnp.where(page * block_size < length, ids, 0)  # never follow ids past the end
+        k = k_ref[ids].reshape(block_k, head_dim)
+        v = v_ref[ids].reshape(block_k, head_dim)
+        token0 = first_token + i * block_k
+        col = token0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+        s = jnp.where(col < length, attention_logits(q, k, scale), -jnp.inf)
+        row = token0 + jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+        v = jnp.where(row < length, v, jnp.zeros_like(v))  # stale slots may be NaN
+        return online_softmax_step(s, v, *carry)
+
+    m, den, acc = jax.lax.fori_loop(
+        0, cdiv(num_tokens, block_k), step, softmax_init(rows, head_dim)
+    )
+    out = softmax_finish(den, acc).astype(o_ref.dtype)
+    # Only the group's real rows are stored: the padded ones are never read back.
+    real = jax.lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0) < group
+    _gpu.masked_store(o_ref, out, real)
+    m_ref[...] = m.reshape(rows)
+    l_ref[...] = den.reshape(rows)
+
+
+def paged_attention_gpu(
+    q: jax.Array,  # [num_seqs, num_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    block_tables: jax.Array,  # i32[num_seqs, max_blocks]
+    context_lens: jax.Array,  # i32[num_seqs]
+    *,
+    scale: float,
+    pages_per_block: int | None = None,
+    partition_size: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:  # [num_seqs, num_heads, head_dim]
+    """Build the grid and BlockSpecs, run the kernel, merge the partitions."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, num_blocks, block_size, _ = k_pages.shape
+    max_blocks = block_tables.shape[1]
+    group = num_heads // num_kv_heads
+    group_p = max(16, next_pow2(group))
+    if pages_per_block is None:
+        pages_per_block = max(1, 128 // block_size)
+    _gpu.check_gpu_shapes(
+        block_size=block_size, head_dim=head_dim, block_k=pages_per_block * block_size
+    )
+    tiling = decode_tiling(
+        block_size=block_size,
+        max_blocks=max_blocks,
+        pages_per_block=pages_per_block,
+        partition_size=partition_size,
+        default_splits=cdiv(TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads)),
+    )
+    ppp, num_splits = tiling.pages_per_partition, tiling.num_splits
+    block_tables = pad_block_tables(block_tables.astype(jnp.int32), tiling.padded_max_blocks)
+    # Lengths past the table's capacity would read padding: clip as the reference does.
+    lens = jnp.minimum(context_lens.astype(jnp.int32), max_blocks * block_size)
+    qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
+
+    out_dtype = q.dtype if num_splits == 1 else jnp.float32
+    partial_shape = (num_splits, num_seqs, num_kv_heads, group_p)
+    kernel = functools.partial(
+        _decode_kernel, scale=scale, pages_per_block=pages_per_block, group=group
+    )
+    pool_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim), lambda s, h, p: (h, 0, 0, 0))
+    o, m, den = pl.pallas_call(
+        kernel,
+        grid=(num_seqs, num_kv_heads, num_splits),
+        in_specs=[
+            pl.BlockSpec((1,), lambda s, h, p: (s,)),
+            pl.BlockSpec((None, ppp), lambda s, h, p: (s, p)),
+            pl.BlockSpec((None, None, group_p, head_dim), lambda s, h, p: (s, h, 0, 0)),
+            pool_spec,
+            pool_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, group_p, head_dim), lambda s, h, p: (p, s, h, 0, 0)),
+            pl.BlockSpec((None, None, None, group_p), lambda s, h, p: (p, s, h, 0)),
+            pl.BlockSpec((None, None, None, group_p), lambda s, h, p: (p, s, h, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((*partial_shape, head_dim), out_dtype),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+        ],
+        compiler_params=_gpu.compiler_params(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"paged_decode_bs{block_size}_ppb{pages_per_block}_g{group}",
+    )(lens, block_tables, qg, k_pages, v_pages)
+    out = merge_partitions(o[..., :group, :], m[..., :group], den[..., :group])
+    return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)

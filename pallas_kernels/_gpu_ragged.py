@@ -1,0 +1,151 @@
+"""GPU attention for packed (ragged) batches over a paged KV pool (Pallas, lowered via ``_gpu``).
+
+One program per (sequence, KV head, tile of ``block_q`` of its query rows). The tile's rows times
+the GQA group's heads are the matmul rows. Keys are walked from the first token up to the causal
+bound of the tile's last row; each row sees keys ``0 ..= context_len - query_len + j``. Rows are
+read and written with masks, so a tile never touches another sequence's rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _gpu
+from pallas_kernels._common import (
+    attention_logits,
+    cdiv,
+    next_pow2,
+    online_softmax_step,
+    pad_block_tables,
+    softmax_finish,
+    softmax_init,
+)
+
+
+def _ragged_kernel(
+    lens_ref,  # i32[num_seqs]: context lengths (new tokens included)
+    qsl_ref,  # i32[num_seqs + 1]: query_start_loc
+    bt_ref,  # i32[table_cols]: this sequence's block table
+    q_ref,  # [padded_tokens, group_p, head_dim]: this KV head's query heads, all rows
+    k_ref,  # [num_blocks, block_size, head_dim]: this KV head's pool
+    v_ref,
+    o_ref,  # [padded_tokens, group_p, head_dim]
+    *,
+    scale: float,
+    pages_per_block: int,
+    block_q: int,
+    group: int,
+):
+    seq, tile = pl.program_id(0), pl.program_id(2)
+    _, block_size, head_dim = k_ref.shape
+    block_k = pages_per_block * block_size
+    group_p = q_ref.shape[1]
+    rows = block_q * group_p
+    ctx = lens_ref[seq]
+    q_start, q_end = qsl_ref[seq], qsl_ref[seq + 1]
+    q_len = q_end - q_start
+    j0 = tile * block_q
+    live = jnp.clip(q_len - j0, 0, block_q)  # this tile's rows that belong to the sequence
+    row0 = jnp.where(live > 0, q_start + j0, 0)
+    pos0 = ctx - q_len + j0  # position of the tile's first row
+    kv_end = jnp.where(live > 0, jnp.clip(pos0 + live, 0, ctx), 0)
+
+    q = q_ref[pl.ds(row0, block_q)].reshape(rows, head_dim)  # row r = (query j, head g)
+    q_pos = pos0 + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group_p)
+
+    def step(i, carry):
+        ids = bt_ref[pl.ds(i * pages_per_block, pages_per_block)]
+        page = i * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32)
+        ids = jnp.where(page * block_size < ctx, ids, 0)
+        k = k_ref[ids].reshape(block_k, head_dim)
+        v = v_ref[ids].reshape(block_k, head_dim)
+        col = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+        s = attention_logits(q, k, scale)
+        s = jnp.where((col <= q_pos) & (col < ctx), s, -jnp.inf)
+        key = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+        v = jnp.where(key < ctx, v, jnp.zeros_like(v))  # stale slots may be NaN
+        return online_softmax_step(s, v, *carry)
+
+    _, den, acc = jax.lax.fori_loop(0, cdiv(kv_end, block_k), step, softmax_init(rows, head_dim))
+    out = softmax_finish(den, acc).astype(o_ref.dtype).reshape(block_q, group_p, head_dim)
+    shape = (block_q, group_p, head_dim)
+    mine = (jax.lax.broadcasted_iota(jnp.int32, shape, 0) < live) & (
+        jax.lax.broadcasted_iota(jnp.int32, shape, 1) < group
+    )
+    _gpu.masked_store(o_ref.at[pl.ds(row0, block_q)], out, mine)
+
+
+def ragged_paged_attention_gpu(
+    q: jax.Array,  # [num_tokens, num_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    block_tables: jax.Array,  # i32[num_seqs, max_blocks]
+    context_lens: jax.Array,  # i32[num_seqs]
+    query_start_loc: jax.Array,  # i32[num_seqs + 1]
+    *,
+    scale: float,
+    max_query_len: int,
+    block_q: int | None = None,
+    pages_per_block: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:  # [num_tokens, num_heads, head_dim]; rows owned by no sequence are unspecified
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, num_blocks, block_size, _ = k_pages.shape
+    num_seqs, max_blocks = block_tables.shape
+    group = num_heads // num_kv_heads
+    group_p = next_pow2(group)
+    if block_q is None:
+        block_q = max(1, 64 // group_p)
+        block_q = min(block_q, max(next_pow2(max_query_len), cdiv(16, group_p)))
+    if block_q < 1 or block_q & (block_q - 1) or block_q * group_p < 16:
+        raise ValueError(
+            f"block_q={block_q} must be a power of two with block_q * {group_p} (padded GQA "
+            "group) >= 16"
+        )
+    if pages_per_block is None:
+        pages_per_block = max(1, 64 // block_size)
+    block_k = pages_per_block * block_size
+    _gpu.check_gpu_shapes(block_size=block_size, head_dim=head_dim, block_k=block_k)
+
+    table = pad_block_tables(
+        block_tables.astype(jnp.int32), cdiv(max(max_blocks, 1), pages_per_block) * pages_per_block
+    )
+    lens = jnp.minimum(context_lens.astype(jnp.int32), max_blocks * block_size)
+    # Pad rows by one tile so a tile starting at any real row stays in bounds.
+    padded = num_tokens + block_q
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, block_q), (0, 0), (0, group_p - group), (0, 0)))
+
+    kernel = functools.partial(
+        _ragged_kernel,
+        scale=scale,
+        pages_per_block=pages_per_block,
+        block_q=block_q,
+        group=group,
+    )
+    rows_spec = pl.BlockSpec((padded, None, group_p, head_dim), lambda s, h, t: (0, h, 0, 0))
+    pool_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim), lambda s, h, t: (h, 0, 0, 0))
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_seqs, num_kv_heads, cdiv(max_query_len, block_q)),
+        in_specs=[
+            pl.BlockSpec((num_seqs,), lambda s, h, t: (0,)),
+            pl.BlockSpec((num_seqs + 1,), lambda s, h, t: (0,)),
+            pl.BlockSpec((None, table.shape[1]), lambda s, h, t: (s, 0)),
+            rows_spec,
+            pool_spec,
+            pool_spec,
+        ],
+        out_specs=rows_spec,
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        compiler_params=_gpu.compiler_params(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"paged_ragged_bs{block_size}_bq{block_q}_g{group}",
+    )(lens, query_start_loc.astype(jnp.int32), table, qg, k_pages, v_pages)
+    return out[:num_tokens, :, :group].reshape(num_tokens, num_heads, head_dim)

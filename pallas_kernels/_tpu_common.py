@@ -1,0 +1,76 @@
+"""Mosaic TPU helpers: double-buffered page copies from the HBM pool into VMEM."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels._common import cdiv
+
+
+def compiler_params(num_grid_dims: int):
+    # Every program is self-contained (no state carried across grid steps), so all grid
+    # dimensions may run in any order and be split across TensorCores.
+    return pltpu.CompilerParams(dimension_semantics=("parallel",) * num_grid_dims)
+
+
+def kv_buffers(*, pages_per_block: int, block_size: int, head_dim: int, dtype):
+    """Scratch: K and V double buffers [2, block_k, head_dim] and their DMA semaphores [kv, slot].
+
+    A block of pages is copied page by page into consecutive rows, so the kernel reads a 2-D
+    [block_k, head_dim] tile without reshaping.
+    """
+    buf = pltpu.VMEM((2, pages_per_block * block_size, head_dim), dtype)
+    return [buf, buf, pltpu.SemaphoreType.DMA((2, 2))]
+
+
+def page_copies(k_hbm, v_hbm, k_buf, v_buf, sems, *, head, page_ids, slot):
+    """Copy descriptors bringing pages ``page_ids`` (scalars) of KV head ``head`` into ``slot``.
+
+    The same call builds the descriptors to ``start`` and, later, to ``wait`` on.
+    """
+    block_size = k_hbm.shape[2]
+    copies = []
+    for j, page in enumerate(page_ids):
+        rows = pl.ds(j * block_size, block_size)
+        copies.append(
+            pltpu.make_async_copy(k_hbm.at[head, page], k_buf.at[slot, rows], sems.at[0, slot])
+        )
+        copies.append(
+            pltpu.make_async_copy(v_hbm.at[head, page], v_buf.at[slot, rows], sems.at[1, slot])
+        )
+    return copies
+
+
+def paged_flash_loop(*, num_steps, fetch, compute, init):
+    """``fori_loop`` over key blocks with the next block's pages in flight during each step.
+
+    fetch(i, slot) -> copy descriptors for key block i into buffer ``slot``;
+    compute(i, slot, carry) -> carry, called once block i has landed.
+    """
+
+    @pl.when(num_steps > 0)
+    def _():
+        for copy in fetch(0, 0):
+            copy.start()
+
+    def step(i, carry):
+        slot = jax.lax.rem(i, 2)
+
+        @pl.when(i + 1 < num_steps)
+        def _():
+            for copy in fetch(i + 1, 1 - slot):
+                copy.start()
+
+        for copy in fetch(i, slot):
+            copy.wait()
+        return compute(i, slot, carry)
+
+    return jax.lax.fori_loop(0, num_steps, step, init)
+
+
+def live_page_id(table_ref, index, page, length, block_size):
+    """Block id of ``page`` read at ``table_ref[index]``; the null block once past the length."""
+    return jnp.where(page < cdiv(length, block_size), table_ref[index], 0)

@@ -1,0 +1,181 @@
+"""TPU attention for packed (ragged) batches over a paged KV pool (Pallas, Mosaic TPU).
+
+One program per (KV head, tile of ``block_q`` packed query rows), so every output block belongs
+to exactly one program. A tile loops over the sequences owning its rows (the first one is
+scalar-prefetched with the lengths and ``query_start_loc``); for each it copies the sequence's
+block-table row from HBM into SMEM (the whole table is never prefetched), then walks the keys up
+to the causal bound of its last row with double-buffered page copies, masking rows of other
+sequences, keys past each row's position, and value rows past the length (stale slots may be NaN).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import _tpu_common as tpu
+from pallas_kernels._common import (
+    attention_logits,
+    cdiv,
+    next_pow2,
+    online_softmax_step,
+    softmax_finish,
+    softmax_init,
+)
+
+
+def _ragged_kernel(
+    # scalar prefetch (SMEM)
+    lens_ref,  # i32[num_seqs]: context lengths (new tokens included)
+    qsl_ref,  # i32[num_seqs + 1]: query_start_loc
+    first_seq_ref,  # i32[num_tiles]: the first sequence owning a row of each tile
+    # inputs
+    q_ref,  # [group, block_q, head_dim]: this KV head's query heads for the tile's rows
+    table_hbm,  # i32[num_seqs, table_cols] (HBM)
+    k_hbm,  # [num_kv_heads, num_blocks, block_size, head_dim] (HBM)
+    v_hbm,
+    # outputs
+    o_ref,  # [group, block_q, head_dim]
+    # scratch
+    table_smem,  # i32[table_cols]: the current sequence's block-table row
+    table_sem,  # DMA
+    k_buf,  # [2, block_k, head_dim]
+    v_buf,
+    sems,  # DMA[2 (k, v), 2 (slot)]
+    *,
+    scale: float,
+    pages_per_block: int,
+    num_seqs: int,
+):
+    head, tile = pl.program_id(0), pl.program_id(1)
+    group, block_q, head_dim = q_ref.shape
+    block_size = k_hbm.shape[2]
+    block_k = pages_per_block * block_size
+    rows = group * block_q
+    t0 = tile * block_q
+    q = q_ref[...].reshape(rows, head_dim)  # row r = (head r // block_q, token t0 + r % block_q)
+    token = t0 + jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), block_q)
+    token_out = t0 + jax.lax.broadcasted_iota(jnp.int32, o_ref.shape, 1)
+    o_ref[...] = jnp.zeros_like(o_ref)  # rows owned by no sequence stay zero
+
+    def more(seq):
+        return (seq < num_seqs) & (qsl_ref[seq] < t0 + block_q)
+
+    def attend(seq):
+        ctx = lens_ref[seq]
+        q_start, q_end = qsl_ref[seq], qsl_ref[seq + 1]
+        q_len = q_end - q_start
+        hi = jnp.minimum(q_end, t0 + block_q)  # one past the tile's last row of this sequence
+        live = hi > jnp.maximum(q_start, t0)
+        kv_end = jnp.where(live, jnp.clip(ctx - q_len + (hi - q_start), 0, ctx), 0)
+
+        @pl.when(live)
+        def _():
+            copy = pltpu.make_async_copy(table_hbm.at[seq], table_smem, table_sem)
+            copy.start()
+            copy.wait()
+
+        q_pos = ctx - q_len + (token - q_start)  # [rows, 1]
+
+        def fetch(i, slot):
+            pages = [i * pages_per_block + j for j in range(pages_per_block)]
+            ids = [tpu.live_page_id(table_smem, p, p, ctx, block_size) for p in pages]
+            return tpu.page_copies(
+                k_hbm, v_hbm, k_buf, v_buf, sems, head=head, page_ids=ids, slot=slot
+            )
+
+        def compute(i, slot, carry):
+            col = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
+            s = attention_logits(q, k_buf[slot], scale)
+            s = jnp.where((col <= q_pos) & (col < ctx), s, -jnp.inf)
+            key = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
+            v = v_buf[slot]
+            v = jnp.where(key < ctx, v, jnp.zeros_like(v))  # stale slots may be NaN
+            return online_softmax_step(s, v, *carry)
+
+        _, den, acc = tpu.paged_flash_loop(
+            num_steps=cdiv(kv_end, block_k),
+            fetch=fetch,
+            compute=compute,
+            init=softmax_init(rows, head_dim),
+        )
+        out = softmax_finish(den, acc).astype(o_ref.dtype).reshape(o_ref.shape)
+        mine = (token_out >= q_start) & (token_out < q_end)
+        o_ref[...] = jnp.where(mine, out, o_ref[...])
+        return seq + 1
+
+    jax.lax.while_loop(more, attend, first_seq_ref[tile])
+
+
+def ragged_paged_attention_tpu(
+    q: jax.Array,  # [num_tokens, num_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    block_tables: jax.Array,  # i32[num_seqs, max_blocks]
+    context_lens: jax.Array,  # i32[num_seqs]
+    query_start_loc: jax.Array,  # i32[num_seqs + 1]
+    *,
+    scale: float,
+    block_q: int | None = None,
+    pages_per_block: int | None = None,
+    interpret=False,
+) -> jax.Array:  # [num_tokens, num_heads, head_dim]; rows owned by no sequence are zero
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, _, block_size, _ = k_pages.shape
+    num_seqs, max_blocks = block_tables.shape
+    group = num_heads // num_kv_heads
+    if block_q is None:  # about 128 matmul rows (the MXU's height), whole sublane tiles
+        block_q = max(16, next_pow2(cdiv(128, group)))
+        block_q = min(block_q, cdiv(max(num_tokens, 1), 16) * 16)
+    if block_q < 1 or block_q % 8:
+        raise ValueError(f"block_q={block_q} must be a positive multiple of 8 on TPU")
+    if pages_per_block is None:
+        pages_per_block = max(1, 128 // block_size)
+    if pages_per_block < 1:
+        raise ValueError(f"pages_per_block must be >= 1, got {pages_per_block}")
+
+    table_cols = cdiv(max(max_blocks, 1), pages_per_block) * pages_per_block
+    table = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, table_cols - max_blocks)))
+    lens = jnp.minimum(context_lens.astype(jnp.int32), max_blocks * block_size)
+    qsl = query_start_loc.astype(jnp.int32)
+    num_tiles = cdiv(max(num_tokens, 1), block_q)
+    tile_start = jnp.arange(num_tiles, dtype=jnp.int32) * block_q
+    first_seq = jnp.searchsorted(qsl, tile_start, side="right").astype(jnp.int32) - 1
+    first_seq = jnp.clip(first_seq, 0, num_seqs)
+    padded = num_tiles * block_q
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, padded - num_tokens), (0, 0), (0, 0), (0, 0))).transpose(1, 2, 0, 3)
+
+    kernel = functools.partial(
+        _ragged_kernel, scale=scale, pages_per_block=pages_per_block, num_seqs=num_seqs
+    )
+    rows_spec = pl.BlockSpec((None, group, block_q, head_dim), lambda h, t, *_: (h, 0, t, 0))
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(num_kv_heads, num_tiles),
+            in_specs=[rows_spec, any_spec, any_spec, any_spec],
+            out_specs=rows_spec,
+            scratch_shapes=[
+                pltpu.SMEM((table_cols,), jnp.int32),
+                pltpu.SemaphoreType.DMA(()),
+                *tpu.kv_buffers(
+                    pages_per_block=pages_per_block,
+                    block_size=block_size,
+                    head_dim=head_dim,
+                    dtype=k_pages.dtype,
+                ),
+            ],
+        ),
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        compiler_params=tpu.compiler_params(2),
+        interpret=interpret,
+        name=f"paged_ragged_tpu_bs{block_size}_bq{block_q}_g{group}",
+    )(lens, qsl, first_seq, qg, table, k_pages, v_pages)
+    return out.transpose(2, 0, 1, 3)[:num_tokens].reshape(num_tokens, num_heads, head_dim)
