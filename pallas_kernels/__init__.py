@@ -1,6 +1,15 @@
 """Pallas kernels for paged attention and their pure-jnp references. Arrays in, arrays out."""
 
-from pallas_kernels.kv_cache import write_kv, write_kv_reference
+from pallas_kernels.kv_cache import (
+    copy_blocks,
+    copy_blocks_reference,
+    gather_blocks,
+    gather_blocks_reference,
+    scatter_blocks,
+    scatter_blocks_reference,
+    write_kv,
+    write_kv_reference,
+)
 from pallas_kernels.paged_attention import (
     paged_attention,
     paged_attention_reference,
@@ -12,11 +21,17 @@ from pallas_kernels.ragged_attention import (
 )
 
 __all__ = [
+    "copy_blocks",
+    "copy_blocks_reference",
+    "gather_blocks",
+    "gather_blocks_reference",
     "paged_attention",
     "paged_attention_reference",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "resolve_backend",
+    "scatter_blocks",
+    "scatter_blocks_reference",
     "write_kv",
     "write_kv_reference",
 ]

@@ -1,7 +1,12 @@
 """KV pool operations: write new K/V by slot mapping, copy blocks, gather/scatter for swapping.
 
 Pool layout (per layer): ``[num_kv_heads, num_blocks, block_size, head_dim]``. A slot is
-``block * block_size + offset``; a negative slot means "drop this row" (padding).
+``block * block_size + offset``; a negative slot or block id means "skip this entry" (padding).
+
+These are scatters and gathers that XLA already emits in place, so they stay plain XLA (no Pallas
+kernel): what matters is that the pool is donated, so a step never copies the whole pool (the
+tests check the compiled programs' input/output aliasing). The block operations take one pool
+array or any pytree of them (e.g. every layer's K and V), so one call serves the whole cache.
 """
 
 from __future__ import annotations
@@ -66,3 +71,100 @@ def write_kv(
             f"slot_mapping shape {slot_mapping.shape} must be ({k_new.shape[0]},), one per token"
         )
     return write_kv_reference(k_pages, v_pages, k_new, v_new, slot_mapping)
+
+
+def _check_pool_tree(pages) -> int:
+    """Every leaf is a [num_kv_heads, num_blocks, block_size, head_dim] pool; returns num_blocks."""
+    leaves = jax.tree.leaves(pages)
+    if not leaves:
+        raise ValueError("pages holds no arrays")
+    num_blocks = {leaf.shape[1] if leaf.ndim == 4 else None for leaf in leaves}
+    if None in num_blocks or len(num_blocks) != 1:
+        raise ValueError(
+            "every pool array must be [num_kv_heads, num_blocks, block_size, head_dim] with the "
+            f"same num_blocks, got shapes {[leaf.shape for leaf in leaves]}"
+        )
+    return num_blocks.pop()
+
+
+def _check_ids(name: str, ids: jax.Array) -> None:
+    if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"{name} must be a 1-D integer array, got {ids.dtype}{list(ids.shape)}")
+
+
+def copy_blocks_reference(
+    pages,  # [num_kv_heads, num_blocks, block_size, head_dim], or a pytree of such
+    src: jax.Array,  # i32[num_pairs]
+    dst: jax.Array,  # i32[num_pairs]; a pair with a negative src or dst is skipped
+):
+    """Copy block ``src[i]`` to block ``dst[i]`` (copy-on-write). All reads see the pool as it was
+    before the call; ``dst`` entries must be distinct."""
+
+    def copy(pool):
+        num_blocks = pool.shape[1]
+        keep = (src >= 0) & (dst >= 0)
+        to = jnp.where(keep, dst, num_blocks)  # out of range: dropped (-1 would wrap)
+        rows = pool[:, jnp.clip(src, 0, num_blocks - 1)]
+        return pool.at[:, to].set(rows, mode="drop")
+
+    return jax.tree.map(copy, pages)
+
+
+def gather_blocks_reference(
+    pages,  # [num_kv_heads, num_blocks, block_size, head_dim], or a pytree of such
+    block_ids: jax.Array,  # i32[n]; negative = padding, gives zeros
+):  # [num_kv_heads, n, block_size, head_dim] per pool array
+    """Blocks to swap out (the caller moves them to host memory)."""
+
+    def gather(pool):
+        rows = pool[:, jnp.clip(block_ids, 0, pool.shape[1] - 1)]
+        return jnp.where((block_ids >= 0)[None, :, None, None], rows, jnp.zeros_like(rows))
+
+    return jax.tree.map(gather, pages)
+
+
+def scatter_blocks_reference(
+    pages,  # [num_kv_heads, num_blocks, block_size, head_dim], or a pytree of such
+    block_ids: jax.Array,  # i32[n]; negative = padding, skipped
+    blocks,  # [num_kv_heads, n, block_size, head_dim], same tree as pages
+):
+    """Write swapped-in blocks at ``block_ids`` (distinct)."""
+
+    def scatter(pool, new):
+        to = jnp.where(block_ids >= 0, block_ids, pool.shape[1])
+        return pool.at[:, to].set(new.astype(pool.dtype), mode="drop")
+
+    return jax.tree.map(scatter, pages, blocks)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def copy_blocks(pages, src: jax.Array, dst: jax.Array):
+    """Copy-on-write: block ``src[i]`` -> block ``dst[i]`` in every pool array; pool donated."""
+    _check_pool_tree(pages)
+    _check_ids("src", src)
+    _check_ids("dst", dst)
+    if src.shape != dst.shape:
+        raise ValueError(f"src {src.shape} and dst {dst.shape} must have the same shape")
+    return copy_blocks_reference(pages, src, dst)
+
+
+@jax.jit
+def gather_blocks(pages, block_ids: jax.Array):
+    """Read blocks out for swapping to host; the pool is read, not donated."""
+    _check_pool_tree(pages)
+    _check_ids("block_ids", block_ids)
+    return gather_blocks_reference(pages, block_ids)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def scatter_blocks(pages, block_ids: jax.Array, blocks):
+    """Write blocks swapped back in from host at ``block_ids``; pool donated."""
+    _check_pool_tree(pages)
+    _check_ids("block_ids", block_ids)
+    if jax.tree.structure(pages) != jax.tree.structure(blocks):
+        raise ValueError("blocks must have the same tree structure as pages")
+    for pool, new in zip(jax.tree.leaves(pages), jax.tree.leaves(blocks), strict=True):
+        want = (pool.shape[0], block_ids.shape[0], *pool.shape[2:])
+        if new.shape != want:
+            raise ValueError(f"blocks shape {new.shape} must be {want} (one per block id)")
+    return scatter_blocks_reference(pages, block_ids, blocks)
