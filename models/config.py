@@ -80,6 +80,18 @@ class ModelConfig:
     def rope_params(self) -> dict[str, Any]:
         return dict(self.rope_scaling or ())
 
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Inverse of ``to_dict`` (after a JSON round trip, which turns tuples into lists)."""
+        d = dict(d)
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = tuple(tuple(kv) for kv in d["rope_scaling"])
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x layout)."""

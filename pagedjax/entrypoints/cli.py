@@ -1,0 +1,80 @@
+"""The ``pagedjax`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF checkpoint directory, hub id or .gguf file "
+        "(default: the embedded SmolLM2-135M-Instruct GGUF)",
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pagedjax import LLM, SamplingParams
+
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.sampling_seed,
+    )
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+    else:
+        out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    completion = out.outputs[0]
+    print(f"prompt ({len(out.prompt_token_ids)} tokens): {args.prompt!r}")
+    print(f"output ({len(completion.token_ids)} tokens, finish={completion.finish_reason}):")
+    print(completion.text)
+    st = llm.get_stats()
+    bs = llm.config.cache.block_size
+    print(
+        f"\nKV pool: {st.num_blocks_total} blocks x {bs} tokens; peak {st.num_blocks_peak} blocks "
+        f"used ({st.kv_slots_allocated_peak} slots for {st.kv_tokens_stored_peak} tokens), "
+        f"utilization {st.kv_utilization:.3f}, now used {st.num_blocks_used}; "
+        f"preemptions {st.num_preemptions}; compiled programs {st.num_compilations}"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedjax", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.set_defaults(func=_generate)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"pagedjax: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Tiny random-weight Hugging Face models for oracle tests (saved with save_pretrained)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+# name -> (config class name, kwargs). Each exercises one family feature.
+TINY_CONFIGS = {
+    "llama_gqa": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "llama3_rope_tied": (
+        "LlamaConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            rope_scaling=LLAMA3_ROPE,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "mistral": (
+        "MistralConfig",
+        dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16, sliding_window=None),
+    ),
+    "qwen2_bias": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "llama_mqa": (
+        "LlamaConfig",
+        dict(num_attention_heads=4, num_key_value_heads=1, rope_theta=500000.0),
+    ),
+}
+_ARCH = {
+    "LlamaConfig": "LlamaForCausalLM",
+    "MistralConfig": "MistralForCausalLM",
+    "Qwen2Config": "Qwen2ForCausalLM",
+}
+
+
+def make_tiny_model(name: str, directory: Path, seed: int = 0, **overrides):
+    """Build, randomise (biases too) and save a tiny model; returns the torch model in eval mode."""
+    import transformers
+
+    cls_name, kwargs = TINY_CONFIGS[name]
+    base = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        initializer_range=0.15,
+        rms_norm_eps=1e-5,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    config = getattr(transformers, cls_name)(**{**base, **kwargs, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, _ARCH[cls_name])(config).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias") or "norm" in pname:  # HF inits these to 0 / 1
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(directory)
+    return model

@@ -1,0 +1,102 @@
+"""Loader: HF directories (single and sharded), errors that name the bad input, the orbax cache."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from hf_models import make_tiny_model
+
+import models.loader as loader
+from models.config import ModelConfig
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    make_tiny_model("llama_gqa", path)
+    return path
+
+
+def _leaves(params):
+    return [np.asarray(x) for x in jax.tree.leaves(params)]
+
+
+def test_sharded_checkpoint_loads_like_single(tmp_path, tiny_dir):
+    hf = make_tiny_model("llama_gqa", tmp_path / "sharded")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    a = loader.load_model(str(tiny_dir), use_cache=False)
+    b = loader.load_model(str(tmp_path / "sharded"), use_cache=False)
+    assert a.config == b.config
+    for x, y in zip(_leaves(a.params), _leaves(b.params), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_second_load_comes_from_the_orbax_cache(tmp_path, tiny_dir, monkeypatch):
+    first = loader.load_model(str(tiny_dir), cache_dir=tmp_path)
+    assert list((tmp_path / "params").glob("*/COMPLETE"))
+
+    def no_convert(*args, **kwargs):
+        raise AssertionError("converted again instead of restoring the cache")
+
+    monkeypatch.setattr(loader, "convert", no_convert)
+    second = loader.load_model(str(tiny_dir), cache_dir=tmp_path)
+    assert second.config == first.config
+    for x, y in zip(_leaves(first.params), _leaves(second.params), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_bfloat16_params(tiny_dir):
+    loaded = loader.load_model(str(tiny_dir), dtype="bfloat16", use_cache=False)
+    assert {x.dtype for x in jax.tree.leaves(loaded.params)} == {np.dtype(jax.numpy.bfloat16)}
+
+
+def test_nonexistent_path_is_named():
+    with pytest.raises(ValueError, match="does-not-exist"):
+        loader.load_model("/tmp/does-not-exist/model")
+
+
+def test_unreachable_hub_id_is_named(monkeypatch):
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ValueError, match="someone/no-such-model"):
+        loader.load_model("someone/no-such-model")
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        loader.load_model(str(tmp_path))
+
+
+def test_missing_weights_are_reported(tmp_path, tiny_dir):
+    (tmp_path / "config.json").write_text((tiny_dir / "config.json").read_text())
+    with pytest.raises(ValueError, match="no .safetensors"):
+        loader.load_model(str(tmp_path))
+
+
+def test_unsupported_rope_scaling_is_named():
+    base = json.loads(
+        '{"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8,'
+        ' "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}'
+    )
+    with pytest.raises(ValueError, match="yarn"):
+        ModelConfig.from_hf_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_gguf_unpermute_inverts_llama_cpp_permutation():
+    heads, head_dim, hidden = 3, 8, 5
+    w = np.random.default_rng(0).normal(size=(heads * head_dim, hidden)).astype(np.float32)
+    # llama.cpp's convert_hf_to_gguf permutation of Q/K rows.
+    permuted = w.reshape(heads, 2, head_dim // 2, hidden).swapaxes(1, 2).reshape(w.shape)
+    config = ModelConfig("LlamaForCausalLM", 8, hidden, 8, 1, heads, heads, head_dim)
+    np.testing.assert_array_equal(loader._unpermute("num_heads")(permuted, config), w.T)

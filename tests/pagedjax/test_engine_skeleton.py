@@ -1,0 +1,163 @@
+"""The LLM front door: generation through the paged pool, preemption, seeds, stops, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hf_models import make_tiny_model
+
+from pagedjax import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("engine_llama")
+    make_tiny_model("llama_gqa", path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, block_size=8, num_blocks=128, max_model_len=96, seed=0)
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 256, int(rng.integers(1, 30))).tolist() for _ in range(n)]
+
+
+def test_outputs_follow_prompt_order_and_free_every_block(llm):
+    prompts = _prompts(6)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+    assert all(o.outputs[0].finish_reason == "length" and o.finished for o in outs)
+    stats = llm.get_stats()
+    assert stats.num_blocks_used == 0 and stats.num_blocks_peak > 0
+    assert 0 < stats.kv_utilization <= 1
+    # Each sequence alone gives the same tokens as in the batch.
+    alone = llm.generate(prompts[2], GREEDY, use_tqdm=False)[0]
+    assert alone.outputs[0].token_ids == outs[2].outputs[0].token_ids
+
+
+def test_preemption_by_recompute_keeps_greedy_tokens(model_dir, llm):
+    prompts = _prompts(8, seed=1)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    small = LLM(model_dir, block_size=8, num_blocks=13, max_model_len=96)
+    got = [o.outputs[0].token_ids for o in small.generate(prompts, GREEDY, use_tqdm=False)]
+    stats = small.get_stats()
+    assert stats.num_preemptions > 0
+    assert got == expected
+    assert stats.num_blocks_used == 0
+
+
+def test_seeded_sampling_is_independent_of_the_batch_and_preemption(model_dir, llm):
+    prompts = _prompts(8, seed=2)
+    seeded = SamplingParams(
+        max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True
+    )
+    others = SamplingParams(max_tokens=20, temperature=0.8, ignore_eos=True)
+    alone = llm.generate(prompts[0], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    again = llm.generate(prompts[0], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    batch = llm.generate(prompts, [seeded] + [others] * 7, use_tqdm=False)
+    assert alone == again == batch[0].outputs[0].token_ids
+    small = LLM(model_dir, block_size=8, num_blocks=13, max_model_len=96)
+    pre = small.generate(prompts[::-1], [others] * 7 + [seeded], use_tqdm=False)
+    assert small.get_stats().num_preemptions > 0
+    assert pre[-1].outputs[0].token_ids == alone
+    # A different seed gives a different sample (random weights: near-uniform over 256 tokens).
+    other_seed = SamplingParams(**{**seeded.__dict__, "seed": 99})
+    assert llm.generate(prompts[0], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_stop_token_ids_and_eos(llm):
+    prompt = _prompts(1, seed=3)[0]
+    free_run = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    stop_at = free_run[5]
+    out = llm.generate(
+        prompt,
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop_token_ids=[stop_at]),
+        use_tqdm=False,
+    )[0]
+    first = free_run.index(stop_at)
+    assert out.outputs[0].token_ids == free_run[: first + 1]
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_compilations_are_bounded_and_reused(model_dir):
+    llm = LLM(model_dir, block_size=8, num_blocks=200, max_model_len=96, max_num_seqs=16)
+    prompts = _prompts(24, seed=4)
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    first = llm.get_stats().num_compilations
+    assert first <= 8
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.get_stats().num_compilations == first  # nothing new for the same run
+
+
+def test_max_model_len_caps_generation(model_dir):
+    llm = LLM(model_dir, block_size=8, num_blocks=128, max_model_len=40)
+    out = llm.generate([5] * 30, GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 10 and out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ([3] * 96, "96 tokens; max_model_len=96"),
+        ([3, 256, 4], "token id 256 is outside the vocabulary"),
+        ([3, -1], "token id -1"),
+        ([], "prompt 1 is empty"),
+        ("hello", "no tokenizer"),
+    ],
+)
+def test_bad_prompts_raise_before_anything_runs(llm, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate([[3, 4], prompt], GREEDY, use_tqdm=False)
+    assert llm.get_stats().num_blocks_used == 0
+    # The engine still serves afterwards.
+    assert llm.generate([3, 4], GREEDY, use_tqdm=False)[0].finished
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(seed=-3), "seed"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    ],
+)
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_params_list_must_match_prompts(llm):
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        llm.generate(_prompts(3), [GREEDY, GREEDY], use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_blocks=5, max_model_len=96), "num_blocks=5"),
+        (dict(max_model_len=100000), "max_model_len=100000"),
+        (dict(dtype="float16"), "dtype"),
+        (dict(block_size=12), "block_size"),
+    ],
+)
+def test_bad_engine_config(model_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(model_dir, **{"block_size": 8, **kwargs})
+
+
+def test_close_frees_device_memory(model_dir):
+    llm = LLM(model_dir, block_size=8, num_blocks=16, max_model_len=96)
+    pool = llm.runner.kv_pool
+    llm.close()
+    assert all(k.is_deleted() and v.is_deleted() for k, v in pool)
