@@ -117,7 +117,7 @@ def test_tpu_ragged_on_two_cores_has_no_races(request, record_error):
 
     case = ragged_case(
         fresh_rng(request),
-        [(40, 20), (33, 3), (17, 1), (0, 0), (5, 5)],
+        [(40, 20), (17, 1), (0, 0), (5, 5)],
         pad_rows=3,
         num_heads=8,
         num_kv_heads=2,
@@ -152,8 +152,8 @@ def test_tpu_ragged_on_two_cores_has_no_races(request, record_error):
 def test_ragged_kernel_lowers_for_device(
     platform, marker, num_heads, num_kv_heads, head_dim, block_size, dtype
 ):
-    """A 2048-token mixed batch of 64 sequences over 32k-token tables, lowered for the device."""
-    num_tokens, num_seqs, max_blocks, num_blocks = 2048, 64, 32768 // block_size, 4096
+    """A ~2k-token mixed batch of 63 sequences over 32k-token tables, lowered for the device."""
+    num_tokens, num_seqs, max_blocks, num_blocks = 2045, 63, 32768 // block_size + 3, 4099
     sds = jax.ShapeDtypeStruct
     args = (
         sds((num_tokens, num_heads, head_dim), dtype),
