@@ -1,0 +1,509 @@
+"""KV blocks as an operating system manages pages: allocator, block tables, copy-on-write, swap,
+and automatic prefix caching.
+
+Pure Python; imports no jax. The device pool holds num_blocks blocks; block 0 is the null block
+(never handed out, the target of the runner's padding). The host pool holds swapped-out blocks.
+
+Invariants (tests/pagedjax/test_block_manager_state_machine.py checks them after every step):
+- every device block but the null block is free xor referenced, and its ref count equals the
+  number of block tables holding it; likewise for host blocks;
+- a block is written only while it has one reference (append_slots copies shared ones first);
+- a free block is either pristine (free_block_ids) or holds a computed, hash-registered prefix
+  block (evictable, least recently used first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable
+
+from pagedjax.sequence import Sequence, SequenceGroup, SequenceStatus
+
+# hash_fn(parent_hash, token_ids, extra_key) -> hash of a full block, chained over its prefix.
+HashFn = Callable[[int | None, tuple[int, ...], Hashable], int]
+
+
+def hash_block_tokens(
+    parent_hash: int | None, token_ids: tuple[int, ...], extra_key: Hashable
+) -> int:
+    return hash((parent_hash, token_ids, extra_key))
+
+
+class AllocStatus(enum.Enum):
+    OK = enum.auto()  # fits now
+    LATER = enum.auto()  # fits once running sequences free blocks
+    NEVER = enum.auto()  # larger than the pool (less the watermark): reject the request
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockManagerStats:
+    num_blocks_total: int  # allocatable device blocks (the null block excluded)
+    num_blocks_used: int  # referenced now; cached blocks nobody references count as free
+    num_blocks_peak: int
+    kv_slots_allocated_peak: int  # num_blocks_peak * block_size
+    kv_tokens_stored_peak: int  # a block shared by several sequences counts its tokens once
+    kv_utilization: float  # tokens stored / slots allocated, summed over record_usage() samples
+    prefix_cache_queries: int  # full prompt blocks looked up in the prefix cache
+    prefix_cache_hits: int  # of those, found cached (computed, same prefix and tokens)
+    prefix_cache_hit_rate: float
+    num_swapped_out: int  # blocks copied device -> host
+    num_swapped_in: int  # blocks copied host -> device
+
+
+class _Block:
+    __slots__ = ("block_id", "ref_count", "num_tokens", "generation", "hash", "key")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.num_tokens = 0  # slots holding a token; equal for all holders of a shared block
+        self.generation = 0  # bumped on every fresh allocation: tells a reused block apart
+        # Set once the block is full and its KV computed (prefix caching only). key is what a
+        # cache hit must match exactly: (parent identity, token ids, extra key).
+        self.hash: int | None = None
+        self.key: tuple | None = None
+
+    def identity(self) -> tuple[int, int]:
+        return self.block_id, self.generation
+
+
+class BlockManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int = 0,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = False,
+        hash_fn: HashFn = hash_block_tokens,
+    ):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null one), got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_host_blocks = num_host_blocks
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_fn = hash_fn
+
+        self.blocks = [_Block(i) for i in range(num_blocks)]
+        self.free_block_ids: deque[int] = deque(range(1, num_blocks))
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.hash_to_block_id: dict[int, int] = {}
+        self.block_tables: dict[int, list[int]] = {}
+        self._num_hashed_blocks: dict[int, int] = {}
+
+        self.host_ref_counts = [0] * num_host_blocks
+        self.host_num_tokens = [0] * num_host_blocks
+        self.free_host_block_ids: deque[int] = deque(range(num_host_blocks))
+        self.host_block_tables: dict[int, list[int]] = {}
+
+        self._num_used = 0
+        self._num_tokens_stored = 0
+        self._num_used_peak = 0
+        self._num_tokens_stored_peak = 0
+        self._usage_tokens = 0
+        self._usage_slots = 0
+        self._cache_queries = 0
+        self._cache_hits = 0
+        self._num_swapped_out = 0
+        self._num_swapped_in = 0
+
+    # ---- device blocks -------------------------------------------------------------------------
+
+    def get_num_free_blocks(self) -> int:
+        return len(self.free_block_ids) + len(self.evictable)
+
+    def get_num_free_host_blocks(self) -> int:
+        return len(self.free_host_block_ids)
+
+    def _take_free_block(self) -> _Block:
+        # Pristine blocks first; evicting a cached prefix only when none is left.
+        if self.free_block_ids:
+            block = self.blocks[self.free_block_ids.popleft()]
+        else:
+            block = self.blocks[self.evictable.popitem(last=False)[0]]
+            self._uncache(block)
+        block.generation += 1
+        block.ref_count = 1
+        block.num_tokens = 0
+        self._num_used += 1
+        self._num_used_peak = max(self._num_used_peak, self._num_used)
+        return block
+
+    def _uncache(self, block: _Block) -> None:
+        if self.hash_to_block_id.get(block.hash) == block.block_id:
+            del self.hash_to_block_id[block.hash]
+        block.hash = block.key = None
+
+    def _incref(self, block: _Block) -> None:
+        if block.ref_count == 0:  # a cached block brought back by a prefix hit
+            del self.evictable[block.block_id]
+            self._num_used += 1
+            self._num_used_peak = max(self._num_used_peak, self._num_used)
+            self._add_tokens(block.num_tokens)
+        block.ref_count += 1
+
+    def _decref(self, block: _Block) -> None:
+        block.ref_count -= 1
+        if block.ref_count:
+            return
+        self._num_used -= 1
+        self._add_tokens(-block.num_tokens)
+        # A computed full block stays cached (unless another block holds its hash) until evicted.
+        registered = block.hash is not None and (
+            self.hash_to_block_id.setdefault(block.hash, block.block_id) == block.block_id
+        )
+        if registered:
+            self.evictable[block.block_id] = None  # most recently used last
+        else:
+            self._uncache(block)
+            self.free_block_ids.append(block.block_id)
+
+    def _add_tokens(self, n: int) -> None:
+        self._num_tokens_stored += n
+        self._num_tokens_stored_peak = max(self._num_tokens_stored_peak, self._num_tokens_stored)
+
+    def _num_table_tokens(self, table: list[int]) -> int:
+        if not table:
+            return 0
+        return (len(table) - 1) * self.block_size + self.blocks[table[-1]].num_tokens
+
+    def _grow_table(self, table: list[int], num_tokens: int) -> None:
+        """Give table a slot for each of num_tokens tokens; its last block is not shared."""
+        covered = self._num_table_tokens(table)
+        if covered >= num_tokens:
+            return
+        if table and covered % self.block_size:
+            last = self.blocks[table[-1]]
+            fill = min(self.block_size, last.num_tokens + num_tokens - covered)
+            self._add_tokens(fill - last.num_tokens)
+            last.num_tokens = fill
+        while len(table) * self.block_size < num_tokens:
+            block = self._take_free_block()
+            block.num_tokens = min(self.block_size, num_tokens - len(table) * self.block_size)
+            self._add_tokens(block.num_tokens)
+            table.append(block.block_id)
+
+    def _device_table(self, seq: Sequence) -> list[int]:
+        table = self.block_tables.get(seq.seq_id)
+        if table is None:
+            where = "on the host (swapped out)" if seq.seq_id in self.host_block_tables else "none"
+            raise ValueError(f"seq_id {seq.seq_id} has no device block table (blocks: {where})")
+        return table
+
+    def _num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def has_blocks(self, seq: Sequence) -> bool:
+        """Whether seq holds blocks (on the device or, swapped out, on the host)."""
+        return seq.seq_id in self.block_tables or seq.seq_id in self.host_block_tables
+
+    # ---- admission -----------------------------------------------------------------------------
+
+    def _waiting_seqs(self, group: SequenceGroup) -> list[Sequence]:
+        seqs = group.get_seqs(status=SequenceStatus.WAITING)
+        if not seqs:
+            raise ValueError(f"request {group.request_id!r} has no WAITING sequence to allocate")
+        first = seqs[0]
+        for seq in seqs:
+            if seq.block_size != self.block_size:
+                raise ValueError(
+                    f"seq_id {seq.seq_id} has block_size {seq.block_size}, "
+                    f"the block manager {self.block_size}"
+                )
+            if self.has_blocks(seq):
+                raise ValueError(f"seq_id {seq.seq_id} is WAITING but already holds blocks")
+            if seq.get_token_ids() != first.get_token_ids():
+                raise ValueError(
+                    f"request {group.request_id!r}: WAITING seqs {first.seq_id} and {seq.seq_id} "
+                    "have different tokens and cannot share the prompt's blocks"
+                )
+        return seqs
+
+    def _match_prefix(self, seq: Sequence) -> list[_Block]:
+        """Cached blocks holding seq's leading full blocks; never its last token, which must be
+        computed to yield logits."""
+        hits: list[_Block] = []
+        if not self.enable_prefix_caching:
+            return hits
+        tokens = seq.get_token_ids()
+        bs = self.block_size
+        parent: _Block | None = None
+        for i in range((seq.get_len() - 1) // bs):
+            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
+            parent_hash = parent.hash if parent else None
+            block_id = self.hash_to_block_id.get(
+                self.hash_fn(parent_hash, block_tokens, seq.extra_hash_key)
+            )
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            # Hashes collide: a hit must have the same parent block, tokens and extra key.
+            parent_identity = parent.identity() if parent else None
+            if block.key != (parent_identity, block_tokens, seq.extra_hash_key):
+                break
+            hits.append(block)
+            parent = block
+        return hits
+
+    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
+        seq = self._waiting_seqs(group)[0]
+        num_required = self._num_blocks_for(seq.get_len())
+        if self.num_blocks - 1 - num_required < self.watermark_blocks:
+            return AllocStatus.NEVER
+        hits = self._match_prefix(seq)
+        num_taken = num_required - len(hits) + sum(block.ref_count == 0 for block in hits)
+        if self.get_num_free_blocks() - num_taken >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def allocate(self, group: SequenceGroup) -> None:
+        """Give every WAITING seq of group one shared block table for its tokens (all or nothing).
+
+        Sets each seq's num_computed_tokens to the prefix-cache hit length (0 without caching).
+        The seqs share every block, so compute the prompt once (vLLM admits one seq and forks).
+        """
+        seqs = self._waiting_seqs(group)
+        seq = seqs[0]
+        num_required = self._num_blocks_for(seq.get_len())
+        hits = self._match_prefix(seq)
+        num_taken = num_required - len(hits) + sum(block.ref_count == 0 for block in hits)
+        if num_taken > self.get_num_free_blocks():
+            raise ValueError(
+                f"request {group.request_id!r} needs {num_required} blocks "
+                f"({num_taken} of them free ones), but only {self.get_num_free_blocks()} of the "
+                f"pool's {self.num_blocks - 1} are free"
+            )
+        if self.enable_prefix_caching:
+            self._cache_queries += (seq.get_len() - 1) // self.block_size
+            self._cache_hits += len(hits)
+        table = []
+        for block in hits:
+            self._incref(block)
+            table.append(block.block_id)
+        self._grow_table(table, seq.get_len())
+        for i, s in enumerate(seqs):
+            if i:
+                for block_id in table:
+                    self._incref(self.blocks[block_id])
+            self.block_tables[s.seq_id] = list(table)
+            self._num_hashed_blocks[s.seq_id] = len(hits)
+            s.num_computed_tokens = len(hits) * self.block_size
+
+    # ---- decode --------------------------------------------------------------------------------
+
+    def _write_range(self, seq: Sequence, table: list[int]) -> range:
+        """Indices of seq's existing blocks that the next step writes KV into."""
+        covered = self._num_table_tokens(table)
+        if not 0 <= seq.num_computed_tokens <= covered:
+            raise ValueError(
+                f"seq_id {seq.seq_id}: num_computed_tokens {seq.num_computed_tokens} is outside "
+                f"[0, {covered}] (the tokens its block table holds)"
+            )
+        return range(seq.num_computed_tokens // self.block_size, len(table))
+
+    def _num_blocks_to_append(self, seq: Sequence) -> int:
+        table = self._device_table(seq)
+        num_copies = sum(self.blocks[table[i]].ref_count > 1 for i in self._write_range(seq, table))
+        return num_copies + max(0, self._num_blocks_for(seq.get_len()) - len(table))
+
+    def can_append_slots(self, group: SequenceGroup) -> bool:
+        """Whether every RUNNING seq of group can get slots for its tokens not yet in its table."""
+        num_needed = sum(
+            self._num_blocks_to_append(seq) for seq in group.get_seqs(SequenceStatus.RUNNING)
+        )
+        return num_needed <= self.get_num_free_blocks()
+
+    def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Give seq slots up to seq.get_len(). Every shared block the next step writes into (from
+        token num_computed_tokens on) is first copied: returns the (src, dst) copies to perform."""
+        if seq.is_finished():
+            raise ValueError(f"cannot append to seq_id {seq.seq_id}: it is {seq.status.name}")
+        table = self._device_table(seq)
+        write_range = self._write_range(seq, table)
+        num_needed = self._num_blocks_to_append(seq)
+        if num_needed > self.get_num_free_blocks():
+            raise ValueError(
+                f"seq_id {seq.seq_id} needs {num_needed} blocks to append, only "
+                f"{self.get_num_free_blocks()} are free (check can_append_slots first)"
+            )
+        copies = []
+        for i in write_range:
+            src = self.blocks[table[i]]
+            if src.ref_count > 1:
+                dst = self._take_free_block()
+                dst.num_tokens = src.num_tokens
+                self._add_tokens(dst.num_tokens)
+                self._decref(src)
+                table[i] = dst.block_id
+                copies.append((src.block_id, dst.block_id))
+        self._grow_table(table, seq.get_len())
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child shares every block of parent."""
+        table = self._device_table(parent)
+        if self.has_blocks(child):
+            raise ValueError(f"cannot fork into seq_id {child.seq_id}: it already holds blocks")
+        for block_id in table:
+            self._incref(self.blocks[block_id])
+        self.block_tables[child.seq_id] = list(table)
+        self._num_hashed_blocks[child.seq_id] = self._num_hashed_blocks[parent.seq_id]
+
+    def free(self, seq: Sequence) -> None:
+        """Release seq's blocks, device or host. Its last blocks go first, so that a cached prefix
+        outlives its tails in the LRU order."""
+        if seq.seq_id in self.block_tables:
+            for block_id in reversed(self.block_tables.pop(seq.seq_id)):
+                self._decref(self.blocks[block_id])
+            del self._num_hashed_blocks[seq.seq_id]
+        elif seq.seq_id in self.host_block_tables:
+            for host_id in self.host_block_tables.pop(seq.seq_id):
+                self._host_decref(host_id)
+            del self._num_hashed_blocks[seq.seq_id]
+        else:
+            raise ValueError(f"cannot free seq_id {seq.seq_id}: it holds no blocks")
+
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        return list(self._device_table(seq))
+
+    # ---- prefix caching ------------------------------------------------------------------------
+
+    def mark_blocks_computed(self, seq: Sequence) -> None:
+        """Offer seq's full blocks whose KV is written (by seq.num_computed_tokens) to the prefix
+        cache. Call after each executed step; a block is a prefix hit only once marked."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._device_table(seq)
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, self._num_table_tokens(table) // bs)
+        start = self._num_hashed_blocks[seq.seq_id]
+        tokens = seq.get_token_ids()
+        for i in range(start, num_full):
+            block = self.blocks[table[i]]
+            if block.hash is not None:  # hashed already through another holder
+                continue
+            parent = self.blocks[table[i - 1]] if i else None
+            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
+            parent_hash = parent.hash if parent else None
+            block.hash = self.hash_fn(parent_hash, block_tokens, seq.extra_hash_key)
+            block.key = (parent.identity() if parent else None, block_tokens, seq.extra_hash_key)
+            self.hash_to_block_id.setdefault(block.hash, block.block_id)
+        self._num_hashed_blocks[seq.seq_id] = max(start, num_full)
+
+    # ---- swapping ------------------------------------------------------------------------------
+
+    def _host_decref(self, host_id: int) -> None:
+        self.host_ref_counts[host_id] -= 1
+        if not self.host_ref_counts[host_id]:
+            self.free_host_block_ids.append(host_id)
+
+    def _distinct_blocks(self, group: SequenceGroup, tables: dict[int, list[int]]) -> set[int]:
+        return {b for seq in group.get_seqs() for b in tables.get(seq.seq_id, ())}
+
+    def can_swap_out(self, group: SequenceGroup) -> bool:
+        return len(self._distinct_blocks(group, self.block_tables)) <= len(self.free_host_block_ids)
+
+    def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move every seq of group that holds device blocks to the host. Returns the
+        (device_block, host_block) copies to perform; a shared block moves once."""
+        seqs = [seq for seq in group.get_seqs() if seq.seq_id in self.block_tables]
+        if not seqs:
+            raise ValueError(f"request {group.request_id!r} holds no device blocks to swap out")
+        num_needed = len(self._distinct_blocks(group, self.block_tables))
+        if num_needed > len(self.free_host_block_ids):
+            raise ValueError(
+                f"request {group.request_id!r} needs {num_needed} host blocks to swap out, "
+                f"only {len(self.free_host_block_ids)} of {self.num_host_blocks} are free"
+            )
+        mapping: dict[int, int] = {}
+        for seq in seqs:
+            table = self.block_tables.pop(seq.seq_id)
+            host_table = []
+            for block_id in table:
+                host_id = mapping.get(block_id)
+                if host_id is None:
+                    host_id = self.free_host_block_ids.popleft()
+                    self.host_num_tokens[host_id] = self.blocks[block_id].num_tokens
+                    mapping[block_id] = host_id
+                self.host_ref_counts[host_id] += 1
+                host_table.append(host_id)
+            for block_id in reversed(table):
+                self._decref(self.blocks[block_id])
+            self.host_block_tables[seq.seq_id] = host_table
+            self._num_hashed_blocks[seq.seq_id] = 0  # new device blocks on swap-in: rehash
+        self._num_swapped_out += len(mapping)
+        return list(mapping.items())
+
+    def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
+        num_seqs = sum(seq.seq_id in self.host_block_tables for seq in group.get_seqs())
+        # Conservatively, as vLLM: each seq appends a block right after the swap-in.
+        num_required = len(self._distinct_blocks(group, self.host_block_tables)) + num_seqs
+        if num_required > self.num_blocks - 1:
+            return AllocStatus.NEVER
+        if self.get_num_free_blocks() - num_required >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move every seq of group that holds host blocks back to the device. Returns the
+        (host_block, device_block) copies to perform; a shared block moves once."""
+        seqs = [seq for seq in group.get_seqs() if seq.seq_id in self.host_block_tables]
+        if not seqs:
+            raise ValueError(f"request {group.request_id!r} holds no host blocks to swap in")
+        num_needed = len(self._distinct_blocks(group, self.host_block_tables))
+        if num_needed > self.get_num_free_blocks():
+            raise ValueError(
+                f"request {group.request_id!r} needs {num_needed} device blocks to swap in, "
+                f"only {self.get_num_free_blocks()} are free"
+            )
+        mapping: dict[int, int] = {}
+        for seq in seqs:
+            table = []
+            for host_id in self.host_block_tables.pop(seq.seq_id):
+                block_id = mapping.get(host_id)
+                if block_id is None:
+                    block = self._take_free_block()
+                    block.num_tokens = self.host_num_tokens[host_id]
+                    self._add_tokens(block.num_tokens)
+                    mapping[host_id] = block_id = block.block_id
+                else:
+                    self._incref(self.blocks[block_id])
+                self._host_decref(host_id)
+                table.append(block_id)
+            self.block_tables[seq.seq_id] = table
+        self._num_swapped_in += len(mapping)
+        return list(mapping.items())
+
+    # ---- accounting ----------------------------------------------------------------------------
+
+    def record_usage(self) -> None:
+        """Sample tokens stored vs slots allocated; the engine calls this once per step."""
+        self._usage_tokens += self._num_tokens_stored
+        self._usage_slots += self._num_used * self.block_size
+
+    def get_stats(self) -> BlockManagerStats:
+        return BlockManagerStats(
+            num_blocks_total=self.num_blocks - 1,
+            num_blocks_used=self._num_used,
+            num_blocks_peak=self._num_used_peak,
+            kv_slots_allocated_peak=self._num_used_peak * self.block_size,
+            kv_tokens_stored_peak=self._num_tokens_stored_peak,
+            kv_utilization=self._usage_tokens / self._usage_slots if self._usage_slots else 0.0,
+            prefix_cache_queries=self._cache_queries,
+            prefix_cache_hits=self._cache_hits,
+            prefix_cache_hit_rate=(
+                self._cache_hits / self._cache_queries if self._cache_queries else 0.0
+            ),
+            num_swapped_out=self._num_swapped_out,
+            num_swapped_in=self._num_swapped_in,
+        )
