@@ -586,7 +586,7 @@ def test_empty_prompt_is_rejected():
 # ---- no jax --------------------------------------------------------------------------------------
 
 
-def test_block_manager_and_sequence_import_no_jax():
+def test_block_manager_sequence_and_utilisation_bench_import_no_jax():
     # A bare package stands in for pagedjax/__init__.py (which imports the engine, hence jax):
     # what is checked is what these two modules import themselves.
     repo = Path(__file__).resolve().parents[2]
@@ -595,7 +595,7 @@ def test_block_manager_and_sequence_import_no_jax():
         "pkg = types.ModuleType('pagedjax')\n"
         f"pkg.__path__ = [{str(repo / 'pagedjax')!r}]\n"
         "sys.modules['pagedjax'] = pkg\n"
-        "import pagedjax.sequence, pagedjax.block_manager\n"
+        "import pagedjax.sequence, pagedjax.block_manager, pagedjax.bench.block_utilization\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax'))\n"
         "assert not bad, bad\n"
     )

@@ -1,0 +1,1 @@
+"""Benchmarks: throughput, KV memory utilisation, sharing."""
