@@ -255,13 +255,17 @@ class BlockManager:
             parent = block
         return hits
 
+    def _num_free_blocks_taken(self, seq: Sequence, hits: list[_Block]) -> int:
+        """Free blocks that allocating seq consumes: new ones, and cached hits nobody holds."""
+        num_new = self._num_blocks_for(seq.get_len()) - len(hits)
+        return num_new + sum(block.ref_count == 0 for block in hits)
+
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         seq = self._waiting_seqs(group)[0]
         num_required = self._num_blocks_for(seq.get_len())
         if self.num_blocks - 1 - num_required < self.watermark_blocks:
             return AllocStatus.NEVER
-        hits = self._match_prefix(seq)
-        num_taken = num_required - len(hits) + sum(block.ref_count == 0 for block in hits)
+        num_taken = self._num_free_blocks_taken(seq, self._match_prefix(seq))
         if self.get_num_free_blocks() - num_taken >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
@@ -274,12 +278,11 @@ class BlockManager:
         """
         seqs = self._waiting_seqs(group)
         seq = seqs[0]
-        num_required = self._num_blocks_for(seq.get_len())
         hits = self._match_prefix(seq)
-        num_taken = num_required - len(hits) + sum(block.ref_count == 0 for block in hits)
+        num_taken = self._num_free_blocks_taken(seq, hits)
         if num_taken > self.get_num_free_blocks():
             raise ValueError(
-                f"request {group.request_id!r} needs {num_required} blocks "
+                f"request {group.request_id!r} needs {self._num_blocks_for(seq.get_len())} blocks "
                 f"({num_taken} of them free ones), but only {self.get_num_free_blocks()} of the "
                 f"pool's {self.num_blocks - 1} are free"
             )

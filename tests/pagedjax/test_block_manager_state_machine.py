@@ -336,7 +336,7 @@ class PrefixCachingMachine(BlockManagerMachine):
 
 
 _settings = settings(
-    max_examples=100,
+    max_examples=150,
     stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
