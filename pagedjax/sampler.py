@@ -1,10 +1,25 @@
-"""On-device sampling: greedy, temperature, top-k, top-p, min-p, with per-request seeds.
+"""On-device sampling with vLLM's semantics: penalties, temperature, min-p / top-k / top-p, seeds.
+
+Order: repetition penalty (tokens seen in the prompt or the output), frequency and presence
+penalties (output tokens), temperature, then min-p, top-k and top-p, each filter renormalising what
+the one before it left (top-p's mass is measured over the survivors of min-p and top-k, as in
+vLLM). Greedy rows (temperature 0) take the argmax of the penalised logits. Logprobs, of the sampled
+token and of the top K, are the raw model's (log_softmax of the unprocessed logits).
 
 A request's random key is ``fold_in(fold_in(BASE_KEY, seed), position)``: its tokens depend only on
 its seed, its logits and the position being sampled, never on which requests share the batch.
+
+Filtering keeps every token at or above a per-row threshold logit (ties at the threshold survive),
+so it never scatters a permutation back. The threshold comes from the ``_NUM_CANDIDATES`` largest
+logits (``lax.top_k``) when they decide it exactly (top-k <= that many, or a nucleus that closes
+inside them); only rows they cannot decide fall back to a full sort, and each row uses the same
+computation whatever shares its batch, so the fallback cannot change another row's tokens.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +27,29 @@ import numpy as np
 from flax import struct
 
 _BASE_SEED = 0
+_NUM_CANDIDATES = 256  # logits per row that top-k / top-p look at before falling back to a sort
+_MIN_TOKENS_BUCKET = 16  # narrowest prompt/output token array when some row uses penalties
+
+
+@dataclasses.dataclass
+class SamplingRow:
+    """One sequence's sampling settings for one step (host side)."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # <= 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    seed: int = 0
+    position: int = 0  # position of the token being sampled
+    presence_penalty: float = 0.0  # 0 = off
+    frequency_penalty: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+
+
+def _bucket(n: int) -> int:
+    return 1 << (max(n, _MIN_TOKENS_BUCKET) - 1).bit_length()
 
 
 @struct.dataclass
@@ -22,57 +60,209 @@ class SamplingInput:
     min_p: jax.Array  # f32[num_seqs], 0 = off
     seeds: jax.Array  # u32[num_seqs]
     positions: jax.Array  # i32[num_seqs], position of the token being sampled
+    presence_penalty: jax.Array  # f32[num_seqs], 0 = off
+    frequency_penalty: jax.Array  # f32[num_seqs], 0 = off
+    repetition_penalty: jax.Array  # f32[num_seqs], 1 = off
+    prompt_tokens: jax.Array  # i32[num_seqs, P], padded with vocab_size
+    output_tokens: jax.Array  # i32[num_seqs, O], padded with vocab_size
+    num_top_logprobs: int = struct.field(pytree_node=False, default=0)  # K; 0 = none
 
     @classmethod
-    def from_rows(cls, rows: list[tuple[float, int, float, float, int, int]], size: int):
-        """Pack (temperature, top_k, top_p, min_p, seed, position) rows, padded to ``size``."""
-        cols = list(zip(*rows, strict=True)) if rows else [()] * 6
+    def build(
+        cls, rows: list[SamplingRow], size: int, vocab_size: int, num_top_logprobs: int = 0
+    ) -> SamplingInput:
+        """Pack ``rows`` (numpy), padded to ``size`` rows with greedy no-op rows.
+
+        Token arrays are bucketed (power of two, at least 16) and hold only the rows whose penalties
+        read them: prompts only when some row has a repetition penalty, outputs when some row has
+        any penalty; otherwise they are one padding column wide. A row whose penalties are all
+        neutral gets padding only (its tokens could not change its logits anyway).
+        """
+        if len(rows) > size:
+            raise ValueError(f"size must be >= the number of rows ({len(rows)}), got {size}")
+        if not 0 <= num_top_logprobs <= vocab_size:
+            raise ValueError(f"num_top_logprobs must be in [0, vocab_size], got {num_top_logprobs}")
         pad = size - len(rows)
 
-        def col(i, dtype, fill):
-            return np.asarray(list(cols[i]) + [fill] * pad, dtype=dtype)
+        def col(name, dtype, fill):
+            return np.asarray([getattr(r, name) for r in rows] + [fill] * pad, dtype=dtype)
 
+        def tokens(name, used_by):
+            users = [(i, getattr(r, name)) for i, r in enumerate(rows) if used_by(r)]
+            width = _bucket(max(len(ids) for _, ids in users)) if users else 1
+            out = np.full((size, width), vocab_size, np.int32)
+            for i, ids in users:
+                ids = np.asarray(ids, dtype=np.int64)
+                if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+                    raise ValueError(f"{name} must be in [0, {vocab_size}), got row {i}: {ids}")
+                out[i, : ids.size] = ids
+            return out
+
+        repeats = lambda r: r.repetition_penalty != 1
+        penalises = lambda r: repeats(r) or r.presence_penalty != 0 or r.frequency_penalty != 0
         return cls(
-            col(0, np.float32, 0.0),
-            col(1, np.int32, 0),
-            col(2, np.float32, 1.0),
-            col(3, np.float32, 0.0),
-            col(4, np.uint32, 0),
-            col(5, np.int32, 0),
+            temperature=col("temperature", np.float32, 0.0),
+            top_k=col("top_k", np.int32, 0),
+            top_p=col("top_p", np.float32, 1.0),
+            min_p=col("min_p", np.float32, 0.0),
+            seeds=col("seed", np.uint32, 0),
+            positions=col("position", np.int32, 0),
+            presence_penalty=col("presence_penalty", np.float32, 0.0),
+            frequency_penalty=col("frequency_penalty", np.float32, 0.0),
+            repetition_penalty=col("repetition_penalty", np.float32, 1.0),
+            prompt_tokens=tokens("prompt_token_ids", repeats),
+            output_tokens=tokens("output_token_ids", penalises),
+            num_top_logprobs=num_top_logprobs,
         )
 
 
-def _filter_logits(logits: jax.Array, s: SamplingInput) -> jax.Array:
-    """Mask (to -inf) tokens outside top-k, the top-p nucleus, or below min-p x max prob."""
-    order = jnp.argsort(-logits, axis=-1)  # [num_seqs, vocab]
-    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-    rank = jnp.arange(logits.shape[-1])[None, :]
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    drop = (s.top_k[:, None] > 0) & (rank >= s.top_k[:, None])
-    drop |= mass_before >= s.top_p[:, None]
-    drop |= probs < s.min_p[:, None] * probs[:, :1]
-    drop &= rank > 0  # the most likely token always survives
-    filtered = jnp.where(drop, -jnp.inf, sorted_logits)
-    rows = jnp.arange(logits.shape[0])[:, None]
-    return jnp.empty_like(logits).at[rows, order].set(filtered)
+@struct.dataclass
+class SamplerOutput:
+    tokens: jax.Array  # i32[num_seqs], the sampled token
+    logprobs: jax.Array  # f32[num_seqs], its log-probability under the raw model
+    top_token_ids: jax.Array  # i32[num_seqs, K], most likely tokens under the raw model, descending
+    top_logprobs: jax.Array  # f32[num_seqs, K], their raw log-probabilities
 
 
-def sample(logits: jax.Array, s: SamplingInput) -> tuple[jax.Array, jax.Array]:
-    """logits f32[num_seqs, vocab] -> (token i32[num_seqs], logprob f32[num_seqs]).
-
-    The logprob is the model's (unscaled) log-probability of the chosen token.
-    """
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1)
-    temp = jnp.where(s.temperature > 0, s.temperature, 1.0)
-    scaled = logits / temp[:, None]
-    needs_filter = jnp.any((s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0))
-    scaled = jax.lax.cond(needs_filter, _filter_logits, lambda x, _: x, scaled, s)
-    base = jax.random.key(_BASE_SEED)
-    keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.fold_in(base, seed), pos))(
-        s.seeds, s.positions
+def _apply_penalties(logits: jax.Array, s: SamplingInput) -> jax.Array:
+    num_seqs, vocab = logits.shape
+    rows = jnp.arange(num_seqs)[:, None]
+    # Padding ids (= vocab) land in the extra column, which is dropped.
+    counts = jnp.zeros((num_seqs, vocab + 1), jnp.int32)
+    counts = counts.at[rows, s.output_tokens].add(1, mode="drop")[:, :vocab]  # [num_seqs, vocab]
+    in_prompt = jnp.zeros((num_seqs, vocab + 1), jnp.bool_)
+    in_prompt = in_prompt.at[rows, s.prompt_tokens].set(True, mode="drop")[:, :vocab]
+    in_output = counts > 0
+    rep = s.repetition_penalty[:, None]
+    logits = jnp.where(
+        in_prompt | in_output, jnp.where(logits > 0, logits / rep, logits * rep), logits
     )
-    sampled = jax.vmap(jax.random.categorical)(keys, scaled)
-    tokens = jnp.where(s.temperature > 0, sampled, greedy).astype(jnp.int32)
-    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    logits -= s.frequency_penalty[:, None] * counts
+    return logits - s.presence_penalty[:, None] * in_output
+
+
+def _penalise(logits: jax.Array, s: SamplingInput) -> jax.Array:
+    """Repetition, frequency and presence penalties; skipped when no row uses any."""
+    used = jnp.any(
+        (s.presence_penalty != 0) | (s.frequency_penalty != 0) | (s.repetition_penalty != 1)
+    )
+    return jax.lax.cond(used, _apply_penalties, lambda x, _: x, logits, s)
+
+
+def _scale(logits: jax.Array, s: SamplingInput) -> jax.Array:
+    return logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+
+
+def _sort_descending(x: jax.Array) -> jax.Array:
+    # Sorting float bits mapped to order-preserving int32 keys is several times faster on CPU than
+    # XLA's float comparator; ~key reverses the order without overflow.
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    keys = ~jax.lax.sort(~keys, dimension=1, is_stable=False)
+    return jax.lax.bitcast_convert_type(keys ^ ((keys >> 31) & 0x7FFFFFFF), jnp.float32)
+
+
+def _cutoff(xs, row_max, n1, in_xs, mass_outside, top_p, top_k_on):
+    """Threshold from xs f32[num_seqs, C], a row's C largest logits, descending.
+
+    n1 i32[num_seqs]: survivors of min-p and top-k (a prefix); in_xs: whether that prefix lies
+    within xs, else its softmax mass (relative to the max) is mass_outside. Returns the threshold
+    and whether xs decided it exactly.
+    """
+    width = xs.shape[1]
+    rank = jnp.arange(width)[None, :]
+    alive = rank < n1[:, None]
+    e = jnp.where(alive, jnp.exp(xs - row_max[:, None]), 0.0)
+    cum = jnp.cumsum(e, axis=-1)
+    total = jnp.where(in_xs, cum[:, -1], mass_outside)
+    # A token stays in the nucleus while the mass ranked above it is below top_p.
+    n_p = jnp.sum(alive & (cum - e < top_p[:, None] * total[:, None]), axis=-1)
+    n_keep = jnp.maximum(jnp.where(top_p < 1, n_p, n1), 1)
+    threshold = jnp.take_along_axis(xs, n_keep[:, None] - 1, axis=-1)[:, 0]
+    exact = in_xs | (~top_k_on & (top_p < 1) & (n_p < width))
+    return threshold, exact
+
+
+def _threshold(x: jax.Array, s: SamplingInput, active: jax.Array) -> jax.Array:
+    """f32[num_seqs]: the smallest logit each row keeps (only rows in `active` need top-k/p)."""
+    num_seqs, vocab = x.shape
+    row_max = jnp.max(x, axis=-1)
+    min_p_threshold = row_max + jnp.log(s.min_p)  # p >= min_p * p_max, in logit space
+    k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)
+    top_k_on = k < vocab
+    sorts = active & (top_k_on | (s.top_p < 1))
+
+    def survivors(xs):
+        return jnp.minimum(k, jnp.sum(xs >= min_p_threshold[:, None], axis=-1))
+
+    def by_rank(x):
+        width = min(vocab, _NUM_CANDIDATES)
+        # The barrier keeps XLA from merging slices into the top-k, which (on CPU) turns it back
+        # into a full sort.
+        xs = jax.lax.optimization_barrier(jax.lax.top_k(x, width)[0])  # [num_seqs, width]
+        n1 = survivors(xs)
+        in_xs = (k <= width) | (n1 < width)
+        mass_outside = jax.lax.cond(
+            jnp.any(sorts & ~in_xs & (s.top_p < 1)),
+            lambda: jnp.sum(
+                jnp.where(x >= min_p_threshold[:, None], jnp.exp(x - row_max[:, None]), 0.0), -1
+            ),
+            lambda: jnp.zeros(num_seqs, x.dtype),
+        )
+        threshold, exact = _cutoff(xs, row_max, n1, in_xs, mass_outside, s.top_p, top_k_on)
+
+        def full_sort():
+            xs = _sort_descending(x)
+            full, _ = _cutoff(xs, row_max, survivors(xs), True, mass_outside, s.top_p, top_k_on)
+            return jnp.where(exact, threshold, full)
+
+        threshold = jax.lax.cond(jnp.any(sorts & ~exact), full_sort, lambda: threshold)
+        return jnp.where(sorts, threshold, min_p_threshold)
+
+    threshold = jax.lax.cond(jnp.any(sorts), by_rank, lambda _: min_p_threshold, x)
+    return jnp.minimum(threshold, row_max)  # the most likely token always survives
+
+
+def _filter(x: jax.Array, s: SamplingInput, active: jax.Array) -> jax.Array:
+    return jnp.where(x >= _threshold(x, s, active)[:, None], x, -jnp.inf)
+
+
+def process_logits(logits: jax.Array, s: SamplingInput) -> jax.Array:
+    """f32[num_seqs, vocab]: penalised, temperature-scaled (greedy rows unscaled) and filtered
+    logits (-inf outside min-p / top-k / top-p): what a sampled row draws from."""
+    x = _scale(_penalise(logits.astype(jnp.float32), s), s)
+    return _filter(x, s, jnp.ones(x.shape[0], jnp.bool_))
+
+
+def sample(logits: jax.Array, s: SamplingInput) -> SamplerOutput:
+    """logits f32[num_seqs, vocab] -> one token per row, with raw logprobs (pure, jittable)."""
+    logits = logits.astype(jnp.float32)
+    penalised = _penalise(logits, s)
+    greedy = jnp.argmax(penalised, axis=-1)
+    random = s.temperature > 0
+
+    def draw(penalised):
+        x = _filter(_scale(penalised, s), s, random)
+        base = jax.random.key(_BASE_SEED)
+        keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.fold_in(base, seed), pos))(
+            s.seeds, s.positions
+        )
+        return jax.vmap(jax.random.categorical)(keys, x)
+
+    sampled = jax.lax.cond(jnp.any(random), draw, lambda _: greedy, penalised)
+    tokens = jnp.where(random, sampled, greedy).astype(jnp.int32)
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [num_seqs]
+    if s.num_top_logprobs:
+        top_logits, top_ids = jax.lax.top_k(logits, s.num_top_logprobs)  # [num_seqs, K]
+    else:
+        top_logits = jnp.zeros((logits.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    return SamplerOutput(
+        tokens=tokens,
+        logprobs=jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse,
+        top_token_ids=top_ids.astype(jnp.int32),
+        top_logprobs=top_logits - lse[:, None],
+    )
+
+
+__all__ = ["SamplerOutput", "SamplingInput", "SamplingRow", "process_logits", "sample"]
