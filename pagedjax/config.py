@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 DTYPES = ("float32", "bfloat16")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
 DEFAULT_CPU_KV_SPACE_GIB = 1.0
 
 
@@ -18,6 +19,8 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from kv_cache_space_gib / device memory
     kv_cache_space_gib: float | None = None  # None: 1 GiB on CPU, 90% of free memory on GPU/TPU
+    swap_space_gib: float = 4.0  # host memory for swapped-out blocks
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         _require(
@@ -44,7 +47,9 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_model_len: int = 2048
-    max_num_batched_tokens: int | None = None  # None: max(max_model_len, 2048)
+    max_num_batched_tokens: int | None = None  # None: 2048, or max_model_len without chunking
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # or "swap", or "auto" (cheaper of the two per group)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len"):

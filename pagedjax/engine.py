@@ -1,28 +1,34 @@
-"""LLM: the offline API (vLLM's shape) over a paged KV pool.
+"""LLMEngine (add_request / step / abort_request) and LLM, the offline API in vLLM's shape.
 
-This is the walking skeleton's generation loop: FCFS admission while blocks allow, prefill steps
-and decode steps, a block appended on each boundary, preemption by recompute when the pool runs
-dry. The block manager and scheduler replace its internals, not its public face.
+One step: the scheduler decides (host, plain Python), the runner moves blocks and runs one jitted
+step, then the engine appends tokens, forks samples and beams, checks stops and frees blocks.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-from collections.abc import Sequence
+import itertools
+import time
+from collections.abc import Sequence as SequenceOf
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
 from models.llama import kv_pool_bytes_per_block
-from models.loader import default_model_path, load_model, load_tokenizer
+from models.loader import LoadedModel, default_model_path, load_model, load_tokenizer
+from pagedjax.block_manager import BlockManager
 from pagedjax.config import DEFAULT_CPU_KV_SPACE_GIB, CacheConfig, EngineConfig, SchedulerConfig
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.runner import Runner, ScheduledSeq
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampler import SamplingRow
+from pagedjax.sampling_params import BeamSearchParams, SamplingParams
+from pagedjax.scheduler import Scheduler, SeqChunk
+from pagedjax.sequence import Sequence, SequenceGroup, SequenceStatus
 
 Prompt = str | list[int]
+Params = SamplingParams | BeamSearchParams
+_GOLDEN = 0x9E3779B9  # spreads the per-sample seeds of one request
 
 
 @dataclasses.dataclass
@@ -34,27 +40,475 @@ class EngineStats:
     kv_tokens_stored_peak: int
     kv_utilization: float  # tokens stored / slots allocated, summed over every step of the run
     num_preemptions: int
-    num_swapped_out: int
+    num_swapped_out: int  # blocks moved device -> host
     prefix_cache_hit_rate: float
     num_compilations: int
+    num_swapped_in: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 @dataclasses.dataclass
-class _Seq:
-    index: int
+class _Request:
+    request_id: str
     prompt: str | None
-    prompt_len: int
-    tokens: list[int]
-    params: SamplingParams
+    prompt_token_ids: list[int]
+    params: Params
+    group: SequenceGroup
     seed: int
-    blocks: list[int] = dataclasses.field(default_factory=list)
-    num_computed: int = 0  # tokens whose K/V is in the pool
-    cumulative_logprob: float = 0.0
-    finish_reason: str | None = None
+    finished_beams: list[tuple[list[int], float]] = dataclasses.field(default_factory=list)
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.tokens[self.prompt_len :]
+    def is_beam_search(self) -> bool:
+        return isinstance(self.params, BeamSearchParams)
+
+
+class LLMEngine:
+    """The serving engine: requests in, one step at a time, RequestOutputs out."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        loaded = loaded or load_model(config.model, dtype=config.dtype)
+        self.model_config = mc = loaded.config
+        self.tokenizer = load_tokenizer(loaded)
+        cache, sched = config.cache, config.scheduler
+        limit = min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
+        if sched.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={sched.max_model_len} exceeds the model's limit of {limit} tokens"
+            )
+        bytes_per_block = kv_pool_bytes_per_block(mc, cache.block_size, config.dtype)
+        num_blocks = cache.num_blocks or self._auto_num_blocks(bytes_per_block)
+        if (num_blocks - 1) * cache.block_size < sched.max_model_len:
+            raise ValueError(
+                f"num_blocks={num_blocks} (x block_size {cache.block_size}) cannot hold one "
+                f"sequence of max_model_len={sched.max_model_len}; raise num_blocks or lower "
+                "max_model_len"
+            )
+        num_host_blocks = int(cache.swap_space_gib * 2**30 // bytes_per_block)
+        self.block_manager = BlockManager(
+            num_blocks,
+            cache.block_size,
+            num_host_blocks=num_host_blocks,
+            enable_prefix_caching=cache.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.token_budget,
+            enable_chunked_prefill=sched.enable_chunked_prefill,
+            preemption_mode=sched.preemption_mode,
+        )
+        self.runner = Runner(
+            mc,
+            loaded.params,
+            num_blocks=num_blocks,
+            block_size=cache.block_size,
+            max_model_len=sched.max_model_len,
+            num_host_blocks=num_host_blocks,
+        )
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._rng = np.random.default_rng(config.seed)
+
+    def _auto_num_blocks(self, bytes_per_block: int) -> int:
+        space = self.config.cache.kv_cache_space_gib
+        if space is not None:
+            return int(space * 2**30 // bytes_per_block)
+        device = jax.devices()[0]
+        mem = device.memory_stats() if device.platform != "cpu" else None
+        if mem and "bytes_limit" in mem:
+            free = 0.9 * (mem["bytes_limit"] - mem.get("bytes_in_use", 0))
+        else:
+            free = DEFAULT_CPU_KV_SPACE_GIB * 2**30
+        return int(free // bytes_per_block)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
+            return prompt, self.tokenizer(prompt)["input_ids"]
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= t < vocab:
+                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
+        return None, [int(t) for t in ids]
+
+    def add_request(self, request_id: str, prompt: Prompt, params: Params) -> None:
+        """Queue a request. Bad input raises ValueError here and leaves the engine untouched."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        if not isinstance(params, SamplingParams | BeamSearchParams):
+            raise ValueError(f"expected SamplingParams or BeamSearchParams, got {params!r}")
+        text, ids = self.tokenize(prompt)
+        max_len = self.config.scheduler.max_model_len
+        if not ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if len(ids) >= max_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(ids)} tokens leaves no room to generate "
+                f"within max_model_len={max_len}"
+            )
+        if isinstance(params, SamplingParams) and params.stop and self.tokenizer is None:
+            raise ValueError(f"request {request_id!r}: stop strings need a tokenizer")
+        bs = self.config.cache.block_size
+        width = params.max_num_seqs
+        total = min(len(ids) + params.max_tokens, max_len)
+        need = -(-len(ids) // bs) + width * (-(-(total - len(ids)) // bs) + 1)
+        available = self.block_manager.num_blocks - 1 - self.block_manager.watermark_blocks
+        if need > available:
+            raise ValueError(
+                f"request {request_id!r} can never fit in the pool: it may need {need} blocks "
+                f"({width} sequences), the pool has {available}"
+            )
+        seed = (
+            params.seed
+            if getattr(params, "seed", None) is not None
+            else int(self._rng.integers(2**32))
+        )
+        seq = self._new_seq(ids, sample_index=0)
+        group = SequenceGroup(request_id, [seq], time.monotonic(), params)
+        self.requests[request_id] = _Request(request_id, text, ids, params, group, seed)
+        self.scheduler.add(group)
+
+    def _new_seq(self, ids: list[int], sample_index: int) -> Sequence:
+        seq = Sequence(next(self._seq_ids), ids, self.config.cache.block_size)
+        seq.sample_index = sample_index
+        seq.text = ""
+        seq.prefix_offset = max(len(ids) - 5, 0)  # detokenizer context: a few prompt tokens
+        seq.read_offset = len(ids)
+        seq.logprobs = []
+        seq.finish_reason = None
+        return seq
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its blocks; unknown or finished ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.abort(request_id)
+            for seq in req.group.get_seqs():
+                seq.finish_reason = seq.finish_reason or "abort"
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and post-process one step; outputs of the requests it advanced."""
+        out = self.scheduler.schedule()
+        runner, costs = self.runner, self.scheduler.cost_model
+        touched = {g.request_id for g in out.aborted}
+        for group in out.aborted:
+            for seq in group.get_seqs():
+                seq.finish_reason = seq.finish_reason or "abort"
+        for pairs, move in (
+            (out.blocks_to_swap_out, runner.swap_out),
+            (out.blocks_to_swap_in, runner.swap_in),
+        ):
+            if pairs:
+                start = time.perf_counter()
+                move(pairs)
+                jax.block_until_ready(runner.kv_pool)
+                costs.observe_swap(time.perf_counter() - start, len(pairs))
+        if out.blocks_to_copy:
+            runner.copy_blocks(out.blocks_to_copy)
+        if out.chunks:
+            self._execute(out.chunks)
+            touched |= {c.group.request_id for c in out.chunks}
+        self.block_manager.record_usage()
+        self.scheduler.drop_finished()
+        outputs = [self._output(self.requests[r]) for r in sorted(touched) if r in self.requests]
+        for o in outputs:
+            if o.finished:
+                del self.requests[o.request_id]
+        return outputs
+
+    def _execute(self, chunks: list[SeqChunk]) -> None:
+        sched, num_top = [], 0
+        for c in chunks:
+            req = self.requests[c.group.request_id]
+            seq, start = c.seq, c.seq.num_computed_tokens
+            rows = self._sample_rows(req, c) if c.completes else []
+            if rows:
+                num_top = max(num_top, self._num_top_logprobs(req.params))
+            sched.append(
+                ScheduledSeq(
+                    seq.get_token_ids()[start : start + c.num_tokens],
+                    start,
+                    self.block_manager.get_block_table(seq),
+                    rows,
+                )
+            )
+        start = time.perf_counter()
+        result = self.runner.execute(sched, num_top)
+        prefill_tokens = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
+        if prefill_tokens == sum(c.num_tokens for c in chunks):  # a pure prefill step
+            self.scheduler.cost_model.observe_prefill(time.perf_counter() - start, prefill_tokens)
+
+        row, beams = 0, {}
+        for c, s in zip(chunks, sched, strict=True):
+            c.seq.num_computed_tokens += c.num_tokens
+            self.block_manager.mark_blocks_computed(c.seq)
+            picks = [jax.tree.map(lambda x, i=row + i: x[i], result) for i in range(len(s.samples))]
+            row += len(s.samples)
+            req = self.requests[c.group.request_id]
+            if not picks:
+                continue
+            if req.is_beam_search:
+                beams.setdefault(req.request_id, []).append((c.seq, picks[0]))
+                continue
+            for i, pick in enumerate(picks[1:], start=1):  # the first tokens of n samples
+                child = self._fork(req, c.seq, sample_index=i)
+                self._append(req, child, pick)
+            self._append(req, c.seq, picks[0])
+        for request_id, candidates in beams.items():
+            self._beam_step(self.requests[request_id], candidates)
+
+    @staticmethod
+    def _num_top_logprobs(params: Params) -> int:
+        if isinstance(params, BeamSearchParams):
+            return 2 * params.beam_width
+        return params.logprobs or 0
+
+    def _sample_rows(self, req: _Request, chunk: SeqChunk) -> list[SamplingRow]:
+        p, seq = req.params, chunk.seq
+        if req.is_beam_search:
+            return [SamplingRow(position=seq.get_len())]
+        first = len(chunk.group.get_seqs()) == 1 and seq.get_output_len() == 0
+        indices = range(p.n) if first else [seq.sample_index]
+        penalties = p.uses_penalties
+        return [
+            SamplingRow(
+                temperature=float(p.temperature),
+                top_k=max(p.top_k, 0),
+                top_p=float(p.top_p),
+                min_p=float(p.min_p),
+                seed=(req.seed + i * _GOLDEN) % 2**32,
+                position=seq.get_len(),
+                presence_penalty=float(p.presence_penalty),
+                frequency_penalty=float(p.frequency_penalty),
+                repetition_penalty=float(p.repetition_penalty),
+                prompt_token_ids=seq.prompt_token_ids if penalties else (),
+                output_token_ids=seq.output_token_ids if penalties else (),
+            )
+            for i in indices
+        ]
+
+    def _fork(self, req: _Request, parent: Sequence, sample_index: int) -> Sequence:
+        child = parent.fork(next(self._seq_ids))
+        child.sample_index = sample_index
+        child.logprobs = list(parent.logprobs)
+        self.block_manager.fork(parent, child)
+        req.group.add(child)
+        return child
+
+    # ---- tokens in, stops -----------------------------------------------------------------
+
+    def _append(self, req: _Request, seq: Sequence, pick) -> None:
+        token = int(pick.tokens)
+        seq.append_token_id(token, float(pick.logprobs))
+        p = req.params
+        if isinstance(p, SamplingParams) and p.logprobs is not None:
+            top = dict(
+                zip(
+                    pick.top_token_ids[: p.logprobs].tolist(),
+                    pick.top_logprobs[: p.logprobs].tolist(),
+                    strict=True,
+                )
+            )
+            seq.logprobs.append({token: float(pick.logprobs), **top})
+        self._detokenize(seq, req)
+        if isinstance(p, BeamSearchParams):
+            return
+        stopped = (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
+        if stopped or (p.stop and self._truncate_at_stop_string(seq, p.stop)):
+            self._finish(seq, SequenceStatus.FINISHED_STOPPED, "stop")
+        elif (
+            seq.get_output_len() >= p.max_tokens
+            or seq.get_len() >= self.config.scheduler.max_model_len
+        ):
+            self._finish(seq, SequenceStatus.FINISHED_LENGTH_CAPPED, "length")
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, reason: str) -> None:
+        self.scheduler.free_seq(seq, status)
+        seq.finish_reason = reason
+
+    def _detokenize(self, seq: Sequence, req: _Request) -> None:
+        """Incremental detokenisation (vLLM's): decode a short window, keep only complete text."""
+        if self.tokenizer is None:
+            return
+        skip = getattr(req.params, "skip_special_tokens", True)
+        ids = seq.get_token_ids()
+        prefix = self.tokenizer.decode(
+            ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip
+        )
+        full = self.tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            seq.text += full[len(prefix) :]
+            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+
+    @staticmethod
+    def _truncate_at_stop_string(seq: Sequence, stops: list[str]) -> bool:
+        hits = [i for i in (seq.text.find(s) for s in stops) if i >= 0]
+        if not hits:
+            return False
+        seq.text = seq.text[: min(hits)]
+        return True
+
+    # ---- beam search ----------------------------------------------------------------------
+
+    def _beam_step(self, req: _Request, beams: list[tuple[Sequence, object]]) -> None:
+        """Keep the beam_width best continuations of the live beams. A kept candidate forks its
+        parent's block table; parents with no kept candidate are dropped and freed."""
+        p: BeamSearchParams = req.params
+        width = p.beam_width
+        candidates = []
+        for seq, pick in beams:
+            for token, lp in zip(
+                pick.top_token_ids[: 2 * width].tolist(),
+                pick.top_logprobs[: 2 * width].tolist(),
+                strict=True,
+            ):
+                candidates.append((seq.cumulative_logprob + lp, seq, token, lp))
+        candidates.sort(key=lambda c: -c[0])
+        kept = []
+        for rank, (score, seq, token, lp) in enumerate(candidates):
+            if not p.ignore_eos and token in self.eos_token_ids:
+                if rank < width:  # an ended hypothesis among the best: keep it as a result
+                    req.finished_beams.append(([*seq.output_token_ids, token], score))
+                continue
+            kept.append((seq, token, lp))
+            if len(kept) == width:
+                break
+        chosen: dict[int, list] = {}
+        for seq, token, lp in kept:
+            chosen.setdefault(seq.seq_id, []).append((token, lp))
+        for seq, _ in beams:
+            picks = chosen.get(seq.seq_id)
+            if not picks:
+                self.scheduler.free_seq(seq, SequenceStatus.FINISHED_ABORTED)
+                del req.group.seqs_dict[seq.seq_id]
+                continue
+            for token, lp in picks[1:]:
+                self._fork(req, seq, sample_index=0).append_token_id(token, lp)
+            seq.append_token_id(*picks[0])
+        live = req.group.get_seqs(SequenceStatus.RUNNING)
+        out_len = max((s.get_output_len() for s in live), default=0)
+        done = (
+            not live
+            or out_len >= p.max_tokens
+            or max(s.get_len() for s in live) >= self.config.scheduler.max_model_len
+        )
+        if not done and len(req.finished_beams) >= width:
+            worst_kept = sorted(
+                (self._beam_score(p, len(t), c) for t, c in req.finished_beams), reverse=True
+            )[width - 1]
+            best_live = max(
+                self._beam_score(p, s.get_output_len(), s.cumulative_logprob) for s in live
+            )
+            done = best_live <= worst_kept
+        if done:
+            for seq in live:
+                req.finished_beams.append((list(seq.output_token_ids), seq.cumulative_logprob))
+                self._finish(seq, SequenceStatus.FINISHED_LENGTH_CAPPED, "length")
+
+    @staticmethod
+    def _beam_score(p: BeamSearchParams, length: int, cumulative_logprob: float) -> float:
+        return cumulative_logprob / max(length, 1) ** p.length_penalty
+
+    # ---- outputs --------------------------------------------------------------------------
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+
+    def _output(self, req: _Request) -> RequestOutput:
+        if req.is_beam_search:
+            return self._beam_output(req)
+        seqs = sorted(req.group.get_seqs(), key=lambda s: s.sample_index)
+        want_logprobs = req.params.logprobs is not None
+        completions = [
+            CompletionOutput(
+                index=s.sample_index,
+                text=s.text,
+                token_ids=list(s.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=list(s.logprobs) if want_logprobs else None,
+                finish_reason=s.finish_reason,
+            )
+            for s in seqs
+        ]
+        finished = req.group.is_finished()  # before its first token a request has one seq
+        return RequestOutput(
+            req.request_id, req.prompt, req.prompt_token_ids, completions, finished
+        )
+
+    def _beam_output(self, req: _Request) -> RequestOutput:
+        p = req.params
+        finished = req.group.is_finished()
+        hyps = (
+            req.finished_beams
+            if finished
+            else [
+                (list(s.output_token_ids), s.cumulative_logprob)
+                for s in req.group.get_seqs(SequenceStatus.RUNNING)
+            ]
+        )
+        hyps = sorted(hyps, key=lambda h: -self._beam_score(p, len(h[0]), h[1]))[: p.beam_width]
+        completions = [
+            CompletionOutput(
+                index=i,
+                text=self._decode(tokens),
+                token_ids=tokens,
+                cumulative_logprob=cum,
+                logprobs=None,
+                finish_reason=(
+                    "stop"
+                    if tokens and tokens[-1] in self.eos_token_ids and not p.ignore_eos
+                    else "length"
+                )
+                if finished
+                else None,
+            )
+            for i, (tokens, cum) in enumerate(hyps)
+        ]
+        return RequestOutput(
+            req.request_id, req.prompt, req.prompt_token_ids, completions, finished
+        )
+
+    # ---- inspection -----------------------------------------------------------------------
+
+    def get_stats(self) -> EngineStats:
+        bm = self.block_manager.get_stats()
+        return EngineStats(
+            num_blocks_total=bm.num_blocks_total,
+            num_blocks_used=bm.num_blocks_used,
+            num_blocks_peak=bm.num_blocks_peak,
+            kv_slots_allocated_peak=bm.kv_slots_allocated_peak,
+            kv_tokens_stored_peak=bm.kv_tokens_stored_peak,
+            kv_utilization=bm.kv_utilization,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_swapped_out=bm.num_swapped_out,
+            prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
+            num_compilations=self.runner.num_compilations,
+            num_swapped_in=bm.num_swapped_in,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+        )
+
+    def close(self) -> None:
+        """Free the device KV pool and parameters; the engine is unusable afterwards."""
+        self.runner.free_device_memory()
+        for leaf in jax.tree.leaves(self.runner.params):
+            leaf.delete()
+        self.runner.params = None
 
 
 class LLM:
@@ -71,79 +525,63 @@ class LLM:
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        preemption_mode: str = "recompute",
+        swap_space_gib: float = 4.0,
+        tensor_parallel_size: int = 1,
         seed: int = 0,
         cache_dir: str | None = None,
     ):
-        loaded = load_model(model or default_model_path(), dtype=dtype, cache_dir=cache_dir)
-        self.model_config = mc = loaded.config
-        limit = min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
-        if max_model_len is not None and max_model_len > limit:
+        if tensor_parallel_size != 1:
             raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's limit of {limit} tokens"
+                f"tensor_parallel_size={tensor_parallel_size} is not supported yet (only 1)"
             )
-        cache = CacheConfig(block_size, num_blocks, kv_cache_space_gib)
-        self.config = EngineConfig(
+        loaded = load_model(model or default_model_path(), dtype=dtype, cache_dir=cache_dir)
+        mc = loaded.config
+        limit = min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
+        config = EngineConfig(
             model=loaded.source,
             dtype=dtype,
             seed=seed,
-            cache=cache,
-            scheduler=SchedulerConfig(max_num_seqs, max_model_len or limit, max_num_batched_tokens),
+            cache=CacheConfig(
+                block_size, num_blocks, kv_cache_space_gib, swap_space_gib, enable_prefix_caching
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs,
+                max_model_len or min(limit, 8192),
+                max_num_batched_tokens,
+                enable_chunked_prefill,
+                preemption_mode,
+            ),
         )
-        self.tokenizer = load_tokenizer(loaded)
-        num_blocks = num_blocks or self._auto_num_blocks()
-        max_len = self.config.scheduler.max_model_len
-        if (num_blocks - 1) * block_size < max_len:
-            raise ValueError(
-                f"num_blocks={num_blocks} (x block_size {block_size}) cannot hold one sequence "
-                f"of max_model_len={max_len}; raise num_blocks or lower max_model_len"
-            )
-        self.runner = Runner(
-            mc, loaded.params, num_blocks=num_blocks, block_size=block_size, max_model_len=max_len
-        )
-        eos = set(mc.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
-        self._rng = np.random.default_rng(seed)
-        self._free_blocks = list(range(num_blocks - 1, 0, -1))  # block 0 is the null block
-        self._stats = collections.Counter()
+        self.engine = LLMEngine(config, loaded)
+        self._request_ids = itertools.count()
 
-    def _auto_num_blocks(self) -> int:
-        per_block = kv_pool_bytes_per_block(
-            self.model_config, self.config.cache.block_size, self.config.dtype
-        )
-        space = self.config.cache.kv_cache_space_gib
-        if space is None:
-            device = jax.devices()[0]
-            mem = device.memory_stats() if device.platform != "cpu" else None
-            if mem and "bytes_limit" in mem:
-                space_bytes = 0.9 * (mem["bytes_limit"] - mem.get("bytes_in_use", 0))
-            else:
-                space_bytes = DEFAULT_CPU_KV_SPACE_GIB * 2**30
-        else:
-            space_bytes = space * 2**30
-        return int(space_bytes // per_block)
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
 
-    # ---- requests -------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
 
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
-            return prompt, self.tokenizer(prompt)["input_ids"]
-        ids = list(prompt)
-        vocab = self.model_config.vocab_size
-        for t in ids:
-            if not isinstance(t, int | np.integer) or not 0 <= t < vocab:
-                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
-        return None, [int(t) for t in ids]
+    @property
+    def model_config(self):
+        return self.engine.model_config
 
-    def _make_seqs(self, prompts, sampling_params) -> list[_Seq]:
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int | np.integer)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+    @property
+    def runner(self) -> Runner:
+        return self.engine.runner
+
+    def generate(
+        self,
+        prompts: Prompt | SequenceOf[Prompt],
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of the prompts."""
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -152,186 +590,61 @@ class LLM:
             raise ValueError(
                 f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts"
             )
-        max_len = self.config.scheduler.max_model_len
-        seqs = []
-        for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
-            text, ids = self._tokenize(prompt)
-            if not ids:
-                raise ValueError(f"prompt {i} is empty")
-            if len(ids) >= max_len:
-                raise ValueError(
-                    f"prompt {i} has {len(ids)} tokens; max_model_len={max_len} leaves no room "
-                    "to generate"
-                )
-            seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
-            seqs.append(_Seq(i, text, len(ids), ids, params, seed))
-        return seqs
+        return self._run(prompts, list(sampling_params), use_tqdm)
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None, **kwargs):
+    def beam_search(
+        self, prompts: Prompt | SequenceOf[Prompt], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[RequestOutput]:
+        """Beam search inside the engine; each output's completions are its best beams, best
+        first (by cumulative logprob / length ** length_penalty)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"beam_search takes BeamSearchParams, got {params!r}")
+        prompts = _as_prompt_list(prompts)
+        return self._run(prompts, [params] * len(prompts), use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm=True):
         """Apply the tokenizer's chat template to one conversation (or a list of them)."""
-        if self.tokenizer is None or self.tokenizer.chat_template is None:
+        tok = self.tokenizer
+        if tok is None or tok.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
-            for c in convs
+        texts = [
+            tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in convs
         ]
-        ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        return self.generate(ids, sampling_params, **kwargs)
+        ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+        return self.generate(ids, sampling_params, use_tqdm=use_tqdm)
 
-    # ---- the loop -------------------------------------------------------------------------
-
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the order of the prompts."""
-        seqs = self._make_seqs(prompts, sampling_params)
-        waiting = collections.deque(seqs)
-        running: list[_Seq] = []
-        bar = tqdm(total=len(seqs), disable=not use_tqdm, desc="generating")
-        while waiting or running:
-            prefill = self._admit(waiting, running)
-            batch = prefill or self._reserve_decode_slots(running, waiting)
-            if not batch:
-                raise RuntimeError("no sequence can be scheduled (the pool is too small)")
-            self._run(batch)
-            self._record_usage(running)
-            for s in [s for s in running if s.finish_reason]:
-                running.remove(s)
-                self._free(s)
-                bar.update(1)
-        bar.close()
-        return [self._output(s) for s in seqs]
-
-    def _admit(self, waiting: collections.deque, running: list[_Seq]) -> list[_Seq]:
-        """FCFS: move waiting sequences to running while blocks and the token budget allow."""
-        admitted, budget = [], self.config.scheduler.token_budget
-        bs = self.config.cache.block_size
-        while waiting and len(running) < self.config.scheduler.max_num_seqs:
-            s = waiting[0]
-            need = -(-len(s.tokens) // bs)
-            if len(s.tokens) > budget or need > len(self._free_blocks):
-                break
-            waiting.popleft()
-            s.blocks = [self._free_blocks.pop() for _ in range(need)]
-            budget -= len(s.tokens)
-            admitted.append(s)
-            running.append(s)
-        running.sort(key=lambda s: s.index)
-        return admitted
-
-    def _reserve_decode_slots(self, running: list[_Seq], waiting: collections.deque):
-        """Give every running sequence a slot for its next token, preempting the latest-arrived
-        sequences (by recompute) while the pool is dry."""
-        bs = self.config.cache.block_size
-        for s in list(running):
-            if s not in running:
-                continue  # preempted below
-            while s.num_computed // bs >= len(s.blocks):
-                if self._free_blocks:
-                    s.blocks.append(self._free_blocks.pop())
-                    continue
-                victim = running.pop()
-                self._free(victim)
-                victim.num_computed = 0
-                waiting.appendleft(victim)
-                self._stats["num_preemptions"] += 1
-                if victim is s:
-                    break
-        return list(running)
-
-    def _run(self, batch: list[_Seq]) -> None:
-        sched = []
-        for s in batch:
-            p = s.params
-            sched.append(
-                ScheduledSeq(
-                    token_ids=s.tokens[s.num_computed :],
-                    start_pos=s.num_computed,
-                    block_table=s.blocks,
-                    sampling=(
-                        float(p.temperature),
-                        max(p.top_k, 0),
-                        float(p.top_p),
-                        float(p.min_p),
-                        s.seed,
-                    ),
-                )
-            )
-        tokens, logprobs = self.runner.execute(sched)
-        max_len = self.config.scheduler.max_model_len
-        for s, t, lp in zip(batch, tokens.tolist(), logprobs.tolist(), strict=True):
-            s.num_computed = len(s.tokens)
-            s.tokens.append(t)
-            s.cumulative_logprob += lp
-            p = s.params
-            if (not p.ignore_eos and t in self.eos_token_ids) or t in p.stop_token_ids:
-                s.finish_reason = "stop"
-            elif len(s.output_ids) >= p.max_tokens or len(s.tokens) >= max_len:
-                s.finish_reason = "length"
-
-    def _free(self, s: _Seq) -> None:
-        self._free_blocks.extend(reversed(s.blocks))
-        s.blocks = []
-
-    def _record_usage(self, holding: list[_Seq]) -> None:
-        num_total = self.runner.num_blocks - 1
-        used = num_total - len(self._free_blocks)
-        slots = used * self.config.cache.block_size
-        stored = sum(s.num_computed for s in holding)
-        st = self._stats
-        st["num_blocks_peak"] = max(st["num_blocks_peak"], used)
-        st["kv_slots_allocated_peak"] = max(st["kv_slots_allocated_peak"], slots)
-        st["kv_tokens_stored_peak"] = max(st["kv_tokens_stored_peak"], stored)
-        st["slots_sum"] += slots
-        st["stored_sum"] += stored
-
-    def _output(self, s: _Seq) -> RequestOutput:
-        text = (
-            self.tokenizer.decode(s.output_ids, skip_special_tokens=True)
-            if self.tokenizer is not None
-            else ""
-        )
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=s.output_ids,
-            cumulative_logprob=s.cumulative_logprob,
-            logprobs=None,
-            finish_reason=s.finish_reason,
-        )
-        return RequestOutput(
-            str(s.index),
-            s.prompt,
-            s.tokens[: s.prompt_len],
-            [completion],
-            finished=s.finish_reason is not None,
-        )
-
-    # ---- inspection -----------------------------------------------------------------------
+    def _run(self, prompts: list[Prompt], params: list[Params], use_tqdm: bool):
+        ids = [f"offline-{next(self._request_ids)}" for _ in prompts]
+        added = []
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params, strict=True):
+                self.engine.add_request(request_id, prompt, p)
+                added.append(request_id)
+        except ValueError as e:
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            index = len(added)
+            raise ValueError(f"prompt {index}: {e}") from e
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), disable=not use_tqdm, desc="generating") as bar:
+            while len(results) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in added:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[r] for r in ids]
 
     def get_stats(self) -> EngineStats:
-        st = self._stats
-        total = self.runner.num_blocks - 1
-        return EngineStats(
-            num_blocks_total=total,
-            num_blocks_used=total - len(self._free_blocks),
-            num_blocks_peak=st["num_blocks_peak"],
-            kv_slots_allocated_peak=st["kv_slots_allocated_peak"],
-            kv_tokens_stored_peak=st["kv_tokens_stored_peak"],
-            kv_utilization=st["stored_sum"] / st["slots_sum"] if st["slots_sum"] else 0.0,
-            num_preemptions=st["num_preemptions"],
-            num_swapped_out=0,
-            prefix_cache_hit_rate=0.0,
-            num_compilations=self.runner.num_compilations,
-        )
+        return self.engine.get_stats()
 
     def close(self) -> None:
-        """Free the device KV pool and parameters; the LLM is unusable afterwards."""
-        self.runner.free_device_memory()
-        for leaf in jax.tree.leaves(self.runner.params):
-            leaf.delete()
-        self.runner.params = None
+        self.engine.close()
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int | np.integer)
+    ):
+        return [prompts]
+    return list(prompts)

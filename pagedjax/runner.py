@@ -2,7 +2,8 @@
 
 Each step: build one ``StepInput`` (numpy, padded to shape buckets so a long run compiles a bounded
 set of programs), then call one jitted step with the KV pool donated:
-``step(params, kv_pool, step_input, sampling) -> (tokens, logprobs, kv_pool)``.
+``step(params, kv_pool, step_input, sampling) -> (SamplerOutput, kv_pool)``. Block copies and
+swaps requested by the scheduler run before the step that needs them.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import dataclasses
 import jax
 import numpy as np
 
+import pallas_kernels
 from models.config import ModelConfig
 from models.llama import forward, init_kv_pool
 from models.step_input import StepInput
-from pagedjax.sampler import SamplingInput, sample
+from pagedjax.sampler import SamplerOutput, SamplingInput, SamplingRow, sample
 
 
 @dataclasses.dataclass
@@ -25,8 +27,9 @@ class ScheduledSeq:
     token_ids: list[int]  # tokens whose K/V this step computes and writes
     start_pos: int  # position of token_ids[0] (= tokens already in the pool)
     block_table: list[int]  # physical blocks covering positions 0 .. start_pos + len(token_ids)
-    # (temperature, top_k, top_p, min_p, seed) for the token sampled after this chunk
-    sampling: tuple[float, int, float, float, int] = (0.0, 0, 1.0, 0.0, 0)
+    # Tokens to sample from this chunk's last logits: none for a prompt chunk that does not
+    # finish the prompt, n for the first tokens of a parallel-sampling request.
+    samples: list[SamplingRow] = dataclasses.field(default_factory=list)
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -34,10 +37,19 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (max(n, minimum) - 1).bit_length()
 
 
+def query_bucket(n: int) -> int:
+    """Coarser buckets (powers of four from 16) for the longest query of a prefill step."""
+    b = MIN_QUERY_BUCKET
+    while b < n:
+        b *= 4
+    return b
+
+
 # Smallest buckets: below these, padding is cheaper than another compiled program.
 MIN_TOKENS_BUCKET = 32
 MIN_SEQS_BUCKET = 8
 MIN_CONTEXT_BUCKET = 256  # tokens of context covered by the smallest block-table bucket
+MIN_QUERY_BUCKET = 16
 
 _num_traces = 0  # total traces of the step function in this process (each one a compilation)
 
@@ -46,8 +58,7 @@ def _step_fn(params, kv_pool, step_input, sampling, config, backend):
     global _num_traces
     _num_traces += 1  # runs only while tracing, i.e. once per new program
     logits, kv_pool = forward(params, kv_pool, step_input, config, backend)
-    tokens, logprobs = sample(logits, sampling)
-    return tokens, logprobs, kv_pool
+    return sample(logits, sampling), kv_pool
 
 
 # Module-level so that engines with the same model and shapes share compiled programs.
@@ -66,6 +77,7 @@ class Runner:
         num_blocks: int,
         block_size: int,
         max_model_len: int,
+        num_host_blocks: int = 0,
         backend: str = "auto",
     ):
         self.config = config
@@ -77,6 +89,8 @@ class Runner:
         self.min_blocks_bucket = min(self.max_blocks_per_seq, -(-MIN_CONTEXT_BUCKET // block_size))
         self.dtype = jax.tree.leaves(params)[0].dtype
         self.kv_pool = init_kv_pool(config, num_blocks, block_size, self.dtype)
+        self.num_host_blocks = num_host_blocks
+        self.host_pool = None  # numpy, per layer (k, v) [num_kv_heads, num_host_blocks, bs, hd]
         self.num_compilations = 0  # programs compiled because of this runner's steps
 
     def build_step_input(self, seqs: list[ScheduledSeq]) -> StepInput:
@@ -103,8 +117,9 @@ class Runner:
             if decode
             else np.full(num_seqs_b + 1, num_tokens, np.int32)
         )
-        logits_indices = np.zeros(num_seqs_b, np.int32)
-        row = 0
+        num_rows = sum(len(s.samples) for s in seqs)
+        logits_indices = np.zeros(bucket(num_rows, MIN_SEQS_BUCKET), np.int32)
+        row = sample_row = 0
         for i, s in enumerate(seqs):
             n = len(s.token_ids)
             pos = np.arange(s.start_pos, s.start_pos + n)
@@ -116,7 +131,8 @@ class Runner:
             context_lens[i] = s.start_pos + n
             qsl[i] = row
             row += n
-            logits_indices[i] = row - 1
+            logits_indices[sample_row : sample_row + len(s.samples)] = row - 1
+            sample_row += len(s.samples)
         if not decode:
             qsl[len(seqs) :] = row
         return StepInput(
@@ -127,18 +143,22 @@ class Runner:
             context_lens=context_lens,
             query_start_loc=qsl,
             logits_indices=logits_indices,
-            max_query_len=1 if decode else min(bucket(max_q), num_tokens_b),
+            max_query_len=1 if decode else min(query_bucket(max_q), num_tokens_b),
         )
 
-    def execute(self, seqs: list[ScheduledSeq]) -> tuple[np.ndarray, np.ndarray]:
-        """Run one step; returns the sampled token and its logprob per sequence (host arrays)."""
+    def execute(self, seqs: list[ScheduledSeq], num_top_logprobs: int = 0) -> SamplerOutput:
+        """Run one step. Returns the sampler's output as host arrays, one row per requested sample
+        (sequence by sequence, in order); ``num_top_logprobs`` most likely tokens per row."""
         step_input = self.build_step_input(seqs)
-        sampling = SamplingInput.from_rows(
-            [(*s.sampling, s.start_pos + len(s.token_ids)) for s in seqs],
-            step_input.context_lens.shape[0],
+        rows = [row for s in seqs for row in s.samples]
+        sampling = SamplingInput.build(
+            rows,
+            len(step_input.logits_indices),
+            self.config.vocab_size,
+            bucket(num_top_logprobs) if num_top_logprobs else 0,
         )
         traces = _num_traces
-        tokens, logprobs, self.kv_pool = _step(
+        out, self.kv_pool = _step(
             self.params,
             self.kv_pool,
             jax.device_put(step_input),
@@ -147,8 +167,47 @@ class Runner:
             self.backend,
         )
         self.num_compilations += _num_traces - traces
-        n = len(seqs)
-        return np.asarray(tokens)[:n], np.asarray(logprobs)[:n]
+        return jax.tree.map(lambda x: np.asarray(x)[: len(rows)], out)
+
+    # ---- block moves (before the step that needs them) ------------------------------------
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block src -> block dst in every layer."""
+        src, dst = _padded_ids(pairs)
+        self.kv_pool = pallas_kernels.copy_blocks(self.kv_pool, src, dst)
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Device block -> host block, for every layer."""
+        dev, host = _padded_ids(pairs)
+        blocks = jax.device_get(pallas_kernels.gather_blocks(self.kv_pool, dev))
+        n = len(pairs)
+        for (hk, hv), (bk, bv) in zip(self._host_pool(), blocks, strict=True):
+            hk[:, host[:n]] = bk[:, :n]
+            hv[:, host[:n]] = bv[:, :n]
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Host block -> device block, for every layer."""
+        host, dev = _padded_ids(pairs)
+        host = np.where(host < 0, 0, host)  # padding rows carry host block 0; dev -1 drops them
+        blocks = tuple((hk[:, host], hv[:, host]) for hk, hv in self._host_pool())
+        self.kv_pool = pallas_kernels.scatter_blocks(self.kv_pool, dev, blocks)
+
+    def _host_pool(self):
+        if self.host_pool is None:
+            if not self.num_host_blocks:
+                raise ValueError("no host swap space: set swap_space_gib > 0 to swap")
+            shape = (
+                self.config.num_kv_heads,
+                self.num_host_blocks,
+                self.block_size,
+                self.config.head_dim,
+            )
+            dtype = np.dtype(self.dtype)
+            self.host_pool = tuple(
+                (np.zeros(shape, dtype), np.zeros(shape, dtype))
+                for _ in range(self.config.num_layers)
+            )
+        return self.host_pool
 
     def forward_logits(self, seqs: list[ScheduledSeq], all_positions: bool = False) -> np.ndarray:
         """Logits for the last token of each sequence, or for every scheduled token (testing and
@@ -169,8 +228,9 @@ class Runner:
         self.kv_pool = ()
 
 
-def kv_pool_bytes(runner: Runner) -> int:
-    return sum(int(k.nbytes + v.nbytes) for k, v in runner.kv_pool)
-
-
-__all__ = ["Runner", "ScheduledSeq", "bucket", "kv_pool_bytes"]
+def _padded_ids(pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Two id columns padded with -1 to a power of two (bounded programs)."""
+    ids = np.full((2, bucket(len(pairs), 8)), -1, np.int32)
+    if pairs:
+        ids[:, : len(pairs)] = np.asarray(pairs, np.int32).T
+    return ids[0], ids[1]

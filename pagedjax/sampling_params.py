@@ -1,41 +1,106 @@
-"""SamplingParams: how one request is decoded (vLLM's names and defaults)."""
+"""SamplingParams and BeamSearchParams: how one request is decoded (vLLM's names and defaults)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+
+
+def _bad(obj, name: str, why: str):
+    raise ValueError(f"{name} {why}, got {getattr(obj, name)!r}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
 
 @dataclasses.dataclass
 class SamplingParams:
+    n: int = 1  # independent samples of the same prompt, sharing its KV blocks
     max_tokens: int = 16
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # <= 0 (or -1, vLLM's spelling) = off
     top_p: float = 1.0
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None  # a seeded request samples the same tokens whatever shares its batch
+    stop: str | list[str] | None = None  # stop strings, not included in the output text
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # also return this many most likely tokens per position
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
-        def bad(name, why):
-            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
-
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad("max_tokens", "must be an integer >= 1")
-        if not self.temperature >= 0:
-            bad("temperature", "must be >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad("top_k", "must be an integer >= -1 (-1 or 0 disables it)")
-        if not 0 < self.top_p <= 1:
-            bad("top_p", "must be in (0, 1]")
-        if not 0 <= self.min_p <= 1:
-            bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**32):
-            bad("seed", "must be an integer in [0, 2**32)")
+        if not _is_int(self.n) or self.n < 1:
+            _bad(self, "n", "must be an integer >= 1")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            _bad(self, "max_tokens", "must be an integer >= 1")
+        if not _is_number(self.temperature) or not self.temperature >= 0:
+            _bad(self, "temperature", "must be >= 0")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            _bad(self, "top_k", "must be an integer >= -1 (-1 or 0 disables it)")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            _bad(self, "top_p", "must be in (0, 1]")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            _bad(self, "min_p", "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                _bad(self, name, "must be in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
+            _bad(self, "repetition_penalty", "must be > 0")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**32):
+            _bad(self, "seed", "must be an integer in [0, 2**32)")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in self.stop):
+            _bad(self, "stop", "must be non-empty strings")
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be non-negative integers")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            _bad(self, "stop_token_ids", "must be non-negative integers")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            _bad(self, "logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences this request runs at once (the scheduler's admission count)."""
+        return self.n
+
+    @property
+    def uses_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
+
+
+@dataclasses.dataclass
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0  # score = cumulative logprob / output_length ** length_penalty
+
+    def __post_init__(self):
+        if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
+            _bad(self, "beam_width", f"must be an integer in [1, {MAX_LOGPROBS // 2}]")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            _bad(self, "max_tokens", "must be an integer >= 1")
+        if not _is_number(self.length_penalty):
+            _bad(self, "length_penalty", "must be a number")
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.beam_width
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and x == x

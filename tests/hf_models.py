@@ -68,3 +68,19 @@ def make_tiny_model(name: str, directory: Path, seed: int = 0, **overrides):
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(directory)
     return model
+
+
+def save_word_tokenizer(directory: Path, vocab_size: int = 256) -> None:
+    """A word-level tokenizer (token i <-> word "w{i}"; 0, 1, 2 are <unk>, <s>, </s>) so that
+    tiny models can detokenise."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(directory)

@@ -1,0 +1,255 @@
+"""FCFS continuous batching: a token budget per step, chunked prefill, preemption.
+
+Pure Python; imports no jax. Each step the scheduler decides, on the host, which sequences compute
+how many tokens, and which blocks the runner must swap or copy first. Order of service:
+running groups (oldest first; the latest-arrived are preempted when blocks run out), then swapped
+groups (resumed before any new request), then waiting groups, first come first served.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from pagedjax.block_manager import AllocStatus, BlockManager
+from pagedjax.config import PREEMPTION_MODES
+from pagedjax.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclasses.dataclass
+class SeqChunk:
+    """``num_tokens`` tokens of ``seq`` computed this step, from ``seq.num_computed_tokens`` on."""
+
+    group: SequenceGroup
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """Whether the step brings the sequence up to date, so its logits yield a new token."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.get_len()
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    chunks: list[SeqChunk] = dataclasses.field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    preempted: list[SequenceGroup] = dataclasses.field(default_factory=list)
+    aborted: list[SequenceGroup] = dataclasses.field(default_factory=list)  # could not be kept
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class PreemptionCostModel:
+    """Estimates, from measured step times, whether swapping a group out and back in costs less
+    than recomputing its tokens (the paper's section 7.3). Until both are measured: recompute."""
+
+    def __init__(self, smoothing: float = 0.2):
+        self.smoothing = smoothing
+        self.seconds_per_token: float | None = None  # prefill compute
+        self.seconds_per_block: float | None = None  # one block moved one way
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+    def observe_prefill(self, seconds: float, num_tokens: int) -> None:
+        if num_tokens:
+            self.seconds_per_token = self._ema(self.seconds_per_token, seconds / num_tokens)
+
+    def observe_swap(self, seconds: float, num_blocks: int) -> None:
+        if num_blocks:
+            self.seconds_per_block = self._ema(self.seconds_per_block, seconds / num_blocks)
+
+    def prefer_swap(self, num_tokens: int, num_blocks: int) -> bool:
+        if self.seconds_per_token is None or self.seconds_per_block is None:
+            return False
+        return 2 * num_blocks * self.seconds_per_block < num_tokens * self.seconds_per_token
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+        preemption_mode: str = "recompute",
+    ):
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}"
+            )
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.token_budget = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.preemption_mode = preemption_mode
+        self.cost_model = PreemptionCostModel()
+        self.waiting: collections.deque[SequenceGroup] = collections.deque()
+        self.running: list[SequenceGroup] = []
+        self.swapped: collections.deque[SequenceGroup] = collections.deque()
+        self.num_preemptions = 0
+        self.num_recomputed = 0
+        self.num_swapped = 0
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add(self, group: SequenceGroup) -> None:
+        self.waiting.append(group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def abort(self, request_id: str) -> SequenceGroup | None:
+        """Remove a request wherever it is and free its blocks; None if it is not here."""
+        for queue in (self.waiting, self.running, self.swapped):
+            for group in queue:
+                if group.request_id == request_id:
+                    queue.remove(group)
+                    for seq in group.get_seqs():
+                        self.free_seq(seq, SequenceStatus.FINISHED_ABORTED)
+                    return group
+        return None
+
+    def free_seq(self, seq: Sequence, status: SequenceStatus) -> None:
+        if self.bm.has_blocks(seq):
+            self.bm.free(seq)
+        if not seq.is_finished():
+            seq.status = status
+
+    def drop_finished(self) -> None:
+        self.running = [g for g in self.running if not g.is_finished()]
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.token_budget)
+        if not out.preempted:
+            budget = self._schedule_swapped(out, budget)
+            if not self.swapped:
+                self._schedule_waiting(out, budget)
+        self.running.sort(key=lambda g: g.arrival_time)
+        return out
+
+    def _num_running_seqs(self) -> int:
+        return sum(_max_seqs(g) for g in self.running)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Decodes first (one token each, after securing a slot), then prompt chunks."""
+        queue = sorted(self.running, key=lambda g: g.arrival_time)
+        kept, prefilling = [], []
+        while queue:
+            group = queue.pop(0)
+            while not self.bm.can_append_slots(group):
+                victim = queue.pop() if queue else group
+                self._preempt(victim, out)
+                if victim is group:
+                    break
+            else:
+                kept.append(group)
+                for seq in group.get_seqs(SequenceStatus.RUNNING):
+                    remaining = seq.get_len() - seq.num_computed_tokens
+                    if remaining > 1:
+                        prefilling.append((group, seq, remaining))
+                        continue
+                    out.blocks_to_copy += self.bm.append_slots(seq)
+                    out.chunks.append(SeqChunk(group, seq, 1))
+                    budget -= 1
+        for group, seq, remaining in prefilling:
+            n = min(remaining, max(budget, 0))
+            if n:
+                out.chunks.append(SeqChunk(group, seq, n))
+                budget -= n
+        self.running = kept
+        return budget
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped:
+            group = self.swapped[0]
+            seqs = group.get_seqs(SequenceStatus.SWAPPED)
+            if self.bm.can_swap_in(group) is not AllocStatus.OK or budget < len(seqs):
+                break
+            if self._num_running_seqs() + _max_seqs(group) > self.max_num_seqs:
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in += self.bm.swap_in(group)
+            for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+                out.blocks_to_copy += self.bm.append_slots(seq)
+                n = min(seq.get_len() - seq.num_computed_tokens, max(budget, 1))
+                out.chunks.append(SeqChunk(group, seq, n))
+                budget -= n
+            self.running.append(group)
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0:
+            group = self.waiting[0]
+            if self._num_running_seqs() + _max_seqs(group) > self.max_num_seqs:
+                break
+            status = self.bm.can_allocate(group)
+            if status is AllocStatus.LATER:
+                break
+            self.waiting.popleft()
+            if status is AllocStatus.NEVER:  # the engine refuses such requests on arrival
+                for seq in group.get_seqs():
+                    seq.status = SequenceStatus.FINISHED_ABORTED
+                out.aborted.append(group)
+                continue
+            seq = group.get_seqs(SequenceStatus.WAITING)[0]
+            if not self.enable_chunked_prefill and seq.get_len() > budget:
+                self.waiting.appendleft(group)
+                break
+            self.bm.allocate(group)
+            for s in group.get_seqs(SequenceStatus.WAITING):
+                s.status = SequenceStatus.RUNNING
+            n = min(seq.get_len() - seq.num_computed_tokens, budget)
+            out.chunks.append(SeqChunk(group, seq, n))
+            budget -= n
+            self.running.append(group)
+
+    # ---- preemption -----------------------------------------------------------------------
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """All of the group's blocks at once: by recompute (a single sequence only, as in vLLM)
+        or by swap. A group that can neither be swapped nor recomputed is aborted."""
+        self.num_preemptions += 1
+        seqs = group.get_seqs(SequenceStatus.RUNNING)
+        out.preempted.append(group)
+        can_recompute = len(seqs) == 1
+        mode = self.preemption_mode
+        if mode == "auto":
+            tokens = sum(s.get_len() for s in seqs)
+            blocks = sum(len(self.bm.get_block_table(s)) for s in seqs)
+            mode = "swap" if self.cost_model.prefer_swap(tokens, blocks) else "recompute"
+        if mode == "swap" or not can_recompute:
+            if self.bm.can_swap_out(group):
+                out.blocks_to_swap_out += self.bm.swap_out(group)
+                for seq in seqs:
+                    seq.status = SequenceStatus.SWAPPED
+                self.swapped.append(group)
+                self.num_swapped += 1
+                return
+            if not can_recompute:
+                for seq in group.get_seqs():
+                    self.free_seq(seq, SequenceStatus.FINISHED_ABORTED)
+                out.aborted.append(group)
+                return
+        for seq in seqs:
+            self.bm.free(seq)
+            seq.status = SequenceStatus.WAITING
+            seq.num_computed_tokens = 0
+        self.waiting.appendleft(group)
+        self.num_recomputed += 1
+
+
+def _max_seqs(group: SequenceGroup) -> int:
+    """Sequences the group will run at once (n samples or beams appear after the prompt)."""
+    width = getattr(group.sampling_params, "max_num_seqs", 1)
+    return max(width, group.num_seqs(SequenceStatus.RUNNING), 1)
