@@ -155,7 +155,7 @@ class Runner:
             rows,
             len(step_input.logits_indices),
             self.config.vocab_size,
-            bucket(num_top_logprobs) if num_top_logprobs else 0,
+            min(bucket(num_top_logprobs), self.config.vocab_size) if num_top_logprobs else 0,
         )
         traces = _num_traces
         out, self.kv_pool = _step(
@@ -213,13 +213,13 @@ class Runner:
         """Logits for the last token of each sequence, or for every scheduled token (testing and
         scoring); writes the tokens' K/V into the pool like a normal step."""
         step_input = self.build_step_input(seqs)
-        if all_positions:
-            n = sum(len(s.token_ids) for s in seqs)
-            step_input = step_input.replace(logits_indices=np.arange(n, dtype=np.int32))
+        lengths = np.asarray([len(s.token_ids) for s in seqs])
+        rows = np.arange(lengths.sum()) if all_positions else np.cumsum(lengths) - 1
+        step_input = step_input.replace(logits_indices=rows.astype(np.int32))
         logits, self.kv_pool = _forward(
             self.params, self.kv_pool, step_input, self.config, self.backend
         )
-        return np.asarray(logits) if all_positions else np.asarray(logits)[: len(seqs)]
+        return np.asarray(logits)
 
     def free_device_memory(self) -> None:
         for k, v in self.kv_pool:
