@@ -70,9 +70,11 @@ def make_tiny_model(name: str, directory: Path, seed: int = 0, **overrides):
     return model
 
 
-def save_word_tokenizer(directory: Path, vocab_size: int = 256) -> None:
+def save_word_tokenizer(
+    directory: Path, vocab_size: int = 256, chat_template: str | None = None
+) -> None:
     """A word-level tokenizer (token i <-> word "w{i}"; 0, 1, 2 are <unk>, <s>, </s>) so that
-    tiny models can detokenise."""
+    tiny models can detokenise; ``chat_template`` (jinja) is saved with it if given."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -83,4 +85,6 @@ def save_word_tokenizer(directory: Path, vocab_size: int = 256) -> None:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
+    if chat_template is not None:
+        fast.chat_template = chat_template
     fast.save_pretrained(directory)

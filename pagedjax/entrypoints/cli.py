@@ -56,6 +56,27 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from pagedjax.entrypoints.api_server import serve
+
+    serve(
+        args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -68,6 +89,18 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.set_defaults(func=_generate)
+    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    _add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument("--served-model-name", default=None, help="model id (default: --model)")
+    srv.add_argument("--max-num-seqs", type=int, default=256)
+    srv.add_argument(
+        "--max-queue", type=int, default=256, help="waiting requests before 503 (default 256)"
+    )
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    srv.set_defaults(func=_serve)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
