@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=_generate)
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     _add_engine_args(srv)
-    srv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     srv.add_argument("--served-model-name", default=None, help="model id (default: --model)")

@@ -314,6 +314,10 @@ def test_bad_requests_get_their_errors_while_others_stream(server, client):
     )
     worker.start()
     try:
+        deadline = time.monotonic() + 60
+        while _metrics(server)["pagedjax_num_requests_running"] == 0:  # the streams are flowing
+            assert worker.is_alive() and time.monotonic() < deadline
+            time.sleep(0.02)
         status, body = _raw(server, "POST", "/v1/completions", b'{"model": "tiny", "prompt": ')
         assert status == 400 and json.loads(body)["error"]["type"] == "invalid_request_error"
         with pytest.raises(openai.BadRequestError, match="max_tokens"):
@@ -331,6 +335,7 @@ def test_bad_requests_get_their_errors_while_others_stream(server, client):
         status, body = _raw(server, "POST", "/v1/completions", b" " * (64 * 1024))
         assert status == 413 and "error" in json.loads(body)
         assert _raw(server, "GET", "/v1/nothing")[0] == 404
+        assert _metrics(server)["pagedjax_num_requests_running"] > 0  # still streaming
     finally:
         worker.join(timeout=150)
     assert not worker.is_alive()
@@ -365,3 +370,13 @@ def test_a_full_waiting_queue_refuses():
             fut.result(timeout=10)
     finally:
         loop.stop()
+
+
+def test_cli_has_serve(capsys):
+    from pagedjax.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--api-key" in out and "127.0.0.1" in out
