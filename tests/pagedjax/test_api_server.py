@@ -380,3 +380,14 @@ def test_cli_has_serve(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "--api-key" in out and "127.0.0.1" in out
+
+
+def test_stop_strings_are_cut_the_same_way_when_streaming(server, client):
+    ref = server.refs[0].outputs[0].text
+    stop = " ".join(ref.split()[3:5])  # a two-word stop string, which streaming must hold back
+    kwargs = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop])
+    whole = client.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "stop" and stop not in whole.text
+    assert whole.text == ref[: ref.find(stop)]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs))
+    assert streamed == whole.text
