@@ -77,6 +77,21 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench_parser(sub) -> None:
+    from pagedjax.bench import latency, memory, throughput
+
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, memory")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    for name, module, text in (
+        ("throughput", throughput, "offline throughput vs Hugging Face transformers"),
+        ("latency", latency, "TTFT / TPOT / inter-token latency at a Poisson request rate"),
+        ("memory", memory, "KV utilisation, sharing savings, swap vs recompute"),
+    ):
+        p = kinds.add_parser(name, help=text)
+        module.build_parser(p)
+        p.set_defaults(func=module.run)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -101,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20)
     srv.set_defaults(func=_serve)
+    _add_bench_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,186 @@
+"""Serving latency at a request rate: TTFT, TPOT and inter-token latency, like `vllm bench serve`.
+
+    pagedjax bench latency [--model M] [--request-rate R] [--num-requests N]
+        [--max-prompt-len P] [--max-output-len O] [--json]
+
+Requests (the seeded ShareGPT-like mix of ``pagedjax bench throughput``, random token ids, greedy,
+EOS ignored) arrive as a Poisson process of rate R per second (``inf``: all at once) and are fed
+to ``LLMEngine.add_request`` when their time comes; the engine steps continuously in the same
+thread. Every new token is stamped when the step that produced it returns. Per request: TTFT =
+first token - arrival; TPOT = (last token - first token) / (output tokens - 1); ITL = the gaps
+between successive tokens. Reported: mean, median, p90, p99 of each (ms), plus request and output
+token throughput. The same requests are run once beforehand (unless --no-warmup) so that
+compilation is not counted as latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from pagedjax.bench.throughput import synthetic_requests
+
+PERCENTILES = (50, 90, 99)
+
+
+def _summary(values_s: list[float]) -> dict:
+    if not values_s:
+        return {"mean_ms": None, **{f"p{p}_ms": None for p in PERCENTILES}}
+    ms = np.asarray(values_s) * 1e3
+    return {
+        "mean_ms": float(ms.mean()),
+        **{f"p{p}_ms": float(np.percentile(ms, p)) for p in PERCENTILES},
+    }
+
+
+def serve(engine, requests, arrivals: np.ndarray) -> dict:
+    """Feed requests at their arrival offsets (s) while stepping; per-request token times."""
+    from pagedjax import SamplingParams
+
+    order = np.argsort(arrivals, kind="stable")
+    times: dict[str, list[float]] = {}
+    arrived: dict[str, float] = {}
+    seen: dict[str, int] = {}
+    nxt, done = 0, 0
+    start = time.perf_counter()
+    while done < len(requests):
+        now = time.perf_counter() - start
+        while nxt < len(order) and arrivals[order[nxt]] <= now:
+            i = int(order[nxt])
+            rid = f"lat-{i}"
+            r = requests[i]
+            params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+            engine.add_request(rid, r.prompt_token_ids, params)
+            arrived[rid] = start + float(arrivals[i])
+            times[rid], seen[rid] = [], 0
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, min(arrivals[order[nxt]] - now, 0.05)))
+            continue
+        outs = engine.step()
+        stamp = time.perf_counter()
+        for o in outs:
+            n = len(o.outputs[0].token_ids)
+            times[o.request_id].extend([stamp] * (n - seen[o.request_id]))
+            seen[o.request_id] = n
+            done += o.finished
+    elapsed = time.perf_counter() - start
+    ttft, tpot, itl = [], [], []
+    for rid, ts in times.items():
+        ttft.append(ts[0] - arrived[rid])
+        if len(ts) > 1:
+            tpot.append((ts[-1] - ts[0]) / (len(ts) - 1))
+            itl.extend(np.diff(ts).tolist())
+    out_tokens = sum(len(ts) for ts in times.values())
+    return {
+        "elapsed_s": elapsed,
+        "requests_per_s": len(requests) / elapsed,
+        "output_tokens_per_s": out_tokens / elapsed,
+        "ttft": _summary(ttft),
+        "tpot": _summary(tpot),
+        "itl": _summary(itl),
+    }
+
+
+def benchmark(args) -> dict:
+    from models.loader import default_model_path
+    from pagedjax import LLM, SamplingParams
+
+    source = args.model or default_model_path()
+    llm = LLM(
+        source,
+        block_size=args.block_size,
+        max_model_len=args.max_prompt_len + args.max_output_len,
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+    )
+    requests = synthetic_requests(
+        args.num_requests,
+        vocab_size=llm.model_config.vocab_size,
+        max_prompt_len=args.max_prompt_len,
+        max_output_len=args.max_output_len,
+        seed=args.seed,
+    )
+    if not args.no_warmup:
+        params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True) for r in requests]
+        llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
+    rng = np.random.default_rng(args.seed + 2)
+    if np.isinf(args.request_rate):
+        arrivals = np.zeros(len(requests))
+    else:
+        arrivals = np.cumsum(rng.exponential(1.0 / args.request_rate, len(requests)))
+        arrivals -= arrivals[0]
+    res = serve(llm.engine, requests, arrivals)
+    llm.close()
+    return {
+        "model": source,
+        "request_rate": args.request_rate,
+        "num_requests": len(requests),
+        "mean_prompt_len": float(np.mean([len(r.prompt_token_ids) for r in requests])),
+        "mean_output_len": float(np.mean([r.output_len for r in requests])),
+        **res,
+    }
+
+
+def print_report(res: dict) -> None:
+    print(
+        f"{res['num_requests']} requests at {res['request_rate']} req/s (Poisson), mean prompt "
+        f"{res['mean_prompt_len']:.1f}, mean output {res['mean_output_len']:.1f} tokens; "
+        f"model {res['model']}"
+    )
+    print(
+        f"elapsed {res['elapsed_s']:.2f} s, {res['requests_per_s']:.3f} requests/s, "
+        f"{res['output_tokens_per_s']:.1f} output tokens/s"
+    )
+    cols = ["mean_ms"] + [f"p{p}_ms" for p in PERCENTILES]
+    print(f"{'(ms)':28}" + "".join(f"{c[:-3]:>10}" for c in cols))
+    for key, label in (
+        ("ttft", "time to first token"),
+        ("tpot", "time per output token"),
+        ("itl", "inter-token latency"),
+    ):
+        vals = res[key]
+        print(
+            f"{label:28}"
+            + "".join(f"{vals[c]:10.1f}" if vals[c] is not None else f"{'-':>10}" for c in cols)
+        )
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="pagedjax bench latency")
+    parser.description = __doc__.split("\n")[0]
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M GGUF")
+    parser.add_argument("--request-rate", type=float, default=1.0, help="requests/s; inf: burst")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--max-prompt-len", type=int, default=128)
+    parser.add_argument("--max-output-len", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-warmup", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    return parser
+
+
+def run(args) -> int:
+    if args.num_requests < 1:
+        raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
+    res = benchmark(args)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print_report(res)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
