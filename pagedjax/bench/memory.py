@@ -28,6 +28,7 @@ import math
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -115,7 +116,6 @@ def _peak(model: str, run, *, block_size: int, prefix_caching: bool) -> int:
         model,
         block_size=block_size,
         num_blocks=4096,
-        max_model_len=1024,
         enable_prefix_caching=prefix_caching,
         max_num_seqs=512,
     )
@@ -128,7 +128,8 @@ def _peak(model: str, run, *, block_size: int, prefix_caching: bool) -> int:
 def sharing(model: str, num_prompts: int, widths, seed: int, block_size: int = 16) -> dict:
     from pagedjax import BeamSearchParams, SamplingParams
 
-    vocab = 256 if model.endswith("tiny") else 1000
+    cfg = Path(model) / "config.json"  # an HF checkpoint directory; else a GGUF (big vocab)
+    vocab = min(json.loads(cfg.read_text())["vocab_size"], 1000) if cfg.exists() else 1000
     prompts, out_lens = alpaca_like(num_prompts, seed, vocab)
 
     def params(n: int, temperature: float = 1.0):
@@ -201,7 +202,11 @@ def swap_vs_recompute(model: str, num_tokens: int, repeats: int) -> dict:
 
     loaded = load_model(model)
     rows = {}
-    tokens = np.random.default_rng(0).integers(3, 1000, num_tokens).tolist()
+    tokens = (
+        np.random.default_rng(0)
+        .integers(3, min(loaded.config.vocab_size, 1000), num_tokens)
+        .tolist()
+    )
     for bs in BLOCK_SIZES:
         n = num_tokens // bs
         runner = Runner(
