@@ -14,20 +14,28 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from models.config import ModelConfig
+from models.sharding import AXIS, POOL_SPEC
 from models.step_input import StepInput
 
 # One (k_pages, v_pages) pair per layer, each [num_kv_heads, num_blocks, block_size, head_dim].
 KVPool = tuple[tuple[jax.Array, jax.Array], ...]
 
 
-def init_kv_pool(config: ModelConfig, num_blocks: int, block_size: int, dtype) -> KVPool:
+def init_kv_pool(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype, sharding=None
+) -> KVPool:
+    """Zeroed pool; with a sharding, each device allocates only its slice."""
     shape = (config.num_kv_heads, num_blocks, block_size, config.head_dim)
-    return tuple(
-        (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)
-    )
+
+    def zeros():
+        return jnp.zeros(shape, dtype, device=sharding)
+
+    return tuple((zeros(), zeros()) for _ in range(config.num_layers))
 
 
 def kv_pool_bytes_per_block(config: ModelConfig, block_size: int, dtype) -> int:
@@ -84,6 +92,7 @@ class Attention(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype
     backend: str
+    mesh: Mesh | None = None
 
     @nn.compact
     def __call__(self, x, cos, sin, kv, step: StepInput):
@@ -95,31 +104,49 @@ class Attention(nn.Module):
         q = apply_rope(q.reshape(tokens, c.num_heads, c.head_dim), cos, sin)
         k = apply_rope(k.reshape(tokens, c.num_kv_heads, c.head_dim), cos, sin)
         v = v.reshape(tokens, c.num_kv_heads, c.head_dim)
-        k_pages, v_pages = pallas_kernels.write_kv(*kv, k, v, step.slot_mapping)
         scale = c.head_dim**-0.5
-        if step.max_query_len == 1 and tokens == step.block_tables.shape[0]:
-            # Decode layout: row i is sequence i's only query.
-            out = pallas_kernels.paged_attention(
-                q,
-                k_pages,
-                v_pages,
-                step.block_tables,
-                step.context_lens,
-                scale=scale,
-                backend=self.backend,
+        backend, max_q = self.backend, step.max_query_len
+
+        def attend(q, k, v, k_pages, v_pages, slots, tables, lens, qsl):
+            k_pages, v_pages = pallas_kernels.write_kv(k_pages, v_pages, k, v, slots)
+            if max_q == 1 and q.shape[0] == tables.shape[0]:
+                # Decode layout: row i is sequence i's only query.
+                out = pallas_kernels.paged_attention(
+                    q, k_pages, v_pages, tables, lens, scale=scale, backend=backend
+                )
+            else:
+                out = pallas_kernels.ragged_paged_attention(
+                    q,
+                    k_pages,
+                    v_pages,
+                    tables,
+                    lens,
+                    qsl,
+                    scale=scale,
+                    max_query_len=max_q,
+                    backend=backend,
+                )
+            return out, k_pages, v_pages
+
+        if self.mesh is not None:  # each device attends with its heads over its pool slice
+            heads, pool, rep = P(None, AXIS, None), POOL_SPEC, P()
+            attend = jax.shard_map(
+                attend,
+                mesh=self.mesh,
+                in_specs=(heads, heads, heads, pool, pool) + (rep,) * 4,
+                out_specs=(heads, pool, pool),
+                check_vma=False,
             )
-        else:
-            out = pallas_kernels.ragged_paged_attention(
-                q,
-                k_pages,
-                v_pages,
-                step.block_tables,
-                step.context_lens,
-                step.query_start_loc,
-                scale=scale,
-                max_query_len=step.max_query_len,
-                backend=self.backend,
-            )
+        out, k_pages, v_pages = attend(
+            q,
+            k,
+            v,
+            *kv,
+            step.slot_mapping,
+            step.block_tables,
+            step.context_lens,
+            step.query_start_loc,
+        )
         out = out.reshape(tokens, c.num_heads * c.head_dim)
         return _dense(c.hidden_size, c.o_bias, self.dtype, "o_proj")(out), (k_pages, v_pages)
 
@@ -140,12 +167,13 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype
     backend: str
+    mesh: Mesh | None = None
 
     @nn.compact
     def __call__(self, x, cos, sin, kv, step: StepInput):
         eps = self.config.rms_norm_eps
         h = RMSNorm(eps, self.dtype, name="input_layernorm")(x)
-        h, kv = Attention(self.config, self.dtype, self.backend, name="self_attn")(
+        h, kv = Attention(self.config, self.dtype, self.backend, self.mesh, name="self_attn")(
             h, cos, sin, kv, step
         )
         x = x + h
@@ -157,6 +185,7 @@ class LlamaModel(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype = jnp.float32
     backend: str = "auto"
+    mesh: Mesh | None = None  # tensor parallelism by heads (models/sharding.py)
 
     @nn.compact
     def __call__(self, kv_pool: KVPool, step: StepInput):
@@ -174,7 +203,7 @@ class LlamaModel(nn.Module):
         cos, sin = jnp.cos(freqs).astype(self.dtype), jnp.sin(freqs).astype(self.dtype)
         new_pool = []
         for i in range(c.num_layers):
-            x, kv = DecoderLayer(c, self.dtype, self.backend, name=f"layers_{i}")(
+            x, kv = DecoderLayer(c, self.dtype, self.backend, self.mesh, name=f"layers_{i}")(
                 x, cos, sin, kv_pool[i], step
             )
             new_pool.append(kv)
@@ -187,14 +216,21 @@ class LlamaModel(nn.Module):
 
 
 def forward(
-    params, kv_pool: KVPool, step_input: StepInput, config: ModelConfig, backend: str = "auto"
+    params,
+    kv_pool: KVPool,
+    step_input: StepInput,
+    config: ModelConfig,
+    backend: str = "auto",
+    mesh: Mesh | None = None,
 ):
     """Pure forward: ``(params, kv_pool, step_input) -> (logits f32[num_logits, vocab], kv_pool)``.
 
-    The compute dtype is the parameters' dtype.
+    The compute dtype is the parameters' dtype. With a ``mesh``, parameters and pool are sharded
+    by heads (models/sharding.py) and attention runs per device under shard_map.
     """
     dtype = jax.tree.leaves(params)[0].dtype
-    return LlamaModel(config, dtype, backend).apply({"params": params}, kv_pool, step_input)
+    model = LlamaModel(config, dtype, backend, mesh)
+    return model.apply({"params": params}, kv_pool, step_input)
 
 
 @functools.lru_cache(maxsize=16)

@@ -73,9 +73,16 @@ class EngineConfig:
     model: str
     dtype: str = "float32"
     seed: int = 0
+    tensor_parallel_size: int = 1
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
 
     def __post_init__(self):
         _require(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {DTYPES}")
         _require(isinstance(self.seed, int), "seed", self.seed, "must be an integer")
+        _require(
+            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+            "tensor_parallel_size",
+            self.tensor_parallel_size,
+            "must be an integer >= 1",
+        )

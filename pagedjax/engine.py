@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from models.llama import kv_pool_bytes_per_block
 from models.loader import LoadedModel, default_model_path, load_model, load_tokenizer
+from models.sharding import make_mesh, replicate_kv_heads, sharded_config
 from pagedjax.block_manager import BlockManager
 from pagedjax.config import DEFAULT_CPU_KV_SPACE_GIB, CacheConfig, EngineConfig, SchedulerConfig
 from pagedjax.outputs import CompletionOutput, RequestOutput
@@ -70,6 +71,10 @@ class LLMEngine:
         self.config = config
         loaded = loaded or load_model(config.model, dtype=config.dtype)
         self.model_config = mc = loaded.config
+        tp = config.tensor_parallel_size
+        mesh = make_mesh(tp) if tp > 1 else None
+        device_config = sharded_config(mc, tp)  # KV heads replicated when tp > num_kv_heads
+        params = replicate_kv_heads(loaded.params, mc, tp)
         self.tokenizer = load_tokenizer(loaded)
         cache, sched = config.cache, config.scheduler
         limit = min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
@@ -77,7 +82,7 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len={sched.max_model_len} exceeds the model's limit of {limit} tokens"
             )
-        bytes_per_block = kv_pool_bytes_per_block(mc, cache.block_size, config.dtype)
+        bytes_per_block = kv_pool_bytes_per_block(device_config, cache.block_size, config.dtype)
         num_blocks = cache.num_blocks or self._auto_num_blocks(bytes_per_block)
         if (num_blocks - 1) * cache.block_size < sched.max_model_len:
             raise ValueError(
@@ -100,12 +105,13 @@ class LLMEngine:
             preemption_mode=sched.preemption_mode,
         )
         self.runner = Runner(
-            mc,
-            loaded.params,
+            device_config,
+            params,
             num_blocks=num_blocks,
             block_size=cache.block_size,
             max_model_len=sched.max_model_len,
             num_host_blocks=num_host_blocks,
+            mesh=mesh,
         )
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -533,10 +539,6 @@ class LLM:
         seed: int = 0,
         cache_dir: str | None = None,
     ):
-        if tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size} is not supported yet (only 1)"
-            )
         loaded = load_model(model or default_model_path(), dtype=dtype, cache_dir=cache_dir)
         mc = loaded.config
         limit = min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
@@ -544,6 +546,7 @@ class LLM:
             model=loaded.source,
             dtype=dtype,
             seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
             cache=CacheConfig(
                 block_size, num_blocks, kv_cache_space_gib, swap_space_gib, enable_prefix_caching
             ),

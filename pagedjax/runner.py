@@ -12,10 +12,12 @@ import dataclasses
 
 import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import pallas_kernels
 from models.config import ModelConfig
 from models.llama import forward, init_kv_pool
+from models.sharding import pool_sharding, shard_params
 from models.step_input import StepInput
 from pagedjax.sampler import SamplerOutput, SamplingInput, SamplingRow, sample
 
@@ -54,16 +56,16 @@ MIN_QUERY_BUCKET = 16
 _num_traces = 0  # total traces of the step function in this process (each one a compilation)
 
 
-def _step_fn(params, kv_pool, step_input, sampling, config, backend):
+def _step_fn(params, kv_pool, step_input, sampling, config, backend, mesh):
     global _num_traces
     _num_traces += 1  # runs only while tracing, i.e. once per new program
-    logits, kv_pool = forward(params, kv_pool, step_input, config, backend)
+    logits, kv_pool = forward(params, kv_pool, step_input, config, backend, mesh)
     return sample(logits, sampling), kv_pool
 
 
 # Module-level so that engines with the same model and shapes share compiled programs.
-_step = jax.jit(_step_fn, static_argnums=(4, 5), donate_argnums=(1,))
-_forward = jax.jit(forward, static_argnums=(3, 4), donate_argnums=(1,))
+_step = jax.jit(_step_fn, static_argnums=(4, 5, 6), donate_argnums=(1,))
+_forward = jax.jit(forward, static_argnums=(3, 4, 5), donate_argnums=(1,))
 
 
 class Runner:
@@ -79,6 +81,7 @@ class Runner:
         max_model_len: int,
         num_host_blocks: int = 0,
         backend: str = "auto",
+        mesh: Mesh | None = None,
     ):
         self.config = config
         self.params = params
@@ -88,7 +91,14 @@ class Runner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.min_blocks_bucket = min(self.max_blocks_per_seq, -(-MIN_CONTEXT_BUCKET // block_size))
         self.dtype = jax.tree.leaves(params)[0].dtype
-        self.kv_pool = init_kv_pool(config, num_blocks, block_size, self.dtype)
+        # With a mesh (tensor parallelism), weights and pool are split by heads across devices
+        # and host arrays are replicated to every device of the mesh.
+        self.mesh = mesh
+        self._inputs = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
+        if mesh is not None:
+            params = self.params = shard_params(params, mesh)
+        pool = pool_sharding(mesh) if mesh is not None else None
+        self.kv_pool = init_kv_pool(config, num_blocks, block_size, self.dtype, pool)
         self.num_host_blocks = num_host_blocks
         self.host_pool = None  # numpy, per layer (k, v) [num_kv_heads, num_host_blocks, bs, hd]
         self.num_compilations = 0  # programs compiled because of this runner's steps
@@ -161,10 +171,11 @@ class Runner:
         out, self.kv_pool = _step(
             self.params,
             self.kv_pool,
-            jax.device_put(step_input),
-            jax.device_put(sampling),
+            jax.device_put(step_input, self._inputs),
+            jax.device_put(sampling, self._inputs),
             self.config,
             self.backend,
+            self.mesh,
         )
         self.num_compilations += _num_traces - traces
         return jax.tree.map(lambda x: np.asarray(x)[: len(rows)], out)
@@ -217,7 +228,12 @@ class Runner:
         rows = np.arange(lengths.sum()) if all_positions else np.cumsum(lengths) - 1
         step_input = step_input.replace(logits_indices=rows.astype(np.int32))
         logits, self.kv_pool = _forward(
-            self.params, self.kv_pool, step_input, self.config, self.backend
+            self.params,
+            self.kv_pool,
+            jax.device_put(step_input, self._inputs),
+            self.config,
+            self.backend,
+            self.mesh,
         )
         return np.asarray(logits)
 

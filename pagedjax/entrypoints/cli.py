@@ -18,6 +18,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split weights and KV heads across this many devices",
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -30,6 +36,7 @@ def _generate(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks,
         max_model_len=args.max_model_len,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -73,6 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     return 0
 

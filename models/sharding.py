@@ -1,0 +1,113 @@
+"""Tensor parallelism by attention heads (Megatron-style) on a one-axis ``"tp"`` mesh.
+
+q/k/v projections are split by heads (columns), the output projection by rows; MLP gate/up by
+columns and down by rows; norms, embeddings and the LM head are replicated (a 135M-class model's
+embedding is small next to its layers; the sampler then sees whole logits without a gather). The
+KV pool is split on its kv-head axis, so each device holds its heads' slice of every block. When
+the degree exceeds num_kv_heads, KV heads are replicated (as vLLM does) so each device has one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models.config import ModelConfig
+
+AXIS = "tp"
+POOL_SPEC = P(AXIS, None, None, None)  # [num_kv_heads, num_blocks, block_size, head_dim]
+
+# Parameter path suffix -> partition spec (Dense kernels are [in, out]).
+_RULES = {
+    ("self_attn", "q_proj", "kernel"): P(None, AXIS),
+    ("self_attn", "k_proj", "kernel"): P(None, AXIS),
+    ("self_attn", "v_proj", "kernel"): P(None, AXIS),
+    ("self_attn", "q_proj", "bias"): P(AXIS),
+    ("self_attn", "k_proj", "bias"): P(AXIS),
+    ("self_attn", "v_proj", "bias"): P(AXIS),
+    ("self_attn", "o_proj", "kernel"): P(AXIS, None),
+    ("mlp", "gate_proj", "kernel"): P(None, AXIS),
+    ("mlp", "up_proj", "kernel"): P(None, AXIS),
+    ("mlp", "gate_proj", "bias"): P(AXIS),
+    ("mlp", "up_proj", "bias"): P(AXIS),
+    ("mlp", "down_proj", "kernel"): P(AXIS, None),
+}
+
+
+def make_mesh(tensor_parallel_size: int) -> Mesh:
+    devices = jax.devices()
+    if not 1 <= tensor_parallel_size <= len(devices):
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} needs that many devices; "
+            f"{len(devices)} are visible ({devices[0].platform})"
+        )
+    return Mesh(np.asarray(devices[:tensor_parallel_size]), (AXIS,))
+
+
+def sharded_config(config: ModelConfig, tp: int) -> ModelConfig:
+    """The config each device computes with: KV heads replicated up to ``tp`` when fewer."""
+    if config.num_heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide num_heads={config.num_heads} "
+            f"(attention is split by heads)"
+        )
+    if config.intermediate_size % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide intermediate_size={config.intermediate_size}"
+        )
+    if config.num_kv_heads % tp == 0:
+        return config
+    if tp % config.num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide num_kv_heads={config.num_kv_heads} or be a "
+            "multiple of it (KV heads are then replicated)"
+        )
+    return dataclasses.replace(config, num_kv_heads=tp)
+
+
+def replicate_kv_heads(params: dict, config: ModelConfig, tp: int) -> dict:
+    """Repeat each KV head's k/v projection columns so that there are ``tp`` KV heads."""
+    if config.num_kv_heads >= tp:
+        return params
+    repeat = tp // config.num_kv_heads
+    hd = config.head_dim
+
+    def widen(x):  # [..., num_kv_heads * head_dim] -> [..., tp * head_dim]
+        heads = x.reshape(*x.shape[:-1], config.num_kv_heads, hd)
+        return jnp.repeat(heads, repeat, axis=-2).reshape(*x.shape[:-1], tp * hd)
+
+    out = {k: v for k, v in params.items()}
+    for name, layer in params.items():
+        if not name.startswith("layers_"):
+            continue
+        attn = dict(layer["self_attn"])
+        for proj in ("k_proj", "v_proj"):
+            attn[proj] = {k: widen(v) for k, v in attn[proj].items()}
+        out[name] = {**layer, "self_attn": attn}
+    return out
+
+
+def param_specs(params: dict) -> dict:
+    """A PartitionSpec for every parameter (replicated unless a rule splits it)."""
+
+    def spec(path, _):
+        keys = tuple(getattr(p, "key", str(p)) for p in path)
+        return _RULES.get(keys[-3:], P())
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def shard_params(params: dict, mesh: Mesh) -> dict:
+    """Place parameters on the mesh; each device receives only its slices."""
+    return jax.tree.map(
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, param_specs(params)
+    )
+
+
+def pool_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, POOL_SPEC)

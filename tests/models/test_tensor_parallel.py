@@ -1,0 +1,62 @@
+"""Tensor parallelism by heads on 4 virtual CPU devices (in a subprocess: XLA_FLAGS)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("tp_worker.py")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu",
+    }
+    tmp = tmp_path_factory.mktemp("tp")
+    result = subprocess.run(
+        [sys.executable, str(WORKER), str(tmp), "--smollm"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("REPORT "))
+    return json.loads(line[len("REPORT ") :])
+
+
+def test_tiny_llama_tp_2_and_4_match_tp_1(report):
+    tiny = report["tiny"]
+    assert tiny["2"]["tokens"] == tiny["1"]["tokens"]
+    assert tiny["4"]["tokens"] == tiny["1"]["tokens"]  # 4 > 2 KV heads: replicated
+
+
+def test_smollm_tp_3_matches_and_tp_2_is_refused(report):
+    smol = report["smollm"]
+    assert smol["3"]["tokens"] == smol["1"]["tokens"]
+    assert "num_heads=9" in smol["2"]["error"]
+
+
+@pytest.mark.parametrize("model, tp", [("tiny", "2"), ("tiny", "4"), ("smollm", "3")])
+def test_each_device_holds_a_slice(report, model, tp):
+    entry, k = report[model][tp], int(tp)
+    on_device, total = entry["kv_bytes"]
+    assert on_device * k == total  # the pool is split evenly by kv heads
+    on_device, total = entry["param_bytes"]
+    # Attention and MLP weights split k ways; norms and the (replicated) embedding do not.
+    assert on_device < total / k * 1.6 if model == "tiny" else on_device < total * 0.6
+
+
+@pytest.mark.parametrize("model, tp", [("tiny", "2"), ("tiny", "4"), ("smollm", "3")])
+def test_step_never_gathers_the_kv_pool(report, model, tp):
+    entry = report[model][tp]
+    assert entry["all_gathers_of_pool"] == []
+    assert entry["num_all_reduces"] > 0  # row-parallel projections are summed across devices

@@ -1,0 +1,102 @@
+"""Run in a subprocess with 4 virtual CPU devices (XLA_FLAGS set by the caller): generates with
+tensor_parallel_size 1/2/4 (tiny Llama) and 1/3 (SmolLM2-135M), and prints a JSON report."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the packages first, then tests/hf_models.py
+
+from hf_models import make_tiny_model  # noqa: E402
+
+import pagedjax.runner as runner_mod  # noqa: E402
+from models.loader import default_model_path  # noqa: E402
+from pagedjax import LLM, SamplingParams  # noqa: E402
+from pagedjax.runner import ScheduledSeq  # noqa: E402
+from pagedjax.sampler import SamplingInput, SamplingRow  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+def device_bytes(arrays) -> tuple[int, int]:
+    """(bytes on device 0, total logical bytes) over a list of arrays."""
+    dev0 = jax.devices()[0]
+    on0 = sum(s.data.nbytes for a in arrays for s in a.addressable_shards if s.device == dev0)
+    return on0, sum(a.nbytes for a in arrays)
+
+
+def step_hlo(llm: LLM) -> str:
+    r = llm.runner
+    seqs = [ScheduledSeq([5, 6, 7], 0, [1], [SamplingRow()])]
+    step_input = r.build_step_input(seqs)
+    sampling = SamplingInput.build(
+        seqs[0].samples, len(step_input.logits_indices), r.config.vocab_size
+    )
+    lowered = runner_mod._step.lower(
+        r.params,
+        r.kv_pool,
+        jax.device_put(step_input, r._inputs),
+        jax.device_put(sampling, r._inputs),
+        r.config,
+        r.backend,
+        r.mesh,
+    )
+    return lowered.compile().as_text()
+
+
+def run(path: str, prompts, degrees, block_size: int) -> dict:
+    report = {}
+    for tp in degrees:
+        try:
+            llm = LLM(
+                path,
+                block_size=block_size,
+                num_blocks=64,
+                max_model_len=256,
+                tensor_parallel_size=tp,
+            )
+        except ValueError as e:
+            report[tp] = {"error": str(e)}
+            continue
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        pool = [a for kv in llm.runner.kv_pool for a in kv]
+        params = jax.tree.leaves(llm.runner.params)
+        entry = {
+            "tokens": [o.outputs[0].token_ids for o in outs],
+            "kv_bytes": device_bytes(pool),
+            "param_bytes": device_bytes(params),
+        }
+        if tp > 1:
+            hlo = step_hlo(llm)
+            pool_shape = "[{},{},{},{}]".format(*pool[0].shape)
+            entry["all_gathers_of_pool"] = [
+                line.strip()
+                for line in hlo.splitlines()
+                if "all-gather" in line and pool_shape in line
+            ]
+            entry["num_all_reduces"] = hlo.count("all-reduce(")
+        report[tp] = entry
+        llm.close()
+    return report
+
+
+def main() -> None:
+    tmp = Path(sys.argv[1])
+    make_tiny_model("llama_gqa", tmp / "tiny")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (5, 16, 30)]
+    report = {"tiny": run(str(tmp / "tiny"), prompts, (1, 2, 4), block_size=8)}
+    if "--smollm" in sys.argv:
+        smol = ["The capital of France is", "def fibonacci(n):"]
+        report["smollm"] = run(default_model_path(), smol, (1, 2, 3), block_size=16)
+    print("REPORT " + json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
