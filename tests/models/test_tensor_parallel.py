@@ -50,9 +50,13 @@ def test_each_device_holds_a_slice(report, model, tp):
     entry, k = report[model][tp], int(tp)
     on_device, total = entry["kv_bytes"]
     assert on_device * k == total  # the pool is split evenly by kv heads
+    # Attention and MLP weights are split k ways; norms, embedding and LM head are replicated.
+    for name, (on_device, total) in entry["params"].items():
+        split = "self_attn" in name or "mlp" in name
+        split = split and not name.endswith("o_proj/bias") and not name.endswith("down_proj/bias")
+        assert on_device * (k if split else 1) == total, name
     on_device, total = entry["param_bytes"]
-    # Attention and MLP weights split k ways; norms and the (replicated) embedding do not.
-    assert on_device < total / k * 1.6 if model == "tiny" else on_device < total * 0.6
+    print(f"{model} tp={k}: {on_device / total:.3f} of the parameter bytes on each device")
 
 
 @pytest.mark.parametrize("model, tp", [("tiny", "2"), ("tiny", "4"), ("smollm", "3")])
@@ -60,3 +64,9 @@ def test_step_never_gathers_the_kv_pool(report, model, tp):
     entry = report[model][tp]
     assert entry["all_gathers_of_pool"] == []
     assert entry["num_all_reduces"] > 0  # row-parallel projections are summed across devices
+
+
+def test_cached_params_restore_straight_into_the_sharded_layout(report):
+    restored = report["sharded_restore"]
+    assert restored["shape"] == [64, 64]
+    assert restored["shards"] == [[64, 32], [64, 32]]  # each device holds its heads' columns

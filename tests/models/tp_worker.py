@@ -16,7 +16,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the packages first, then test
 from hf_models import make_tiny_model  # noqa: E402
 
 import pagedjax.runner as runner_mod  # noqa: E402
-from models.loader import default_model_path  # noqa: E402
+from models.loader import default_model_path, load_model  # noqa: E402
+from models.sharding import make_mesh  # noqa: E402
 from pagedjax import LLM, SamplingParams  # noqa: E402
 from pagedjax.runner import ScheduledSeq  # noqa: E402
 from pagedjax.sampler import SamplingInput, SamplingRow  # noqa: E402
@@ -66,11 +67,14 @@ def run(path: str, prompts, degrees, block_size: int) -> dict:
             continue
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         pool = [a for kv in llm.runner.kv_pool for a in kv]
-        params = jax.tree.leaves(llm.runner.params)
+        params = jax.tree_util.tree_flatten_with_path(llm.runner.params)[0]
         entry = {
             "tokens": [o.outputs[0].token_ids for o in outs],
             "kv_bytes": device_bytes(pool),
-            "param_bytes": device_bytes(params),
+            "param_bytes": device_bytes([p for _, p in params]),
+            "params": {  # name -> (bytes on device 0, total bytes)
+                "/".join(k.key for k in path): device_bytes([p]) for path, p in params
+            },
         }
         if tp > 1:
             hlo = step_hlo(llm)
@@ -92,6 +96,13 @@ def main() -> None:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 256, n).tolist() for n in (5, 16, 30)]
     report = {"tiny": run(str(tmp / "tiny"), prompts, (1, 2, 4), block_size=8)}
+    # The converted params are cached now: a load onto a mesh restores each device's slices.
+    q = load_model(str(tmp / "tiny"), mesh=make_mesh(2)).params["layers_0"]["self_attn"]
+    q = q["q_proj"]["kernel"]
+    report["sharded_restore"] = {
+        "shape": q.shape,
+        "shards": [list(s.data.shape) for s in q.addressable_shards],
+    }
     if "--smollm" in sys.argv:
         smol = ["The capital of France is", "def fibonacci(n):"]
         report["smollm"] = run(default_model_path(), smol, (1, 2, 3), block_size=16)
