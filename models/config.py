@@ -77,6 +77,14 @@ class ModelConfig:
         return SUPPORTED_ARCHITECTURES[self.architecture]
 
     @property
+    def max_context_len(self) -> int:
+        """The longest sequence the model supports (its sliding window caps it: the attention
+        kernels attend to the whole context)."""
+        return min(
+            self.max_position_embeddings, self.sliding_window or self.max_position_embeddings
+        )
+
+    @property
     def rope_params(self) -> dict[str, Any]:
         return dict(self.rope_scaling or ())
 

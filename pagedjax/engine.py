@@ -77,7 +77,7 @@ class LLMEngine:
         params = replicate_kv_heads(loaded.params, mc, tp)
         self.tokenizer = load_tokenizer(loaded)
         cache, sched = config.cache, config.scheduler
-        limit = min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
+        limit = mc.max_context_len
         if sched.max_model_len > limit:
             raise ValueError(
                 f"max_model_len={sched.max_model_len} exceeds the model's limit of {limit} tokens"
@@ -544,7 +544,6 @@ class LLM:
             model or default_model_path(), dtype=dtype, cache_dir=cache_dir, mesh=mesh
         )
         mc = loaded.config
-        limit = min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
         config = EngineConfig(
             model=loaded.source,
             dtype=dtype,
@@ -555,7 +554,7 @@ class LLM:
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs,
-                max_model_len or min(limit, 8192),
+                max_model_len or min(mc.max_context_len, 8192),
                 max_num_batched_tokens,
                 enable_chunked_prefill,
                 preemption_mode,
