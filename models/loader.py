@@ -17,6 +17,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import Mesh
 
 from models.config import ModelConfig
@@ -205,8 +206,10 @@ def convert(
     mesh: Mesh | None = None,
 ) -> dict:
     """Rename and reshape checkpoint tensors into our parameter tree, checking every shape."""
-    expected = _flatten(param_shapes(config, dtype))
-    placement = _flatten(param_shardings(param_shapes(config, dtype), mesh)) if mesh else {}
+    expected = flatten_dict(param_shapes(config, dtype), sep="/")
+    placement = (
+        flatten_dict(param_shardings(param_shapes(config, dtype), mesh), sep="/") if mesh else {}
+    )
     patterns = [(re.compile(k), v) for k, v in weight_map.items()]
     flat: dict[str, jax.Array] = {}
     for name, array in tensors:
@@ -230,7 +233,7 @@ def convert(
     missing = sorted(set(expected) - set(flat))
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} parameters, e.g. {missing[:5]}")
-    return _unflatten(flat)
+    return unflatten_dict(flat, sep="/")
 
 
 def _match(name: str, patterns) -> tuple[str, Transform] | None:
@@ -365,27 +368,6 @@ def _save(ckpt: Path, config: ModelConfig, params: dict) -> None:
         checkpointer.wait_until_finished()
     (ckpt / "config.json").write_text(json.dumps(config.to_dict()))
     (ckpt / "COMPLETE").touch()
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}/"))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _unflatten(flat: dict) -> dict:
-    tree: dict = {}
-    for path, v in flat.items():
-        *parents, leaf = path.split("/")
-        node = tree
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = v
-    return tree
 
 
 def load_tokenizer(loaded: LoadedModel):

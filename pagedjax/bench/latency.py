@@ -16,11 +16,11 @@ compilation is not counted as latency; programs still compiled while timed are r
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
 
+from pagedjax.bench import emit
 from pagedjax.bench.throughput import synthetic_requests
 
 PERCENTILES = (50, 90, 99)
@@ -173,11 +173,7 @@ def run(args) -> int:
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
     res = benchmark(args)
-    if args.json:
-        print(json.dumps(res, indent=2))
-    else:
-        print_report(res)
-    return 0
+    return emit(res, args.json, print_report)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pagedjax.bench import emit
 from pagedjax.bench.block_utilization import simulate_contiguous, simulate_paged
 from pagedjax.bench.workload import sharegpt_like
 
@@ -366,11 +367,7 @@ def run(args) -> int:
         res["swap"] = swap_vs_recompute(
             args.swap_model or default_model_path(), args.swap_tokens, args.repeats
         )
-    if args.json:
-        print(json.dumps(res, indent=2))
-    else:
-        print_report(res)
-    return 0
+    return emit(res, args.json, print_report)
 
 
 def main(argv: list[str] | None = None) -> int:

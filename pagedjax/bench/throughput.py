@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pagedjax.bench import emit
 from pagedjax.bench.workload import sharegpt_like
 
 
@@ -305,11 +306,7 @@ def run(args) -> int:
     if args.num_requests < 1:
         raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
     res = benchmark(args)
-    if args.json:
-        print(json.dumps(res, indent=2))
-    else:
-        print_report(res)
-    return 0
+    return emit(res, args.json, print_report)
 
 
 if __name__ == "__main__":
