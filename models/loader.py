@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from models.config import ModelConfig
@@ -187,6 +188,8 @@ def load_model(
         cache_dir or os.environ.get("PAGEDJAX_CACHE_DIR") or Path.home() / ".cache" / "pagedjax"
     )
     ckpt = cache_root / "params" / _cache_key(files, dtype)
+    if jax.process_count() > 1:  # one orbax checkpoint written by all processes: shared disk
+        use_cache = use_cache and _seen_by_all_processes(cache_root)
     cached = _restore(ckpt, dtype, mesh) if use_cache else None
     if cached is not None:
         config, params = cached
@@ -342,8 +345,30 @@ def _cache_key(files: list[Path], dtype: str) -> str:
     return h.hexdigest()[:24]
 
 
+def _all_processes(flag: bool) -> bool:
+    """Whether ``flag`` holds on every process (each process calls this)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.min(multihost_utils.process_allgather(np.asarray(flag, np.int32))))
+
+
+def _seen_by_all_processes(root: Path) -> bool:
+    """Whether every process sees ``root`` as the same directory: process 0 leaves a uniquely
+    named file there and the others look for it."""
+    token = np.frombuffer(os.urandom(16), np.uint8)
+    probe = root / f".probe-{bytes(multihost_utils.broadcast_one_to_all(token)).hex()}"
+    if jax.process_index() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+    multihost_utils.sync_global_devices("pagedjax: cache probe written")
+    shared = _all_processes(probe.exists())  # every process has looked once this returns
+    if jax.process_index() == 0:
+        probe.unlink()
+    return shared
+
+
 def _restore(ckpt: Path, dtype: str, mesh: Mesh | None) -> tuple[ModelConfig, dict] | None:
-    if not (ckpt / "COMPLETE").exists():
+    if not _all_processes((ckpt / "COMPLETE").exists()):
         return None
     import orbax.checkpoint as ocp
 
@@ -366,8 +391,9 @@ def _save(ckpt: Path, config: ModelConfig, params: dict) -> None:
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save((ckpt / "params").absolute(), params, force=True)
         checkpointer.wait_until_finished()
-    (ckpt / "config.json").write_text(json.dumps(config.to_dict()))
-    (ckpt / "COMPLETE").touch()
+    if jax.process_index() == 0:
+        (ckpt / "config.json").write_text(json.dumps(config.to_dict()))
+        (ckpt / "COMPLETE").touch()
 
 
 def load_tokenizer(loaded: LoadedModel):

@@ -20,6 +20,7 @@ from models.loader import LoadedModel, default_model_path, load_model, load_toke
 from models.sharding import make_mesh, replicate_kv_heads, sharded_config
 from pagedjax.block_manager import BlockManager
 from pagedjax.config import DEFAULT_CPU_KV_SPACE_GIB, CacheConfig, EngineConfig, SchedulerConfig
+from pagedjax.distributed import Channel, agree_min, check_tensor_parallel_size
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.runner import Runner, ScheduledSeq
 from pagedjax.sampler import SamplingRow
@@ -65,14 +66,19 @@ class _Request:
 
 
 class LLMEngine:
-    """The serving engine: requests in, one step at a time, RequestOutputs out."""
+    """The serving engine: requests in, one step at a time, RequestOutputs out.
+
+    In a multi-process run every process builds one; process 0's (the driver) takes requests
+    and steps, the others (followers) replay its device operations in ``follow``.
+    """
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
-        loaded = loaded or load_model(config.model, dtype=config.dtype)
-        self.model_config = mc = loaded.config
         tp = config.tensor_parallel_size
+        check_tensor_parallel_size(tp)
         mesh = make_mesh(tp) if tp > 1 else None
+        loaded = loaded or load_model(config.model, dtype=config.dtype, mesh=mesh)
+        self.model_config = mc = loaded.config
         device_config = sharded_config(mc, tp)  # KV heads replicated when tp > num_kv_heads
         params = replicate_kv_heads(loaded.params, mc, tp)
         self.tokenizer = load_tokenizer(loaded)
@@ -83,7 +89,7 @@ class LLMEngine:
                 f"max_model_len={sched.max_model_len} exceeds the model's limit of {limit} tokens"
             )
         bytes_per_block = kv_pool_bytes_per_block(device_config, cache.block_size, config.dtype)
-        num_blocks = cache.num_blocks or self._auto_num_blocks(bytes_per_block)
+        num_blocks = cache.num_blocks or agree_min(self._auto_num_blocks(bytes_per_block))
         if (num_blocks - 1) * cache.block_size < sched.max_model_len:
             raise ValueError(
                 f"num_blocks={num_blocks} (x block_size {cache.block_size}) cannot hold one "
@@ -112,7 +118,9 @@ class LLMEngine:
             max_model_len=sched.max_model_len,
             num_host_blocks=num_host_blocks,
             mesh=mesh,
+            channel=Channel() if jax.process_count() > 1 else None,
         )
+        self._stopped = False  # a follower saw the driver close the engine
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -125,7 +133,7 @@ class LLMEngine:
         space = self.config.cache.kv_cache_space_gib
         if space is not None:
             return int(space * 2**30 // bytes_per_block)
-        device = jax.devices()[0]
+        device = jax.local_devices()[0]
         mem = device.memory_stats() if device.platform != "cpu" else None
         if mem and "bytes_limit" in mem:
             free = 0.9 * (mem["bytes_limit"] - mem.get("bytes_in_use", 0))
@@ -147,8 +155,21 @@ class LLMEngine:
                 raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
         return None, [int(t) for t in ids]
 
+    @property
+    def is_driver(self) -> bool:
+        """Whether this process schedules (always, in a single-process run)."""
+        return self.runner.channel is None or self.runner.channel.is_driver
+
+    def _require_driver(self, what: str) -> None:
+        if not self.is_driver:
+            raise RuntimeError(
+                f"{what}: process {jax.process_index()} follows process 0, which alone takes "
+                "requests and steps; call follow() here"
+            )
+
     def add_request(self, request_id: str, prompt: Prompt, params: Params) -> None:
         """Queue a request. Bad input raises ValueError here and leaves the engine untouched."""
+        self._require_driver("add_request")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if not isinstance(params, SamplingParams | BeamSearchParams):
@@ -209,6 +230,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and post-process one step; outputs of the requests it advanced."""
+        self._require_driver("step")
         out = self.scheduler.schedule()
         runner, costs = self.runner, self.scheduler.cost_model
         touched = {g.request_id for g in out.aborted}
@@ -509,8 +531,38 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_cache_hits,
         )
 
+    # ---- multi-process --------------------------------------------------------------------
+
+    def broadcast(self, op: str, payload=None) -> None:
+        """Driver: send a message that followers' ``follow`` returns (no-op in one process)."""
+        if self.runner.channel is not None:
+            self.runner.channel.send((op, payload))
+
+    def keep_alive(self) -> None:
+        """Driver, while idle: let the followers' pending collective complete (a "noop")."""
+        self.broadcast("noop")
+
+    def follow(self, until: frozenset[str] = frozenset({"stop"})) -> tuple[str, object]:
+        """Follower: replay the driver's steps until one of the messages ``until`` (or "stop",
+        sent by the driver's ``close``); returns it as ``(op, payload)``."""
+        if self.is_driver:
+            raise RuntimeError("follow() is for processes other than 0; process 0 drives")
+        while True:
+            op, payload = self.runner.follow()
+            if op == "stop":
+                self._stopped = True
+            if op in until or op == "stop":
+                return op, payload
+
     def close(self) -> None:
-        """Free the device KV pool and parameters; the engine is unusable afterwards."""
+        """Free the device KV pool and parameters; the engine is unusable afterwards. In a
+        multi-process run every process calls it; the driver's tells the followers to stop."""
+        if self.runner.channel is not None and not self._stopped:
+            self._stopped = True
+            if self.is_driver:
+                self.broadcast("stop")
+            else:
+                self.follow()
         self.runner.free_device_memory()
         for leaf in jax.tree.leaves(self.runner.params):
             leaf.delete()
@@ -539,6 +591,7 @@ class LLM:
         seed: int = 0,
         cache_dir: str | None = None,
     ):
+        check_tensor_parallel_size(tensor_parallel_size)
         mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
         loaded = load_model(
             model or default_model_path(), dtype=dtype, cache_dir=cache_dir, mesh=mesh
@@ -562,6 +615,7 @@ class LLM:
         )
         self.engine = LLMEngine(config, loaded)
         self._request_ids = itertools.count()
+        self._driver_stats: EngineStats | None = None  # a follower's copy of the driver's
 
     @property
     def config(self) -> EngineConfig:
@@ -620,6 +674,8 @@ class LLM:
         return self.generate(ids, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, prompts: list[Prompt], params: list[Params], use_tqdm: bool):
+        if not self.engine.is_driver:
+            return self._follow_run()
         ids = [f"offline-{next(self._request_ids)}" for _ in prompts]
         added = []
         try:
@@ -630,7 +686,9 @@ class LLM:
             for request_id in added:
                 self.engine.abort_request(request_id)
             index = len(added)
-            raise ValueError(f"prompt {index}: {e}") from e
+            error = ValueError(f"prompt {index}: {e}")
+            self.engine.broadcast("error", str(error))
+            raise error from e
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), disable=not use_tqdm, desc="generating") as bar:
             while len(results) < len(ids):
@@ -638,9 +696,25 @@ class LLM:
                     if out.finished and out.request_id in added:
                         results[out.request_id] = out
                         bar.update(1)
-        return [results[r] for r in ids]
+        outputs = [results[r] for r in ids]
+        self.engine.broadcast("return", (outputs, self.engine.get_stats()))
+        return outputs
+
+    def _follow_run(self) -> list[RequestOutput]:
+        """A follower's generate/chat/beam_search: replay the driver's steps, then return the
+        driver's outputs, so that every process of one program sees the same results."""
+        op, payload = self.engine.follow(until=frozenset({"return", "error"}))
+        if op == "error":
+            raise ValueError(payload)
+        if op == "stop":
+            raise RuntimeError("process 0 closed the engine")
+        outputs, self._driver_stats = payload
+        return outputs
 
     def get_stats(self) -> EngineStats:
+        """The engine's statistics (a follower reports the driver's, as of its last run)."""
+        if not self.engine.is_driver and self._driver_stats is not None:
+            return self._driver_stats
         return self.engine.get_stats()
 
     def close(self) -> None:

@@ -4,6 +4,9 @@ Each step: build one ``StepInput`` (numpy, padded to shape buckets so a long run
 set of programs), then call one jitted step with the KV pool donated:
 ``step(params, kv_pool, step_input, sampling) -> (SamplerOutput, kv_pool)``. Block copies and
 swaps requested by the scheduler run before the step that needs them.
+
+In a multi-process run (``pagedjax.distributed``) every device operation goes through ``_call``:
+the driver broadcasts it with its host arrays and the followers, looping in ``follow``, replay it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from models.config import ModelConfig
 from models.llama import forward, init_kv_pool
 from models.sharding import pool_sharding, shard_params
 from models.step_input import StepInput
+from pagedjax.distributed import Channel
 from pagedjax.sampler import SamplerOutput, SamplingInput, SamplingRow, sample
 
 
@@ -82,6 +86,7 @@ class Runner:
         num_host_blocks: int = 0,
         backend: str = "auto",
         mesh: Mesh | None = None,
+        channel: Channel | None = None,
     ):
         self.config = config
         self.params = params
@@ -100,8 +105,11 @@ class Runner:
         pool = pool_sharding(mesh) if mesh is not None else None
         self.kv_pool = init_kv_pool(config, num_blocks, block_size, self.dtype, pool)
         self.num_host_blocks = num_host_blocks
-        self.host_pool = None  # numpy, per layer (k, v) [num_kv_heads, num_host_blocks, bs, hd]
+        # Swapped-out blocks, per local device (its slice of the kv heads): device id -> per
+        # layer (k, v), numpy [local_kv_heads, num_host_blocks, block_size, head_dim].
+        self.host_pool: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
         self.num_compilations = 0  # programs compiled because of this runner's steps
+        self.channel = channel  # set in a multi-process run
 
     def build_step_input(self, seqs: list[ScheduledSeq]) -> StepInput:
         """Pack the sequences' tokens (numpy), padded to buckets."""
@@ -167,6 +175,10 @@ class Runner:
             self.config.vocab_size,
             min(bucket(num_top_logprobs), self.config.vocab_size) if num_top_logprobs else 0,
         )
+        out = self._call("_run_step", step_input, sampling)
+        return jax.tree.map(lambda x: np.asarray(x)[: len(rows)], out)
+
+    def _run_step(self, step_input: StepInput, sampling: SamplingInput) -> SamplerOutput:
         traces = _num_traces
         out, self.kv_pool = _step(
             self.params,
@@ -178,47 +190,65 @@ class Runner:
             self.mesh,
         )
         self.num_compilations += _num_traces - traces
-        return jax.tree.map(lambda x: np.asarray(x)[: len(rows)], out)
+        return out
 
     # ---- block moves (before the step that needs them) ------------------------------------
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src -> block dst in every layer."""
-        src, dst = _padded_ids(pairs)
-        self.kv_pool = pallas_kernels.copy_blocks(self.kv_pool, src, dst)
+        self._call("_copy", *_padded_ids(pairs))
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Device block -> host block, for every layer."""
-        dev, host = _padded_ids(pairs)
-        blocks = jax.device_get(pallas_kernels.gather_blocks(self.kv_pool, dev))
-        n = len(pairs)
-        for (hk, hv), (bk, bv) in zip(self._host_pool(), blocks, strict=True):
-            hk[:, host[:n]] = bk[:, :n]
-            hv[:, host[:n]] = bv[:, :n]
+        if not self.num_host_blocks:
+            raise ValueError("no host swap space: set swap_space_gib > 0 to swap")
+        self._call("_swap_out", *_padded_ids(pairs))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Host block -> device block, for every layer."""
-        host, dev = _padded_ids(pairs)
+        self._call("_swap_in", *_padded_ids(pairs))
+
+    def _copy(self, src: np.ndarray, dst: np.ndarray) -> None:
+        self.kv_pool = pallas_kernels.copy_blocks(self.kv_pool, src, dst)
+
+    def _swap_out(self, dev: np.ndarray, host: np.ndarray) -> None:
+        # Each process keeps its own devices' slices (the only ones it can read).
+        blocks = pallas_kernels.gather_blocks(self.kv_pool, dev)  # per layer [Hkv, n_b, bs, hd]
+        n = int((dev >= 0).sum())
+        for layer, pair in enumerate(blocks):
+            for kv, gathered in enumerate(pair):
+                for shard in gathered.addressable_shards:
+                    dst = self._host_blocks(shard.device, shard.data.shape[0])[layer][kv]
+                    dst[:, host[:n]] = np.asarray(shard.data)[:, :n]
+
+    def _swap_in(self, host: np.ndarray, dev: np.ndarray) -> None:
         host = np.where(host < 0, 0, host)  # padding rows carry host block 0; dev -1 drops them
-        blocks = tuple((hk[:, host], hv[:, host]) for hk, hv in self._host_pool())
+
+        def load(pages: jax.Array, layer: int, kv: int) -> jax.Array:
+            # This process's slices of the blocks, assembled into one array sharded like the pool.
+            shards = [
+                jax.device_put(
+                    self._host_blocks(s.device, s.data.shape[0])[layer][kv][:, host], s.device
+                )
+                for s in pages.addressable_shards
+            ]
+            shape = (pages.shape[0], len(host), *pages.shape[2:])
+            return jax.make_array_from_single_device_arrays(shape, pages.sharding, shards)
+
+        blocks = tuple(
+            (load(k, layer, 0), load(v, layer, 1)) for layer, (k, v) in enumerate(self.kv_pool)
+        )
         self.kv_pool = pallas_kernels.scatter_blocks(self.kv_pool, dev, blocks)
 
-    def _host_pool(self):
-        if self.host_pool is None:
-            if not self.num_host_blocks:
-                raise ValueError("no host swap space: set swap_space_gib > 0 to swap")
-            shape = (
-                self.config.num_kv_heads,
-                self.num_host_blocks,
-                self.block_size,
-                self.config.head_dim,
-            )
+    def _host_blocks(self, device, num_heads: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        if device.id not in self.host_pool:
+            shape = (num_heads, self.num_host_blocks, self.block_size, self.config.head_dim)
             dtype = np.dtype(self.dtype)
-            self.host_pool = tuple(
+            self.host_pool[device.id] = [
                 (np.zeros(shape, dtype), np.zeros(shape, dtype))
                 for _ in range(self.config.num_layers)
-            )
-        return self.host_pool
+            ]
+        return self.host_pool[device.id]
 
     def forward_logits(self, seqs: list[ScheduledSeq], all_positions: bool = False) -> np.ndarray:
         """Logits for the last token of each sequence, or for every scheduled token (testing and
@@ -227,6 +257,9 @@ class Runner:
         lengths = np.asarray([len(s.token_ids) for s in seqs])
         rows = np.arange(lengths.sum()) if all_positions else np.cumsum(lengths) - 1
         step_input = step_input.replace(logits_indices=rows.astype(np.int32))
+        return np.asarray(self._call("_run_forward", step_input))
+
+    def _run_forward(self, step_input: StepInput) -> jax.Array:
         logits, self.kv_pool = _forward(
             self.params,
             self.kv_pool,
@@ -235,13 +268,33 @@ class Runner:
             self.backend,
             self.mesh,
         )
-        return np.asarray(logits)
+        return logits
+
+    # ---- multi-process ---------------------------------------------------------------------
+
+    def _call(self, op: str, *args):
+        """Run device operation ``op`` here and, in a multi-process run, on every follower."""
+        if self.channel is not None:
+            self.channel.send((op, args))
+        return getattr(self, op)(*args)
+
+    def follow(self):
+        """Follower: replay the driver's device operations until a message that is not one
+        (the caller's business, e.g. "stop"); returns that message as ``(op, payload)``."""
+        while True:
+            op, args = self.channel.recv()
+            if op not in _DEVICE_OPS:
+                return op, args
+            getattr(self, op)(*args)
 
     def free_device_memory(self) -> None:
         for k, v in self.kv_pool:
             k.delete()
             v.delete()
         self.kv_pool = ()
+
+
+_DEVICE_OPS = frozenset({"_run_step", "_run_forward", "_copy", "_swap_out", "_swap_in"})
 
 
 def _padded_ids(pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -34,6 +34,9 @@ logger = logging.getLogger("pagedjax.api_server")
 DEFAULT_MAX_QUEUE = 256  # requests waiting for admission before new ones get 503
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 _POLL_S = 0.25  # how often a waiting handler checks that its client is still there
+# Multi-process: how often an idle driver pings its followers, so that the collective they wait
+# in never sits long enough to time out.
+_KEEP_ALIVE_S = 10.0
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -209,11 +212,16 @@ class EngineLoop:
     # -- on the engine thread --
 
     def _run(self) -> None:
+        last_step = time.monotonic()
         while not self._stop:
             self._drain(block=not self.engine.has_unfinished_requests())
             if self._stop:
                 break
+            if time.monotonic() - last_step > _KEEP_ALIVE_S:
+                self.engine.keep_alive()
+                last_step = time.monotonic()
             if self.engine.has_unfinished_requests():
+                last_step = time.monotonic()
                 try:
                     outputs = self.engine.step()
                 except Exception as e:  # keep serving: fail the requests in flight
@@ -832,6 +840,10 @@ def serve(
 
     model = model or default_model_path()
     llm = LLM(model, **llm_kwargs)
+    if not llm.engine.is_driver:  # multi-process: process 0 serves; this one replays its steps
+        llm.engine.follow()
+        llm.close()
+        return
     app = build_app(
         llm.engine,
         served_model_name or model,
@@ -839,4 +851,7 @@ def serve(
         max_queue=max_queue,
         max_body_bytes=max_body_bytes,
     )
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    finally:
+        llm.close()  # in a multi-process run this stops the followers

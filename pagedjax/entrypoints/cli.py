@@ -24,9 +24,29 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="split weights and KV heads across this many devices",
     )
+    multi = p.add_argument_group(
+        "multi-process (multi-host)",
+        "run the same command on every host; process 0 schedules (and serves HTTP), the others "
+        "follow it. Defaults come from PAGEDJAX_COORDINATOR_ADDRESS, PAGEDJAX_NUM_PROCESSES and "
+        "PAGEDJAX_PROCESS_ID; --tensor-parallel-size must then count the devices of all hosts",
+    )
+    multi.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0")
+    multi.add_argument("--num-processes", type=int, default=None)
+    multi.add_argument("--process-id", type=int, default=None)
+
+
+def _initialize_distributed(args: argparse.Namespace) -> bool:
+    """Join the multi-process job the flags (or env) describe; True on process 0."""
+    from pagedjax import distributed
+
+    distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    import jax
+
+    return jax.process_index() == 0
 
 
 def _generate(args: argparse.Namespace) -> int:
+    is_driver = _initialize_distributed(args)
     from pagedjax import LLM, SamplingParams
 
     llm = LLM(
@@ -48,11 +68,14 @@ def _generate(args: argparse.Namespace) -> int:
         out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
     else:
         out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    st = llm.get_stats()
+    llm.close()
+    if not is_driver:  # a follower ran the same steps; process 0 reports
+        return 0
     completion = out.outputs[0]
     print(f"prompt ({len(out.prompt_token_ids)} tokens): {args.prompt!r}")
     print(f"output ({len(completion.token_ids)} tokens, finish={completion.finish_reason}):")
     print(completion.text)
-    st = llm.get_stats()
     bs = llm.config.cache.block_size
     print(
         f"\nKV pool: {st.num_blocks_total} blocks x {bs} tokens; peak {st.num_blocks_peak} blocks "
@@ -64,6 +87,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    _initialize_distributed(args)
     from pagedjax.entrypoints.api_server import serve
 
     serve(
