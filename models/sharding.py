@@ -1,10 +1,12 @@
 """Tensor parallelism by attention heads (Megatron-style) on a one-axis ``"tp"`` mesh.
 
 q/k/v projections are split by heads (columns), the output projection by rows; MLP gate/up by
-columns and down by rows; norms, embeddings and the LM head are replicated (a 135M-class model's
-embedding is small next to its layers; the sampler then sees whole logits without a gather). The
-KV pool is split on its kv-head axis, so each device holds its heads' slice of every block. When
-the degree exceeds num_kv_heads, KV heads are replicated (as vLLM does) so each device has one.
+columns and down by rows; the embedding and the LM head by vocabulary (vLLM's VocabParallelEmbedding
+and ParallelLMHead: a lookup becomes a masked lookup plus one all-reduce, and the sampler gathers
+its rows of logits); norms are replicated. A dimension that the degree does not divide stays
+replicated. The KV pool is split on its kv-head axis, so each device holds its heads' slice of
+every block. When the degree exceeds num_kv_heads, KV heads are replicated (as vLLM does) so each
+device has one.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ POOL_SPEC = P(AXIS, None, None, None)  # [num_kv_heads, num_blocks, block_size, 
 
 # Parameter path suffix -> partition spec (Dense kernels are [in, out]).
 _RULES = {
+    ("embed_tokens", "embedding"): P(AXIS, None),  # [vocab, hidden]; tied: also the LM head
+    ("lm_head", "kernel"): P(None, AXIS),  # [hidden, vocab]
     ("self_attn", "q_proj", "kernel"): P(None, AXIS),
     ("self_attn", "k_proj", "kernel"): P(None, AXIS),
     ("self_attn", "v_proj", "kernel"): P(None, AXIS),

@@ -50,19 +50,20 @@ def test_each_device_holds_a_slice(report, model, tp):
     entry, k = report[model][tp], int(tp)
     on_device, total = entry["kv_bytes"]
     assert on_device * k == total  # the pool is split evenly by kv heads
-    # Attention and MLP weights are split k ways; norms, embedding and LM head are replicated.
+    # Attention and MLP weights are split k ways, embedding and LM head by vocabulary; norms
+    # (and the biases added after a row-parallel sum) are replicated.
     for name, (on_device, total) in entry["params"].items():
-        split = "self_attn" in name or "mlp" in name
-        split = split and not name.endswith("o_proj/bias") and not name.endswith("down_proj/bias")
-        assert on_device * (k if split else 1) == total, name
+        replicated = "norm" in name or name.endswith(("o_proj/bias", "down_proj/bias"))
+        assert on_device * (1 if replicated else k) == total, name
     on_device, total = entry["param_bytes"]
     print(f"{model} tp={k}: {on_device / total:.3f} of the parameter bytes on each device")
 
 
 @pytest.mark.parametrize("model, tp", [("tiny", "2"), ("tiny", "4"), ("smollm", "3")])
-def test_step_never_gathers_the_kv_pool(report, model, tp):
+def test_step_never_gathers_the_kv_pool_or_the_embedding(report, model, tp):
     entry = report[model][tp]
     assert entry["all_gathers_of_pool"] == []
+    assert entry["all_gathers_of_embedding"] == []  # vocab-split lookup: masked, then summed
     assert entry["num_all_reduces"] > 0  # row-parallel projections are summed across devices
 
 

@@ -85,6 +85,11 @@ def run(path: str, prompts, degrees, block_size: int) -> dict:
                 if "all-gather" in line and pool_shape in line
             ]
             entry["num_all_reduces"] = hlo.count("all-reduce(")
+            embed = llm.runner.params["embed_tokens"]["embedding"]
+            table = "[{},{}]".format(*embed.shape)
+            entry["all_gathers_of_embedding"] = [
+                line.strip() for line in hlo.splitlines() if "all-gather" in line and table in line
+            ]
         report[tp] = entry
         llm.close()
     return report
