@@ -53,7 +53,7 @@ def main(model_dir: str, out_dir: str, num_processes: int, process_id: int, port
         llm.engine.keep_alive()  # an idle driver's ping; followers pass over it
     sampled = llm.generate(
         prompts[:3],
-        SamplingParams(n=2, temperature=0.9, top_p=0.9, seed=7, max_tokens=12, logprobs=2),
+        SamplingParams(n=2, temperature=0.9, top_p=0.9, seed=7, max_tokens=12),
         use_tqdm=False,
     )
     seen["sampled"] = [[c.token_ids for c in o.outputs] for o in sampled]

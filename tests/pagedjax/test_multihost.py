@@ -121,6 +121,7 @@ def test_the_cache_is_shared_only_when_every_process_sees_it(runs):
     assert len(list((cache / "params").glob("*/COMPLETE"))) == 1  # written by both processes
 
 
+@pytest.mark.slow  # about 30 s more: two more processes load, compile and serve
 def test_serve_from_process_0_while_process_1_follows(model_dir, runs):
     one, _, cache = runs  # the two-process run's cache: each process restores its slices
     coordinator, http = free_port(), free_port()
