@@ -139,7 +139,17 @@ class _Engines:
             llm.close()
 
 
-def sharing(model: str, num_prompts: int, widths, seed: int, block_size: int = 16) -> dict:
+FEW_SHOT_PREFIXES = (("1-shot", 80), ("5-shot", 341))  # the paper's translation prompts, tokens
+
+
+def sharing(
+    model: str,
+    num_prompts: int,
+    widths,
+    seed: int,
+    block_size: int = 16,
+    prefixes=FEW_SHOT_PREFIXES,
+) -> dict:
     from pagedjax import BeamSearchParams, SamplingParams
 
     cfg = Path(model) / "config.json"  # an HF checkpoint directory; else a GGUF (big vocab)
@@ -181,7 +191,7 @@ def sharing(model: str, num_prompts: int, widths, seed: int, block_size: int = 1
         res["beam_search"][str(k)] = _saving(shared, unshared)
     res["shared_prefix"] = {}
     rng = np.random.default_rng(seed + 7)
-    for shots, prefix_len in (("1-shot", 80), ("5-shot", 341)):
+    for shots, prefix_len in prefixes:
         prefix = rng.integers(3, vocab, prefix_len).tolist()
         ps = [prefix + p for p in prompts]
         sp = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in out_lens]
