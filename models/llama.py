@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
@@ -212,7 +212,17 @@ class LlamaModel(nn.Module):
             logits = embed.attend(x)
         else:
             logits = _dense(c.vocab_size, False, self.dtype, "lm_head")(x)
+        if self.mesh is not None:
+            # The head is split by vocabulary: each device computes its columns of the logits,
+            # then the rows are gathered (not the head's weights) so every device has them whole.
+            if c.vocab_size % self.mesh.shape[AXIS] == 0:
+                logits = _constrain(logits, self.mesh, P(None, AXIS))
+            logits = _constrain(logits, self.mesh, P())
         return logits.astype(jnp.float32), tuple(new_pool)  # [num_logits, vocab]
+
+
+def _constrain(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def forward(

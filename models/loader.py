@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh
+from jax.sharding import Mesh, SingleDeviceSharding
 
 from models.config import ModelConfig
 from models.llama import param_shapes
@@ -187,9 +187,12 @@ def load_model(
     cache_root = Path(
         cache_dir or os.environ.get("PAGEDJAX_CACHE_DIR") or Path.home() / ".cache" / "pagedjax"
     )
-    ckpt = cache_root / "params" / _cache_key(files, dtype)
-    if jax.process_count() > 1:  # one orbax checkpoint written by all processes: shared disk
-        use_cache = use_cache and _seen_by_all_processes(cache_root)
+    key = _cache_key(files, dtype)
+    ckpt = cache_root / "params" / key
+    if jax.process_count() > 1 and use_cache:
+        # One orbax checkpoint written by all processes: it needs one shared directory and the
+        # same key everywhere (the key hashes the model files' paths, sizes and times).
+        use_cache = _seen_by_all_processes(cache_root) and _same_on_all_processes(key)
     cached = _restore(ckpt, dtype, mesh) if use_cache else None
     if cached is not None:
         config, params = cached
@@ -358,13 +361,22 @@ def _seen_by_all_processes(root: Path) -> bool:
     token = np.frombuffer(os.urandom(16), np.uint8)
     probe = root / f".probe-{bytes(multihost_utils.broadcast_one_to_all(token)).hex()}"
     if jax.process_index() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        probe.touch()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            probe.touch()
+        except OSError:  # e.g. read-only: then nobody sees the probe, and nobody waits forever
+            pass
     multihost_utils.sync_global_devices("pagedjax: cache probe written")
     shared = _all_processes(probe.exists())  # every process has looked once this returns
     if jax.process_index() == 0:
-        probe.unlink()
+        probe.unlink(missing_ok=True)
     return shared
+
+
+def _same_on_all_processes(text: str) -> bool:
+    """Whether every process has the same ``text`` as process 0."""
+    mine = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
+    return _all_processes(bool(np.array_equal(multihost_utils.broadcast_one_to_all(mine), mine)))
 
 
 def _restore(ckpt: Path, dtype: str, mesh: Mesh | None) -> tuple[ModelConfig, dict] | None:
@@ -374,12 +386,17 @@ def _restore(ckpt: Path, dtype: str, mesh: Mesh | None) -> tuple[ModelConfig, di
 
     config = ModelConfig.from_dict(json.loads((ckpt / "config.json").read_text()))
     target = param_shapes(config, dtype)
-    if mesh is not None:
-        target = jax.tree.map(
-            lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-            target,
-            param_shardings(target, mesh),
-        )
+    # Each array goes where this run wants it, whatever layout the run that saved it had.
+    shardings = (
+        param_shardings(target, mesh)
+        if mesh is not None
+        else jax.tree.map(lambda _: SingleDeviceSharding(jax.local_devices()[0]), target)
+    )
+    target = jax.tree.map(
+        lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+        target,
+        shardings,
+    )
     with ocp.StandardCheckpointer() as checkpointer:
         return config, checkpointer.restore(ckpt / "params", target)
 

@@ -39,8 +39,8 @@ def initialize(
     address = coordinator_address or os.environ.get(ENV_VARS["coordinator_address"])
     num = num_processes if num_processes is not None else _env_int("num_processes")
     pid = process_id if process_id is not None else _env_int("process_id")
-    if address is None and num is None and pid is None:
-        return jax.process_count() > 1
+    if address is None and num is None and pid is None:  # (leaves JAX's backend unstarted)
+        return jax.distributed.is_initialized() and jax.process_count() > 1
     if address is None or num is None or pid is None:
         missing = [
             name
@@ -55,9 +55,9 @@ def initialize(
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"coordinator_address must be HOST:PORT, got {address!r}")
-    if not isinstance(num, int) or num < 1:
+    if isinstance(num, bool) or not isinstance(num, int) or num < 1:
         raise ValueError(f"num_processes must be an integer >= 1, got {num!r}")
-    if not isinstance(pid, int) or not 0 <= pid < num:
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < num:
         raise ValueError(f"process_id must be in [0, {num}), got {pid!r}")
     if jax.distributed.is_initialized():
         if (jax.process_count(), jax.process_index()) != (num, pid):

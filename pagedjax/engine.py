@@ -120,7 +120,7 @@ class LLMEngine:
             mesh=mesh,
             channel=Channel() if jax.process_count() > 1 else None,
         )
-        self._stopped = False  # a follower saw the driver close the engine
+        self._stopped = False  # multi-process: the driver has told the followers to stop
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -135,11 +135,10 @@ class LLMEngine:
             return int(space * 2**30 // bytes_per_block)
         device = jax.local_devices()[0]
         mem = device.memory_stats() if device.platform != "cpu" else None
-        if mem and "bytes_limit" in mem:
+        if mem and "bytes_limit" in mem:  # each device holds 1/tp of every block (its heads)
             free = 0.9 * (mem["bytes_limit"] - mem.get("bytes_in_use", 0))
-        else:
-            free = DEFAULT_CPU_KV_SPACE_GIB * 2**30
-        return int(free // bytes_per_block)
+            return int(free // (bytes_per_block // self.config.tensor_parallel_size))
+        return int(DEFAULT_CPU_KV_SPACE_GIB * 2**30 // bytes_per_block)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -534,12 +533,14 @@ class LLMEngine:
     # ---- multi-process --------------------------------------------------------------------
 
     def broadcast(self, op: str, payload=None) -> None:
-        """Driver: send a message that followers' ``follow`` returns (no-op in one process)."""
-        if self.runner.channel is not None:
+        """Driver: send a message that followers' ``follow`` returns (no-op in one process, or
+        once the engine is closed: the followers have gone)."""
+        if self.runner.channel is not None and not self._stopped:
             self.runner.channel.send((op, payload))
 
     def keep_alive(self) -> None:
-        """Driver, while idle: let the followers' pending collective complete (a "noop")."""
+        """Driver, while idle: a "noop", so that followers waiting in the broadcast hear from
+        it regularly (a collective backend may time out a wait of hours)."""
         self.broadcast("noop")
 
     def follow(self, until: frozenset[str] = frozenset({"stop"})) -> tuple[str, object]:
@@ -547,6 +548,8 @@ class LLMEngine:
         sent by the driver's ``close``); returns it as ``(op, payload)``."""
         if self.is_driver:
             raise RuntimeError("follow() is for processes other than 0; process 0 drives")
+        if self._stopped:
+            raise RuntimeError("the engine is closed")
         while True:
             op, payload = self.runner.follow()
             if op == "stop":
@@ -558,11 +561,11 @@ class LLMEngine:
         """Free the device KV pool and parameters; the engine is unusable afterwards. In a
         multi-process run every process calls it; the driver's tells the followers to stop."""
         if self.runner.channel is not None and not self._stopped:
-            self._stopped = True
             if self.is_driver:
                 self.broadcast("stop")
+                self._stopped = True
             else:
-                self.follow()
+                self.follow()  # until the driver's "stop"
         self.runner.free_device_memory()
         for leaf in jax.tree.leaves(self.runner.params):
             leaf.delete()
@@ -679,23 +682,24 @@ class LLM:
         ids = [f"offline-{next(self._request_ids)}" for _ in prompts]
         added = []
         try:
-            for request_id, prompt, p in zip(ids, prompts, params, strict=True):
-                self.engine.add_request(request_id, prompt, p)
-                added.append(request_id)
-        except ValueError as e:
-            for request_id in added:
+            try:
+                for request_id, prompt, p in zip(ids, prompts, params, strict=True):
+                    self.engine.add_request(request_id, prompt, p)
+                    added.append(request_id)
+            except ValueError as e:
+                raise ValueError(f"prompt {len(added)}: {e}") from e
+            results: dict[str, RequestOutput] = {}
+            with tqdm(total=len(ids), disable=not use_tqdm, desc="generating") as bar:
+                while len(results) < len(ids):
+                    for out in self.engine.step():
+                        if out.finished and out.request_id in added:
+                            results[out.request_id] = out
+                            bar.update(1)
+        except BaseException as e:
+            for request_id in added:  # this call's requests leave the engine with it
                 self.engine.abort_request(request_id)
-            index = len(added)
-            error = ValueError(f"prompt {index}: {e}")
-            self.engine.broadcast("error", str(error))
-            raise error from e
-        results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), disable=not use_tqdm, desc="generating") as bar:
-            while len(results) < len(ids):
-                for out in self.engine.step():
-                    if out.finished and out.request_id in added:
-                        results[out.request_id] = out
-                        bar.update(1)
+            self.engine.broadcast("error", (isinstance(e, ValueError), str(e)))
+            raise
         outputs = [results[r] for r in ids]
         self.engine.broadcast("return", (outputs, self.engine.get_stats()))
         return outputs
@@ -705,7 +709,8 @@ class LLM:
         driver's outputs, so that every process of one program sees the same results."""
         op, payload = self.engine.follow(until=frozenset({"return", "error"}))
         if op == "error":
-            raise ValueError(payload)
+            bad_input, message = payload
+            raise ValueError(message) if bad_input else RuntimeError(f"process 0: {message}")
         if op == "stop":
             raise RuntimeError("process 0 closed the engine")
         outputs, self._driver_stats = payload

@@ -12,6 +12,7 @@ the driver broadcasts it with its host arrays and the followers, looping in ``fo
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import numpy as np
@@ -24,6 +25,8 @@ from models.sharding import pool_sharding, shard_params
 from models.step_input import StepInput
 from pagedjax.distributed import Channel
 from pagedjax.sampler import SamplerOutput, SamplingInput, SamplingRow, sample
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -105,9 +108,9 @@ class Runner:
         pool = pool_sharding(mesh) if mesh is not None else None
         self.kv_pool = init_kv_pool(config, num_blocks, block_size, self.dtype, pool)
         self.num_host_blocks = num_host_blocks
-        # Swapped-out blocks, per local device (its slice of the kv heads): device id -> per
-        # layer (k, v), numpy [local_kv_heads, num_host_blocks, block_size, head_dim].
-        self.host_pool: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+        # Swapped-out blocks, per slice of the kv heads held on this process's devices:
+        # (first head, end head) -> per layer (k, v), numpy [heads, num_host_blocks, bs, hd].
+        self.host_pool: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray]]] = {}
         self.num_compilations = 0  # programs compiled because of this runner's steps
         self.channel = channel  # set in a multi-process run
 
@@ -212,14 +215,19 @@ class Runner:
         self.kv_pool = pallas_kernels.copy_blocks(self.kv_pool, src, dst)
 
     def _swap_out(self, dev: np.ndarray, host: np.ndarray) -> None:
-        # Each process keeps its own devices' slices (the only ones it can read).
+        # Each process keeps its own devices' slices of the kv heads (the only ones it can read);
+        # a slice held by several devices is kept once.
         blocks = pallas_kernels.gather_blocks(self.kv_pool, dev)  # per layer [Hkv, n_b, bs, hd]
         n = int((dev >= 0).sum())
-        for layer, pair in enumerate(blocks):
-            for kv, gathered in enumerate(pair):
-                for shard in gathered.addressable_shards:
-                    dst = self._host_blocks(shard.device, shard.data.shape[0])[layer][kv]
-                    dst[:, host[:n]] = np.asarray(shard.data)[:, :n]
+        moves = {  # (layer, k or v, head slice) -> device array of those heads' blocks
+            (layer, kv, _heads(shard)): shard.data
+            for layer, pair in enumerate(blocks)
+            for kv, gathered in enumerate(pair)
+            for shard in gathered.addressable_shards
+        }
+        fetched = jax.device_get(list(moves.values()))  # all transfers at once
+        for (layer, kv, heads), data in zip(moves, fetched, strict=True):
+            self._host_blocks(heads)[layer][kv][:, host[:n]] = data[:, :n]
 
     def _swap_in(self, host: np.ndarray, dev: np.ndarray) -> None:
         host = np.where(host < 0, 0, host)  # padding rows carry host block 0; dev -1 drops them
@@ -227,9 +235,7 @@ class Runner:
         def load(pages: jax.Array, layer: int, kv: int) -> jax.Array:
             # This process's slices of the blocks, assembled into one array sharded like the pool.
             shards = [
-                jax.device_put(
-                    self._host_blocks(s.device, s.data.shape[0])[layer][kv][:, host], s.device
-                )
+                jax.device_put(self._host_blocks(_heads(s))[layer][kv][:, host], s.device)
                 for s in pages.addressable_shards
             ]
             shape = (pages.shape[0], len(host), *pages.shape[2:])
@@ -240,15 +246,16 @@ class Runner:
         )
         self.kv_pool = pallas_kernels.scatter_blocks(self.kv_pool, dev, blocks)
 
-    def _host_blocks(self, device, num_heads: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        if device.id not in self.host_pool:
-            shape = (num_heads, self.num_host_blocks, self.block_size, self.config.head_dim)
+    def _host_blocks(self, heads: tuple[int, int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        if heads not in self.host_pool:
+            shape = (heads[1] - heads[0], self.num_host_blocks, self.block_size)
+            shape += (self.config.head_dim,)
             dtype = np.dtype(self.dtype)
-            self.host_pool[device.id] = [
+            self.host_pool[heads] = [
                 (np.zeros(shape, dtype), np.zeros(shape, dtype))
                 for _ in range(self.config.num_layers)
             ]
-        return self.host_pool[device.id]
+        return self.host_pool[heads]
 
     def forward_logits(self, seqs: list[ScheduledSeq], all_positions: bool = False) -> np.ndarray:
         """Logits for the last token of each sequence, or for every scheduled token (testing and
@@ -274,6 +281,8 @@ class Runner:
 
     def _call(self, op: str, *args):
         """Run device operation ``op`` here and, in a multi-process run, on every follower."""
+        if not self.kv_pool:
+            raise RuntimeError("the engine is closed")
         if self.channel is not None:
             self.channel.send((op, args))
         return getattr(self, op)(*args)
@@ -285,7 +294,10 @@ class Runner:
             op, args = self.channel.recv()
             if op not in _DEVICE_OPS:
                 return op, args
-            getattr(self, op)(*args)
+            try:
+                getattr(self, op)(*args)
+            except Exception:  # the driver meets the same failure; its next message says more
+                logger.exception("device operation %s failed on this follower", op)
 
     def free_device_memory(self) -> None:
         for k, v in self.kv_pool:
@@ -295,6 +307,12 @@ class Runner:
 
 
 _DEVICE_OPS = frozenset({"_run_step", "_run_forward", "_copy", "_swap_out", "_swap_in"})
+
+
+def _heads(shard) -> tuple[int, int]:
+    """The kv heads ``[start, end)`` that a shard of a pool-shaped array holds."""
+    start = shard.index[0].start or 0
+    return start, start + shard.data.shape[0]
 
 
 def _padded_ids(pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -34,8 +34,8 @@ logger = logging.getLogger("pagedjax.api_server")
 DEFAULT_MAX_QUEUE = 256  # requests waiting for admission before new ones get 503
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 _POLL_S = 0.25  # how often a waiting handler checks that its client is still there
-# Multi-process: how often an idle driver pings its followers, so that the collective they wait
-# in never sits long enough to time out.
+# Multi-process: how often an idle driver pings its followers, which wait for it in a collective
+# (a backend may time out a wait of hours).
 _KEEP_ALIVE_S = 10.0
 
 
@@ -193,6 +193,10 @@ class EngineLoop:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="pagedjax-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def stop(self) -> None:
         self._stop = True
@@ -844,14 +848,18 @@ def serve(
         llm.engine.follow()
         llm.close()
         return
-    app = build_app(
-        llm.engine,
-        served_model_name or model,
-        api_key=api_key,
-        max_queue=max_queue,
-        max_body_bytes=max_body_bytes,
-    )
+    app = None
     try:
+        app = build_app(
+            llm.engine,
+            served_model_name or model,
+            api_key=api_key,
+            max_queue=max_queue,
+            max_body_bytes=max_body_bytes,
+        )
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:
-        llm.close()  # in a multi-process run this stops the followers
+        if app is not None and app.state.engine_loop.is_running:  # a step outlived shutdown
+            logger.warning("the engine thread is still stepping; leaving the engine open")
+        else:
+            llm.close()  # in a multi-process run this stops the followers

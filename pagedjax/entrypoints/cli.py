@@ -31,8 +31,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "PAGEDJAX_PROCESS_ID; --tensor-parallel-size must then count the devices of all hosts",
     )
     multi.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0")
-    multi.add_argument("--num-processes", type=int, default=None)
-    multi.add_argument("--process-id", type=int, default=None)
+    multi.add_argument("--num-processes", type=int, default=None, help="processes in the job")
+    multi.add_argument("--process-id", type=int, default=None, help="this one's, 0 .. N-1")
 
 
 def _initialize_distributed(args: argparse.Namespace) -> bool:

@@ -63,6 +63,7 @@ def test_each_device_holds_a_slice(report, model, tp):
 def test_step_never_gathers_the_kv_pool_or_the_embedding(report, model, tp):
     entry = report[model][tp]
     assert entry["all_gathers_of_pool"] == []
+    assert all(entry["embedding_tables_split"])  # by vocabulary: embedding (and LM head)
     assert entry["all_gathers_of_embedding"] == []  # vocab-split lookup: masked, then summed
     assert entry["num_all_reduces"] > 0  # row-parallel projections are summed across devices
 
@@ -71,3 +72,7 @@ def test_cached_params_restore_straight_into_the_sharded_layout(report):
     restored = report["sharded_restore"]
     assert restored["shape"] == [64, 64]
     assert restored["shards"] == [[64, 32], [64, 32]]  # each device holds its heads' columns
+
+
+def test_a_split_cache_restores_onto_one_device_without_a_mesh(report):
+    assert report["restore_without_mesh_devices"] == [0]

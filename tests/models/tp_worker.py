@@ -85,10 +85,15 @@ def run(path: str, prompts, degrees, block_size: int) -> dict:
                 if "all-gather" in line and pool_shape in line
             ]
             entry["num_all_reduces"] = hlo.count("all-reduce(")
-            embed = llm.runner.params["embed_tokens"]["embedding"]
-            table = "[{},{}]".format(*embed.shape)
+            tree = llm.runner.params
+            tables = [tree["embed_tokens"]["embedding"]]
+            tables += [tree["lm_head"]["kernel"]] if "lm_head" in tree else []
+            shapes = ["[{},{}]".format(*t.shape) for t in tables]
+            entry["embedding_tables_split"] = [not t.sharding.is_fully_replicated for t in tables]
             entry["all_gathers_of_embedding"] = [
-                line.strip() for line in hlo.splitlines() if "all-gather" in line and table in line
+                line.strip()
+                for line in hlo.splitlines()
+                if "all-gather" in line and any(shape in line for shape in shapes)
             ]
         report[tp] = entry
         llm.close()
@@ -108,6 +113,12 @@ def main() -> None:
         "shape": q.shape,
         "shards": [list(s.data.shape) for s in q.addressable_shards],
     }
+    # A cache written from a 4-way split, restored without a mesh, lands on one device.
+    load_model(str(tmp / "tiny"), cache_dir=tmp / "cache4", mesh=make_mesh(4))
+    unsplit = load_model(str(tmp / "tiny"), cache_dir=tmp / "cache4").params
+    report["restore_without_mesh_devices"] = sorted(
+        {d.id for leaf in jax.tree.leaves(unsplit) for d in leaf.sharding.device_set}
+    )
     if "--smollm" in sys.argv:
         smol = ["The capital of France is", "def fibonacci(n):"]
         report["smollm"] = run(default_model_path(), smol, (1, 2, 3), block_size=16)

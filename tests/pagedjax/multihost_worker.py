@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
 
 from pagedjax import distributed  # noqa: E402
 
@@ -71,8 +74,34 @@ def main(model_dir: str, out_dir: str, num_processes: int, process_id: int, port
     stats = llm.get_stats()
     seen["num_preemptions"] = stats.num_preemptions
     seen["num_swapped_out"] = stats.num_swapped_out
+    if num_processes > 1:
+        seen["channel"] = check_channel(distributed.Channel())
     llm.close()
+    try:
+        llm.generate([[5, 6]], use_tqdm=False)
+    except RuntimeError as e:
+        seen["after_close"] = str(e)
     Path(out_dir, f"process{process_id}.json").write_text(json.dumps(seen))
+
+
+def pickled_size(message) -> int:
+    return len(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+
+
+def check_channel(channel) -> list[bool]:
+    """Messages whose pickled size is just under, at and over the first broadcast's capacity,
+    and a large one: do followers receive exactly what the driver sent?"""
+    seen = []
+    for size in (16379, 16380, 16381, 100_000):
+        rng = np.random.default_rng(size)
+        lengths = [n for n in range(size, size - 64, -1) if pickled_size(b"x" * n) == size]
+        message = rng.bytes(lengths[0])  # pickles to exactly ``size`` bytes
+        if channel.is_driver:
+            channel.send(message)
+            seen.append(True)
+        else:
+            seen.append(channel.recv() == message)
+    return seen
 
 
 if __name__ == "__main__":

@@ -21,10 +21,16 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("multihost_worker.py")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (all sockets held until every port is chosen)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def env(devices: int, cache_dir: Path) -> dict:
@@ -37,21 +43,30 @@ def env(devices: int, cache_dir: Path) -> dict:
     }
 
 
-def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[str]:
-    """Wait for every process; on a timeout or a failure kill the rest (a follower would wait
-    forever for a driver that died). Returns their outputs."""
-    deadline, outputs = time.monotonic() + timeout, []
+def start(args: list[str], devices: int, cache_dir: Path, log: Path) -> subprocess.Popen:
+    with open(log, "w") as out:  # a file, not a pipe: a chatty process never blocks
+        return subprocess.Popen(
+            [sys.executable, *args], env=env(devices, cache_dir), stdout=out, stderr=out
+        )
+
+
+def wait_all(procs: list[tuple[subprocess.Popen, Path]], timeout: float) -> None:
+    """Wait for every process; as soon as one fails, or at the deadline, kill the rest (a
+    follower would wait forever for a driver that died) and fail with the failed one's log."""
+    deadline = time.monotonic() + timeout
     try:
-        for p in procs:
-            out, _ = p.communicate(timeout=max(deadline - time.monotonic(), 1))
-            outputs.append(out)
-            assert p.returncode == 0, out[-4000:]
+        while any(p.poll() is None for p, _ in procs):
+            for p, log in procs:
+                assert p.poll() in (None, 0), log.read_text()[-4000:]
+            assert time.monotonic() < deadline, "timed out:\n" + procs[0][1].read_text()[-4000:]
+            time.sleep(0.5)
+        for p, log in procs:
+            assert p.returncode == 0, log.read_text()[-4000:]
     finally:
-        for p in procs:
+        for p, _ in procs:
             if p.poll() is None:
                 p.kill()
-                p.communicate()
-    return outputs
+                p.wait()
 
 
 @pytest.fixture(scope="module")
@@ -65,15 +80,16 @@ def model_dir(tmp_path_factory) -> Path:
 def run_workers(model_dir: Path, out: Path, num_processes: int) -> list[dict]:
     """Run the worker as ``num_processes`` processes over 4 devices in all, each converting the
     model into a fresh cache (written by all processes at once when there are two)."""
-    port, devices = free_port(), 4 // num_processes
+    (port,) = free_ports(1)
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(model_dir), str(out), str(num_processes)]
-            + [str(pid), str(port)],
-            env=env(devices, out / "cache"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+        (
+            start(
+                [str(WORKER), str(model_dir), str(out), str(num_processes), str(pid), str(port)],
+                4 // num_processes,
+                out / "cache",
+                out / f"log{pid}.txt",
+            ),
+            out / f"log{pid}.txt",
         )
         for pid in range(num_processes)
     ]
@@ -101,10 +117,22 @@ def test_two_processes_match_one(runs):
 
 
 def test_every_process_returns_the_drivers_results(runs):
+    # The plumbing of one program on every process: a follower's generate returns the outputs
+    # the driver broadcast (its own devices ran the same steps).
     _, (driver, follower), _ = runs
     assert follower["process_index"] == 1
     for key in RESULTS:
         assert follower[key] == driver[key], key
+
+
+def test_messages_of_every_size_arrive_whole(runs):
+    _, (driver, follower), _ = runs
+    assert follower["channel"] == [True] * 4  # around the first broadcast's 16 KiB, and 100 kB
+
+
+def test_a_closed_engine_refuses_work_on_every_process(runs):
+    _, (driver, follower), _ = runs
+    assert driver["after_close"] == follower["after_close"] == "the engine is closed"
 
 
 def test_the_run_swapped_and_a_bad_request_failed_everywhere(runs):
@@ -122,27 +150,22 @@ def test_the_cache_is_shared_only_when_every_process_sees_it(runs):
 
 
 @pytest.mark.slow  # about 30 s more: two more processes load, compile and serve
-def test_serve_from_process_0_while_process_1_follows(model_dir, runs):
+def test_serve_from_process_0_while_process_1_follows(model_dir, runs, tmp_path):
     one, _, cache = runs  # the two-process run's cache: each process restores its slices
-    coordinator, http = free_port(), free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "pagedjax.entrypoints.cli", "serve", "--model", str(model_dir)]
-            + ["--tensor-parallel-size", "4", "--max-model-len", "128", "--port", str(http)]
-            + ["--coordinator-address", f"127.0.0.1:{coordinator}"]
-            + ["--num-processes", "2", "--process-id", str(pid)],
-            env=env(2, cache),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for pid in range(2)
-    ]
+    coordinator, http = free_ports(2)
+    procs = []
+    for pid in range(2):
+        args = ["-m", "pagedjax.entrypoints.cli", "serve", "--model", str(model_dir)]
+        args += ["--tensor-parallel-size", "4", "--max-model-len", "128", "--port", str(http)]
+        args += ["--coordinator-address", f"127.0.0.1:{coordinator}"]
+        args += ["--num-processes", "2", "--process-id", str(pid)]
+        log = tmp_path / f"serve{pid}.txt"
+        procs.append((start(args, 2, cache, log), log))
     try:
         url = f"http://127.0.0.1:{http}"
         deadline = time.monotonic() + 300
         while True:
-            assert all(p.poll() is None for p in procs), "a server process exited early"
+            assert all(p.poll() is None for p, _ in procs), "a server process exited early"
             try:
                 urllib.request.urlopen(f"{url}/health", timeout=5)
                 break
@@ -158,6 +181,6 @@ def test_serve_from_process_0_while_process_1_follows(model_dir, runs):
         reply = json.loads(urllib.request.urlopen(request, timeout=120).read())
         assert reply["choices"][0]["text"] == one["text"]
     finally:
-        if procs[0].poll() is None:
-            procs[0].send_signal(signal.SIGINT)  # the driver shuts down and stops process 1
-    wait_all(procs, timeout=120)
+        if procs[0][0].poll() is None:
+            procs[0][0].send_signal(signal.SIGINT)  # the driver shuts down and stops process 1
+        wait_all(procs, timeout=120)
