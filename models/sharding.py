@@ -16,6 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -51,6 +52,24 @@ def make_mesh(tensor_parallel_size: int) -> Mesh:
             f"{len(devices)} are visible ({devices[0].platform})"
         )
     return Mesh(np.asarray(devices[:tensor_parallel_size]), (AXIS,))
+
+
+def tensor_parallel_mesh(tensor_parallel_size: int) -> Mesh | None:
+    """The mesh to split a model over, or None for one device. In a multi-process run the mesh
+    spans the devices of every process."""
+    if jax.process_count() > 1 and tensor_parallel_size != jax.device_count():
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} must equal the {jax.device_count()} "
+            f"devices of all {jax.process_count()} processes in a multi-process run"
+        )
+    return make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
+
+
+def min_over_processes(value: int) -> int:
+    """The smallest of every process's ``value`` (each process calls this)."""
+    if jax.process_count() == 1:
+        return value
+    return int(np.min(multihost_utils.process_allgather(np.asarray(value, np.int64))))
 
 
 def sharded_config(config: ModelConfig, tp: int) -> ModelConfig:

@@ -80,22 +80,6 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"{ENV_VARS[name]} must be an integer, got {value!r}") from None
 
 
-def check_tensor_parallel_size(tensor_parallel_size: int) -> None:
-    """In a multi-process run the mesh spans every process's devices."""
-    if jax.process_count() > 1 and tensor_parallel_size != jax.device_count():
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} must equal the {jax.device_count()} "
-            f"devices of all {jax.process_count()} processes in a multi-process run"
-        )
-
-
-def agree_min(value: int) -> int:
-    """The smallest of every process's ``value`` (each process calls this)."""
-    if jax.process_count() == 1:
-        return value
-    return int(np.min(multihost_utils.process_allgather(np.asarray(value, np.int64))))
-
-
 # Most messages (a decode step's arrays) fit one broadcast of this many bytes; longer ones
 # follow in a second broadcast, padded to a power of two so that few programs compile.
 _FIRST_CHUNK = 1 << 14

@@ -17,10 +17,15 @@ from tqdm.auto import tqdm
 
 from models.llama import kv_pool_bytes_per_block
 from models.loader import LoadedModel, default_model_path, load_model, load_tokenizer
-from models.sharding import make_mesh, replicate_kv_heads, sharded_config
+from models.sharding import (
+    min_over_processes,
+    replicate_kv_heads,
+    sharded_config,
+    tensor_parallel_mesh,
+)
 from pagedjax.block_manager import BlockManager
 from pagedjax.config import DEFAULT_CPU_KV_SPACE_GIB, CacheConfig, EngineConfig, SchedulerConfig
-from pagedjax.distributed import Channel, agree_min, check_tensor_parallel_size
+from pagedjax.distributed import Channel
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.runner import Runner, ScheduledSeq
 from pagedjax.sampler import SamplingRow
@@ -75,8 +80,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
         tp = config.tensor_parallel_size
-        check_tensor_parallel_size(tp)
-        mesh = make_mesh(tp) if tp > 1 else None
+        mesh = tensor_parallel_mesh(tp)
         loaded = loaded or load_model(config.model, dtype=config.dtype, mesh=mesh)
         self.model_config = mc = loaded.config
         device_config = sharded_config(mc, tp)  # KV heads replicated when tp > num_kv_heads
@@ -89,7 +93,7 @@ class LLMEngine:
                 f"max_model_len={sched.max_model_len} exceeds the model's limit of {limit} tokens"
             )
         bytes_per_block = kv_pool_bytes_per_block(device_config, cache.block_size, config.dtype)
-        num_blocks = cache.num_blocks or agree_min(self._auto_num_blocks(bytes_per_block))
+        num_blocks = cache.num_blocks or min_over_processes(self._auto_num_blocks(bytes_per_block))
         if (num_blocks - 1) * cache.block_size < sched.max_model_len:
             raise ValueError(
                 f"num_blocks={num_blocks} (x block_size {cache.block_size}) cannot hold one "
@@ -594,8 +598,7 @@ class LLM:
         seed: int = 0,
         cache_dir: str | None = None,
     ):
-        check_tensor_parallel_size(tensor_parallel_size)
-        mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
+        mesh = tensor_parallel_mesh(tensor_parallel_size)
         loaded = load_model(
             model or default_model_path(), dtype=dtype, cache_dir=cache_dir, mesh=mesh
         )
