@@ -35,6 +35,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     multi.add_argument("--process-id", type=int, default=None, help="this one's, 0 .. N-1")
 
 
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    """LLM's keyword arguments from the options ``_add_engine_args`` defines (but --model)."""
+    return dict(
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+
+
 def _initialize_distributed(args: argparse.Namespace) -> bool:
     """Join the multi-process job the flags (or env) describe; True on process 0."""
     from pagedjax import distributed
@@ -49,15 +61,7 @@ def _generate(args: argparse.Namespace) -> int:
     is_driver = _initialize_distributed(args)
     from pagedjax import LLM, SamplingParams
 
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size,
-    )
+    llm = LLM(args.model, **_engine_kwargs(args))
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -98,13 +102,8 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
-        seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size,
+        **_engine_kwargs(args),
     )
     return 0
 
