@@ -14,6 +14,7 @@ Invariants (tests/pagedjax/test_block_manager_state_machine.py checks them after
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 from collections import OrderedDict, deque
@@ -314,17 +315,29 @@ class BlockManager:
             )
         return range(seq.num_computed_tokens // self.block_size, len(table))
 
-    def _num_blocks_to_append(self, seq: Sequence) -> int:
-        table = self._device_table(seq)
-        num_copies = sum(self.blocks[table[i]].ref_count > 1 for i in self._write_range(seq, table))
-        return num_copies + max(0, self._num_blocks_for(seq.get_len()) - len(table))
+    def _append_need(self, seqs: list[Sequence], tables: dict[int, list[int]], ref_count) -> int:
+        """Free blocks that appending slots to every seq of ``seqs`` (in turn) takes: one per
+        missing block, and one per copy of a shared block a seq writes into. The last of a block's
+        holders to write into it finds it unshared and writes in place, so it copies nothing."""
+        need, writers = 0, collections.Counter()
+        for seq in seqs:
+            table = tables[seq.seq_id]
+            start = seq.num_computed_tokens // self.block_size  # first block the step writes
+            writers.update(table[start:])
+            need += max(0, self._num_blocks_for(seq.get_len()) - len(table))
+        for block_id, count in writers.items():
+            refs = ref_count(block_id)
+            if refs > 1:
+                need += count if count < refs else count - 1
+        return need
 
     def can_append_slots(self, group: SequenceGroup) -> bool:
         """Whether every RUNNING seq of group can get slots for its tokens not yet in its table."""
-        num_needed = sum(
-            self._num_blocks_to_append(seq) for seq in group.get_seqs(SequenceStatus.RUNNING)
-        )
-        return num_needed <= self.get_num_free_blocks()
+        seqs = group.get_seqs(SequenceStatus.RUNNING)
+        for seq in seqs:
+            self._device_table(seq)
+        need = self._append_need(seqs, self.block_tables, lambda b: self.blocks[b].ref_count)
+        return need <= self.get_num_free_blocks()
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
         """Give seq slots up to seq.get_len(). Every shared block the next step writes into (from
@@ -333,7 +346,7 @@ class BlockManager:
             raise ValueError(f"cannot append to seq_id {seq.seq_id}: it is {seq.status.name}")
         table = self._device_table(seq)
         write_range = self._write_range(seq, table)
-        num_needed = self._num_blocks_to_append(seq)
+        num_needed = self._append_need([seq], self.block_tables, lambda b: self.blocks[b].ref_count)
         if num_needed > self.get_num_free_blocks():
             raise ValueError(
                 f"seq_id {seq.seq_id} needs {num_needed} blocks to append, only "
@@ -448,10 +461,14 @@ class BlockManager:
         return list(mapping.items())
 
     def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
-        num_seqs = sum(seq.seq_id in self.host_block_tables for seq in group.get_seqs())
-        # Conservatively, as vLLM: each seq appends a block right after the swap-in.
-        num_required = len(self._distinct_blocks(group, self.host_block_tables)) + num_seqs
-        if num_required > self.num_blocks - 1:
+        """Room for the group's blocks and for the slots its seqs append right after (exact, so
+        that a group that fitted the pool before it was swapped out always fits it again)."""
+        seqs = [seq for seq in group.get_seqs() if seq.seq_id in self.host_block_tables]
+        num_required = len(self._distinct_blocks(group, self.host_block_tables))
+        num_required += self._append_need(
+            seqs, self.host_block_tables, lambda h: self.host_ref_counts[h]
+        )
+        if num_required > self.num_blocks - 1 - self.watermark_blocks:
             return AllocStatus.NEVER
         if self.get_num_free_blocks() - num_required >= self.watermark_blocks:
             return AllocStatus.OK

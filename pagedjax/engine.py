@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Sequence as SequenceOf
 
@@ -26,6 +27,12 @@ from models.sharding import (
 from pagedjax.block_manager import BlockManager
 from pagedjax.config import DEFAULT_CPU_KV_SPACE_GIB, CacheConfig, EngineConfig, SchedulerConfig
 from pagedjax.distributed import Channel
+from pagedjax.input_processor import (
+    Capacity,
+    InputProcessor,
+    check_capacity,
+    generation_config_eos_ids,
+)
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.runner import Runner, ScheduledSeq
 from pagedjax.sampler import SamplingRow
@@ -36,6 +43,8 @@ from pagedjax.sequence import Sequence, SequenceGroup, SequenceStatus
 Prompt = str | list[int]
 Params = SamplingParams | BeamSearchParams
 _GOLDEN = 0x9E3779B9  # spreads the per-sample seeds of one request
+_SAMPLING_EPS = 1e-5  # a temperature below this samples greedily (as vLLM)
+logger = logging.getLogger("pagedjax.engine")
 
 
 @dataclasses.dataclass
@@ -53,6 +62,7 @@ class EngineStats:
     num_swapped_in: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_aborted: int = 0  # requests the engine ended itself, each with a reason (never a client's)
 
 
 @dataclasses.dataclass
@@ -64,6 +74,7 @@ class _Request:
     group: SequenceGroup
     seed: int
     finished_beams: list[tuple[list[int], float]] = dataclasses.field(default_factory=list)
+    error: str | None = None  # why the engine ended it (its output carries this)
 
     @property
     def is_beam_search(self) -> bool:
@@ -94,12 +105,6 @@ class LLMEngine:
             )
         bytes_per_block = kv_pool_bytes_per_block(device_config, cache.block_size, config.dtype)
         num_blocks = cache.num_blocks or min_over_processes(self._auto_num_blocks(bytes_per_block))
-        if (num_blocks - 1) * cache.block_size < sched.max_model_len:
-            raise ValueError(
-                f"num_blocks={num_blocks} (x block_size {cache.block_size}) cannot hold one "
-                f"sequence of max_model_len={sched.max_model_len}; raise num_blocks or lower "
-                "max_model_len"
-            )
         num_host_blocks = int(cache.swap_space_gib * 2**30 // bytes_per_block)
         self.block_manager = BlockManager(
             num_blocks,
@@ -107,6 +112,19 @@ class LLMEngine:
             num_host_blocks=num_host_blocks,
             enable_prefix_caching=cache.enable_prefix_caching,
         )
+        capacity = Capacity(
+            max_model_len=sched.max_model_len,
+            max_num_seqs=sched.max_num_seqs,
+            token_budget=sched.token_budget,
+            enable_chunked_prefill=sched.enable_chunked_prefill,
+            block_size=cache.block_size,
+            num_blocks=num_blocks,
+            num_usable_blocks=num_blocks - 1 - self.block_manager.watermark_blocks,
+            num_host_blocks=num_host_blocks,
+            vocab_size=mc.vocab_size,
+        )
+        check_capacity(capacity)
+        self.input_processor = InputProcessor(capacity, self.tokenizer)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=sched.max_num_seqs,
@@ -125,7 +143,7 @@ class LLMEngine:
             channel=Channel() if jax.process_count() > 1 else None,
         )
         self._stopped = False  # multi-process: the driver has told the followers to stop
-        eos = set(mc.eos_token_ids)
+        eos = set(mc.eos_token_ids) | set(generation_config_eos_ids(loaded.source))
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
@@ -147,16 +165,12 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
-            return prompt, self.tokenizer(prompt)["input_ids"]
-        ids = list(prompt)
-        vocab = self.model_config.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= t < vocab:
-                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
-        return None, [int(t) for t in ids]
+        return self.input_processor.tokenize(prompt)
+
+    def check_request(self, prompt_token_ids: list[int], params: Params) -> None:
+        """Raise ValueError, naming the limit, if the request could never run on this engine
+        (the one admission check; add_request and the HTTP server both use it)."""
+        self.input_processor.check(prompt_token_ids, params)
 
     @property
     def is_driver(self) -> bool:
@@ -171,52 +185,36 @@ class LLMEngine:
             )
 
     def add_request(self, request_id: str, prompt: Prompt, params: Params) -> None:
-        """Queue a request. Bad input raises ValueError here and leaves the engine untouched."""
+        """Queue a request. Bad input, or a request that could never run, raises ValueError here
+        and leaves the engine untouched. ``params`` is copied: later changes to it do nothing."""
+        self._enqueue(request_id, *self.prepare_request(request_id, prompt, params))
+
+    def prepare_request(
+        self, request_id: str, prompt: Prompt, params: Params
+    ) -> tuple[str | None, list[int], Params]:
+        """Tokenize, copy and check a request without queueing it: (text, token ids, params)."""
         self._require_driver("add_request")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        if not isinstance(params, SamplingParams | BeamSearchParams):
-            raise ValueError(f"expected SamplingParams or BeamSearchParams, got {params!r}")
-        text, ids = self.tokenize(prompt)
-        max_len = self.config.scheduler.max_model_len
-        if not ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        if len(ids) >= max_len:
-            raise ValueError(
-                f"request {request_id!r}: prompt of {len(ids)} tokens leaves no room to generate "
-                f"within max_model_len={max_len}"
-            )
-        if isinstance(params, SamplingParams) and params.stop and self.tokenizer is None:
-            raise ValueError(f"request {request_id!r}: stop strings need a tokenizer")
-        bs = self.config.cache.block_size
-        width = params.max_num_seqs
-        total = min(len(ids) + params.max_tokens, max_len)
-        need = -(-len(ids) // bs) + width * (-(-(total - len(ids)) // bs) + 1)
-        available = self.block_manager.num_blocks - 1 - self.block_manager.watermark_blocks
-        if need > available:
-            raise ValueError(
-                f"request {request_id!r} can never fit in the pool: it may need {need} blocks "
-                f"({width} sequences), the pool has {available}"
-            )
-        seed = (
-            params.seed
-            if getattr(params, "seed", None) is not None
-            else int(self._rng.integers(2**32))
-        )
-        seq = self._new_seq(ids, sample_index=0)
+        try:
+            params = self.input_processor.copy_params(params)
+            text, ids = self.tokenize(prompt)
+            self.check_request(ids, params)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
+        return text, ids, params
+
+    def _enqueue(self, request_id: str, text: str | None, ids: list[int], params: Params) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        seed = getattr(params, "seed", None)
+        if seed is None:
+            seed = int(self._rng.integers(2**32))
+        seed = (seed ^ (seed >> 32)) & 0xFFFFFFFF  # 64-bit seeds fold into the sampler's 32
+        seq = Sequence(next(self._seq_ids), ids, self.config.cache.block_size)
         group = SequenceGroup(request_id, [seq], time.monotonic(), params)
         self.requests[request_id] = _Request(request_id, text, ids, params, group, seed)
         self.scheduler.add(group)
-
-    def _new_seq(self, ids: list[int], sample_index: int) -> Sequence:
-        seq = Sequence(next(self._seq_ids), ids, self.config.cache.block_size)
-        seq.sample_index = sample_index
-        seq.text = ""
-        seq.prefix_offset = max(len(ids) - 5, 0)  # detokenizer context: a few prompt tokens
-        seq.read_offset = len(ids)
-        seq.logprobs = []
-        seq.finish_reason = None
-        return seq
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks; unknown or finished ids are ignored."""
@@ -232,12 +230,20 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and post-process one step; outputs of the requests it advanced."""
+        """Schedule, run and post-process one step; outputs of the requests it advanced.
+
+        A request that fails on its own (its sampling rows, detokenisation, stop check, beam
+        step or output) ends alone, with ``finish_reason="abort"`` and ``error`` set; the step
+        and every other request go on."""
         self._require_driver("step")
         out = self.scheduler.schedule()
         runner, costs = self.runner, self.scheduler.cost_model
         touched = {g.request_id for g in out.aborted}
         for group in out.aborted:
+            req = self.requests.get(group.request_id)
+            if req is not None and req.error is None:
+                req.error = f"the engine aborted the request: {group.abort_reason or 'no reason'}"
+                logger.warning("request %r: %s", req.request_id, req.error)
             for seq in group.get_seqs():
                 seq.finish_reason = seq.finish_reason or "abort"
         for pairs, move in (
@@ -252,22 +258,54 @@ class LLMEngine:
         if out.blocks_to_copy:
             runner.copy_blocks(out.blocks_to_copy)
         if out.chunks:
-            self._execute(out.chunks)
             touched |= {c.group.request_id for c in out.chunks}
+            self._execute(out.chunks)
         self.block_manager.record_usage()
         self.scheduler.drop_finished()
-        outputs = [self._output(self.requests[r]) for r in sorted(touched) if r in self.requests]
-        for o in outputs:
-            if o.finished:
-                del self.requests[o.request_id]
+        outputs = []
+        for request_id in sorted(touched):
+            req = self.requests.get(request_id)
+            if req is None:
+                continue
+            try:
+                output = self._output(req)
+            except Exception as e:
+                self._fail(req, e)
+                output = RequestOutput(
+                    req.request_id, req.prompt, req.prompt_token_ids, [], True, error=req.error
+                )
+            outputs.append(output)
+            if output.finished:
+                del self.requests[request_id]
         return outputs
 
+    def _fail(self, req: _Request, error: Exception) -> None:
+        """End one request for a fault of its own; everything else keeps running."""
+        if req.error is None:
+            req.error = f"the request failed in the engine: {type(error).__name__}: {error}"
+            logger.error("request %r: %s", req.request_id, req.error, exc_info=error)
+            self.scheduler.num_aborted += 1
+        self.scheduler.abort(req.request_id)
+        for seq in req.group.get_seqs():
+            self.scheduler.free_seq(seq, SequenceStatus.FINISHED_ABORTED)
+            seq.finish_reason = seq.finish_reason or "abort"
+
     def _execute(self, chunks: list[SeqChunk]) -> None:
-        sched, num_top = [], 0
+        prepared = []  # (chunk, request, sampling rows)
         for c in chunks:
             req = self.requests[c.group.request_id]
+            try:
+                rows = self._sample_rows(req, c) if c.completes else []
+            except Exception as e:
+                self._fail(req, e)
+                continue
+            prepared.append((c, req, rows))
+        prepared = [(c, req, rows) for c, req, rows in prepared if req.error is None]
+        if not prepared:
+            return
+        sched, num_top = [], 0
+        for c, req, rows in prepared:
             seq, start = c.seq, c.seq.num_computed_tokens
-            rows = self._sample_rows(req, c) if c.completes else []
             if rows:
                 num_top = max(num_top, self._num_top_logprobs(req.params))
             sched.append(
@@ -280,28 +318,38 @@ class LLMEngine:
             )
         start = time.perf_counter()
         result = self.runner.execute(sched, num_top)
+        chunks = [c for c, _, _ in prepared]
         prefill_tokens = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
         if prefill_tokens == sum(c.num_tokens for c in chunks):  # a pure prefill step
             self.scheduler.cost_model.observe_prefill(time.perf_counter() - start, prefill_tokens)
 
         row, beams = 0, {}
-        for c, s in zip(chunks, sched, strict=True):
-            c.seq.num_computed_tokens += c.num_tokens
-            self.block_manager.mark_blocks_computed(c.seq)
+        for (c, req, _), s in zip(prepared, sched, strict=True):
             picks = [jax.tree.map(lambda x, i=row + i: x[i], result) for i in range(len(s.samples))]
             row += len(s.samples)
-            req = self.requests[c.group.request_id]
+            if req.error is not None:  # failed earlier in this loop: its blocks are freed
+                continue
+            c.seq.num_computed_tokens += c.num_tokens
+            self.block_manager.mark_blocks_computed(c.seq)
             if not picks:
                 continue
             if req.is_beam_search:
                 beams.setdefault(req.request_id, []).append((c.seq, picks[0]))
                 continue
-            for i, pick in enumerate(picks[1:], start=1):  # the first tokens of n samples
-                child = self._fork(req, c.seq, sample_index=i)
-                self._append(req, child, pick)
-            self._append(req, c.seq, picks[0])
+            try:
+                for i, pick in enumerate(picks[1:], start=1):  # the first tokens of n samples
+                    child = self._fork(req, c.seq, sample_index=i)
+                    self._append(req, child, pick)
+                self._append(req, c.seq, picks[0])
+            except Exception as e:
+                self._fail(req, e)
         for request_id, candidates in beams.items():
-            self._beam_step(self.requests[request_id], candidates)
+            req = self.requests[request_id]
+            if req.error is None:
+                try:
+                    self._beam_step(req, candidates)
+                except Exception as e:
+                    self._fail(req, e)
 
     @staticmethod
     def _num_top_logprobs(params: Params) -> int:
@@ -316,10 +364,11 @@ class LLMEngine:
         first = len(chunk.group.get_seqs()) == 1 and seq.get_output_len() == 0
         indices = range(p.n) if first else [seq.sample_index]
         penalties = p.uses_penalties
+        temperature = float(p.temperature) if p.temperature >= _SAMPLING_EPS else 0.0
         return [
             SamplingRow(
-                temperature=float(p.temperature),
-                top_k=max(p.top_k, 0),
+                temperature=temperature,
+                top_k=min(max(p.top_k, 0), self.model_config.vocab_size),
                 top_p=float(p.top_p),
                 min_p=float(p.min_p),
                 seed=(req.seed + i * _GOLDEN) % 2**32,
@@ -336,7 +385,6 @@ class LLMEngine:
     def _fork(self, req: _Request, parent: Sequence, sample_index: int) -> Sequence:
         child = parent.fork(next(self._seq_ids))
         child.sample_index = sample_index
-        child.logprobs = list(parent.logprobs)
         self.block_manager.fork(parent, child)
         req.group.add(child)
         return child
@@ -388,10 +436,20 @@ class LLMEngine:
 
     @staticmethod
     def _truncate_at_stop_string(seq: Sequence, stops: list[str]) -> bool:
-        hits = [i for i in (seq.text.find(s) for s in stops) if i >= 0]
-        if not hits:
+        """Cut seq.text at the earliest stop string. The text before ``stop_search_from`` held
+        none, so a new match ends in the new text: each stop is searched in that tail only."""
+        text, old = seq.text, seq.stop_search_from
+        seq.stop_search_from = len(text)
+        if len(text) == old:
             return False
-        seq.text = seq.text[: min(hits)]
+        first = -1
+        for s in stops:
+            i = text.find(s, max(0, old - len(s) + 1))
+            if i >= 0 and (first < 0 or i < first):
+                first = i
+        if first < 0:
+            return False
+        seq.text = text[:first]
         return True
 
     # ---- beam search ----------------------------------------------------------------------
@@ -478,20 +536,19 @@ class LLMEngine:
         ]
         finished = req.group.is_finished()  # before its first token a request has one seq
         return RequestOutput(
-            req.request_id, req.prompt, req.prompt_token_ids, completions, finished
+            req.request_id, req.prompt, req.prompt_token_ids, completions, finished, req.error
         )
 
     def _beam_output(self, req: _Request) -> RequestOutput:
         p = req.params
         finished = req.group.is_finished()
-        hyps = (
-            req.finished_beams
-            if finished
-            else [
-                (list(s.output_token_ids), s.cumulative_logprob)
-                for s in req.group.get_seqs(SequenceStatus.RUNNING)
+        if finished and req.error is None:
+            hyps = req.finished_beams
+        else:  # running, or ended by the engine: the live beams as they stand
+            live = [s for s in req.group.get_seqs() if s.finish_reason in (None, "abort")]
+            hyps = req.finished_beams + [
+                (list(s.output_token_ids), s.cumulative_logprob) for s in live
             ]
-        )
         hyps = sorted(hyps, key=lambda h: -self._beam_score(p, len(h[0]), h[1]))[: p.beam_width]
         completions = [
             CompletionOutput(
@@ -501,7 +558,9 @@ class LLMEngine:
                 cumulative_logprob=cum,
                 logprobs=None,
                 finish_reason=(
-                    "stop"
+                    "abort"
+                    if req.error is not None
+                    else "stop"
                     if tokens and tokens[-1] in self.eos_token_ids and not p.ignore_eos
                     else "length"
                 )
@@ -511,7 +570,7 @@ class LLMEngine:
             for i, (tokens, cum) in enumerate(hyps)
         ]
         return RequestOutput(
-            req.request_id, req.prompt, req.prompt_token_ids, completions, finished
+            req.request_id, req.prompt, req.prompt_token_ids, completions, finished, req.error
         )
 
     # ---- inspection -----------------------------------------------------------------------
@@ -532,6 +591,7 @@ class LLMEngine:
             num_swapped_in=bm.num_swapped_in,
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
+            num_aborted=self.scheduler.num_aborted,
         )
 
     # ---- multi-process --------------------------------------------------------------------
@@ -685,12 +745,15 @@ class LLM:
         ids = [f"offline-{next(self._request_ids)}" for _ in prompts]
         added = []
         try:
-            try:
-                for request_id, prompt, p in zip(ids, prompts, params, strict=True):
-                    self.engine.add_request(request_id, prompt, p)
-                    added.append(request_id)
-            except ValueError as e:
-                raise ValueError(f"prompt {len(added)}: {e}") from e
+            prepared = []  # every prompt checked before any is queued
+            for i, (request_id, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
+                try:
+                    prepared.append(self.engine.prepare_request(request_id, prompt, p))
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from None
+            for request_id, request in zip(ids, prepared, strict=True):
+                self.engine._enqueue(request_id, *request)
+                added.append(request_id)
             results: dict[str, RequestOutput] = {}
             with tqdm(total=len(ids), disable=not use_tqdm, desc="generating") as bar:
                 while len(results) < len(ids):

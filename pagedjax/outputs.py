@@ -22,3 +22,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # Set when the engine ended the request itself (it could not run it, or it failed on its
+    # own): its completions then finish with "abort" and keep what was generated so far.
+    error: str | None = None

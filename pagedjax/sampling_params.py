@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+MAX_INT32 = 2**31 - 1  # what the on-device sampler's integer fields hold
+MIN_REPETITION_PENALTY = 0.01  # below this, dividing logits by it can overflow to inf
+MAX_REPETITION_PENALTY = 100.0
 
 
 def _bad(obj, name: str, why: str):
@@ -26,7 +30,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    seed: int | None = None  # a seeded request samples the same tokens whatever shares its batch
+    seed: int | None = None  # in [0, 2**64): same tokens whatever shares its batch
     stop: str | list[str] | None = None  # stop strings, not included in the output text
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
@@ -34,14 +38,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self):
-        if not _is_int(self.n) or self.n < 1:
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_INT32:
             _bad(self, "n", "must be an integer >= 1")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            _bad(self, "max_tokens", "must be an integer >= 1")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32:
+            _bad(self, "max_tokens", f"must be an integer in [1, {MAX_INT32}]")
         if not _is_number(self.temperature) or not self.temperature >= 0:
-            _bad(self, "temperature", "must be >= 0")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            _bad(self, "top_k", "must be an integer >= -1 (-1 or 0 disables it)")
+            _bad(self, "temperature", "must be a finite number >= 0")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT32:
+            _bad(self, "top_k", f"must be an integer in [-1, {MAX_INT32}] (-1 or 0 disables it)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             _bad(self, "top_p", "must be in (0, 1]")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
@@ -49,18 +53,24 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not _is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 _bad(self, name, "must be in [-2, 2]")
-        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
-            _bad(self, "repetition_penalty", "must be > 0")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**32):
-            _bad(self, "seed", "must be an integer in [0, 2**32)")
+        if not _is_number(self.repetition_penalty) or not (
+            MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY
+        ):
+            _bad(
+                self,
+                "repetition_penalty",
+                f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]",
+            )
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
+            _bad(self, "seed", "must be an integer in [0, 2**64)")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         if not all(isinstance(s, str) and s for s in self.stop):
             _bad(self, "stop", "must be non-empty strings")
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            _bad(self, "stop_token_ids", "must be non-negative integers")
+        if not all(_is_int(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
+            _bad(self, "stop_token_ids", "must be non-negative integers (token ids)")
         if self.logprobs is not None and (
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
@@ -92,10 +102,10 @@ class BeamSearchParams:
     def __post_init__(self):
         if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
             _bad(self, "beam_width", f"must be an integer in [1, {MAX_LOGPROBS // 2}]")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            _bad(self, "max_tokens", "must be an integer >= 1")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32:
+            _bad(self, "max_tokens", f"must be an integer in [1, {MAX_INT32}]")
         if not _is_number(self.length_penalty):
-            _bad(self, "length_penalty", "must be a number")
+            _bad(self, "length_penalty", "must be a finite number")
 
     @property
     def max_num_seqs(self) -> int:
@@ -103,4 +113,10 @@ class BeamSearchParams:
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and x == x
+    """A finite int or float (not a bool; not inf or NaN)."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int too large for a float
+        return False

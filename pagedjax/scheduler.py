@@ -96,6 +96,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_recomputed = 0
         self.num_swapped = 0
+        self.num_aborted = 0  # groups the scheduler gave up on (with a reason)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -147,7 +148,7 @@ class Scheduler:
         while queue:
             group = queue.pop(0)
             while not self.bm.can_append_slots(group):
-                victim = queue.pop() if queue else group
+                victim = self._pick_victim(queue, group)
                 self._preempt(victim, out)
                 if victim is group:
                     break
@@ -173,7 +174,12 @@ class Scheduler:
         while self.swapped:
             group = self.swapped[0]
             seqs = group.get_seqs(SequenceStatus.SWAPPED)
-            if self.bm.can_swap_in(group) is not AllocStatus.OK or budget < len(seqs):
+            status = self.bm.can_swap_in(group)
+            if status is AllocStatus.NEVER:  # admission rules this out; never wait on it
+                self.swapped.popleft()
+                self._abort(group, out, "its swapped-out blocks no longer fit the device pool")
+                continue
+            if status is AllocStatus.LATER or budget < len(seqs):
                 break
             if self._num_running_seqs() + _max_seqs(group) > self.max_num_seqs:
                 break
@@ -197,10 +203,8 @@ class Scheduler:
             if status is AllocStatus.LATER:
                 break
             self.waiting.popleft()
-            if status is AllocStatus.NEVER:  # the engine refuses such requests on arrival
-                for seq in group.get_seqs():
-                    seq.status = SequenceStatus.FINISHED_ABORTED
-                out.aborted.append(group)
+            if status is AllocStatus.NEVER:  # admission rules this out; never wait on it
+                self._abort(group, out, "its prompt no longer fits the device pool")
                 continue
             seq = group.get_seqs(SequenceStatus.WAITING)[0]
             if not self.enable_chunked_prefill and seq.get_len() > budget:
@@ -215,6 +219,28 @@ class Scheduler:
             self.running.append(group)
 
     # ---- preemption -----------------------------------------------------------------------
+
+    def _can_preempt(self, group: SequenceGroup) -> bool:
+        """A single sequence can always be recomputed; several can only be swapped out."""
+        return group.num_seqs(SequenceStatus.RUNNING) == 1 or self.bm.can_swap_out(group)
+
+    def _pick_victim(self, queue: list[SequenceGroup], group: SequenceGroup) -> SequenceGroup:
+        """The latest-arrived group that can be preempted without losing it: from the groups not
+        yet served this step (queue, oldest first), else ``group`` itself. Only when none can is
+        one lost (the latest)."""
+        for i in range(len(queue) - 1, -1, -1):
+            if self._can_preempt(queue[i]):
+                return queue.pop(i)
+        if self._can_preempt(group) or not queue:
+            return group
+        return queue.pop()
+
+    def _abort(self, group: SequenceGroup, out: SchedulerOutput, reason: str) -> None:
+        for seq in group.get_seqs():
+            self.free_seq(seq, SequenceStatus.FINISHED_ABORTED)
+        group.abort_reason = reason
+        out.aborted.append(group)
+        self.num_aborted += 1
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """All of the group's blocks at once: by recompute (a single sequence only, as in vLLM)
@@ -237,9 +263,14 @@ class Scheduler:
                 self.num_swapped += 1
                 return
             if not can_recompute:
-                for seq in group.get_seqs():
-                    self.free_seq(seq, SequenceStatus.FINISHED_ABORTED)
-                out.aborted.append(group)
+                out.preempted.remove(group)
+                self._abort(
+                    group,
+                    out,
+                    f"it had to be preempted and its {len(seqs)} sequences, which cannot be "
+                    f"recomputed, found no free swap space ({self.bm.get_num_free_host_blocks()} "
+                    f"host blocks free); raise swap_space_gib",
+                )
                 return
         for seq in seqs:
             self.bm.free(seq)

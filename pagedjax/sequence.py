@@ -61,6 +61,14 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
+        # Output state, kept by the engine.
+        self.sample_index = 0  # which of the request's n samples this is
+        self.text = ""  # detokenized output, cut at a stop string
+        self.prefix_offset = max(len(prompt_token_ids) - 5, 0)  # detokenizer window start
+        self.read_offset = len(prompt_token_ids)  # tokens before this are in ``text``
+        self.stop_search_from = 0  # stop strings can only start in text[stop_search_from - L:]
+        self.logprobs: list[dict[int, float]] = []
+        self.finish_reason: str | None = None
 
     def __repr__(self) -> str:
         return (
@@ -103,6 +111,7 @@ class Sequence:
         child.seq_id = new_seq_id
         child.output_token_ids = list(self.output_token_ids)
         child.token_ids = list(self.token_ids)
+        child.logprobs = list(self.logprobs)
         return child
 
 
@@ -124,6 +133,7 @@ class SequenceGroup:
             raise ValueError(f"request {request_id!r}: a sequence group needs at least one seq")
         self.arrival_time = arrival_time
         self.sampling_params = sampling_params
+        self.abort_reason: str | None = None  # why the engine gave up on it, if it did
 
     def __repr__(self) -> str:
         return f"SequenceGroup(request_id={self.request_id!r}, seqs={self.get_seqs()})"

@@ -339,14 +339,16 @@ def test_swap_out_without_host_room_raises_cleanly():
 def test_can_swap_in_never_later_ok():
     bm = BlockManager(num_blocks=5, block_size=BS, num_host_blocks=8, watermark=0.0)
     big = make_group([0] * (4 * BS))
-    admit(bm, big)
+    (seq,) = admit(bm, big)
     bm.swap_out(big)
+    assert bm.can_swap_in(big) is AllocStatus.OK  # exact: its 4 blocks hold every token
+    seq.append_token_id(7)
     assert bm.can_swap_in(big) is AllocStatus.NEVER  # 4 blocks + 1 to grow > 4
     small = make_group([0] * BS)
     admit(bm, small)
     bm.swap_out(small)
     assert bm.can_swap_in(small) is AllocStatus.OK
-    admit(bm, make_group([1] * (3 * BS)))
+    admit(bm, make_group([1] * (4 * BS)))  # the whole pool
     assert bm.can_swap_in(small) is AllocStatus.LATER
     with pytest.raises(ValueError, match="no host blocks"):
         bm.swap_in(make_group([1]))

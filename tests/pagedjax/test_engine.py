@@ -277,7 +277,7 @@ def test_bad_requests_fail_alone(tiny):
     bad = [
         ([3] * 64, SamplingParams(), "64 tokens"),
         ([3, 9999], SamplingParams(), "token id 9999"),
-        ([3], SamplingParams(n=10, max_tokens=60), "can never fit in the pool"),
+        ([3], SamplingParams(n=10, max_tokens=60), "KV blocks at once"),
         ("w3 w4", "nope", "SamplingParams"),
     ]
     for prompt, params, message in bad:
