@@ -88,7 +88,14 @@ class LLMEngine:
     and steps, the others (followers) replay its device operations in ``follow``.
     """
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        runner_factory=None,
+    ):
+        """``runner_factory(**kwargs)`` stands in for ``Runner(**kwargs)`` (tests drive the host
+        side over a fake model with it)."""
         self.config = config
         tp = config.tensor_parallel_size
         mesh = tensor_parallel_mesh(tp)
@@ -132,9 +139,9 @@ class LLMEngine:
             enable_chunked_prefill=sched.enable_chunked_prefill,
             preemption_mode=sched.preemption_mode,
         )
-        self.runner = Runner(
-            device_config,
-            params,
+        self.runner = (runner_factory or Runner)(
+            config=device_config,
+            params=params,
             num_blocks=num_blocks,
             block_size=cache.block_size,
             max_model_len=sched.max_model_len,
