@@ -91,17 +91,26 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    _initialize_distributed(args)
-    from pagedjax.entrypoints.api_server import serve
+    from pagedjax.entrypoints.api_server import ServerLimits, check_api_key, serve
 
+    check_api_key(args.api_key)  # before anything loads
+    limits = ServerLimits(
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_chars=args.max_stop_string_chars,
+    )
+    _initialize_distributed(args)
     serve(
         args.model,
         host=args.host,
         port=args.port,
         api_key=args.api_key,
         served_model_name=args.served_model_name,
-        max_queue=args.max_queue,
-        max_body_bytes=args.max_body_bytes,
+        limits=limits,
+        public_metrics=args.public_metrics,
+        public_docs=args.public_docs,
         max_num_seqs=args.max_num_seqs,
         **_engine_kwargs(args),
     )
@@ -137,15 +146,51 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=_generate)
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     _add_engine_args(srv)
+    srv.set_defaults(max_model_len=None)  # the model's own limit (at most 8192), as LLM() takes
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health (an empty key is "
+        "an error)",
+    )
+    srv.add_argument(
+        "--public-metrics", action="store_true", help="serve /metrics without the API key"
+    )
+    srv.add_argument(
+        "--public-docs",
+        action="store_true",
+        help="serve /docs, /redoc and /openapi.json without the API key",
+    )
     srv.add_argument("--served-model-name", default=None, help="model id (default: --model)")
     srv.add_argument("--max-num-seqs", type=int, default=256)
     srv.add_argument(
-        "--max-queue", type=int, default=256, help="waiting requests before 503 (default 256)"
+        "--max-queue",
+        type=int,
+        default=256,
+        help="waiting requests before 503, and the most prompts one request may carry "
+        "(default 256)",
     )
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    srv.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request body may take to arrive before the request is dropped (408)",
+    )
+    srv.add_argument(
+        "--max-stop-strings",
+        type=int,
+        default=64,
+        help="stop strings (and stop_token_ids) one request may carry (default 64)",
+    )
+    srv.add_argument(
+        "--max-stop-string-chars",
+        type=int,
+        default=1024,
+        help="characters in one stop string (default 1024)",
+    )
     srv.set_defaults(func=_serve)
     _add_bench_parser(sub)
     args = parser.parse_args(argv)

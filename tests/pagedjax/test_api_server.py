@@ -19,7 +19,7 @@ import uvicorn
 from hf_models import make_tiny_model, save_word_tokenizer
 
 from pagedjax import LLM, SamplingParams
-from pagedjax.entrypoints.api_server import EngineLoop, _QueueFull, build_app
+from pagedjax.entrypoints.api_server import EngineLoop, QueueFull, ServerLimits, build_app
 
 KEY = "test-key"
 MODEL = "tiny"
@@ -65,7 +65,8 @@ def server(tmp_path_factory):
         n: [o.outputs[0].text for o in llm.generate(PROMPTS, _no_eos(n), use_tqdm=False)]
         for n in (10, 30)
     }
-    app = build_app(llm.engine, MODEL, api_key=KEY, max_queue=64, max_body_bytes=32 * 1024)
+    limits = ServerLimits(max_queue=64, max_body_bytes=32 * 1024)
+    app = build_app(llm.engine, MODEL, api_key=KEY, limits=limits)
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -208,6 +209,9 @@ def test_logprobs(client):
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
     assert lp.tokens == r.choices[0].text.split()
+    # text_offset: where each token starts in the text (its joining space included).
+    text, ends = r.choices[0].text, [*lp.text_offset[1:], len(r.choices[0].text)]
+    assert [text[a:b].strip() for a, b in zip(lp.text_offset, ends, strict=True)] == lp.tokens
     for tok, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert len(top) == 3 and chosen <= 0
         assert max(top.values()) == pytest.approx(chosen, abs=1e-5)  # greedy picks the top one
@@ -232,7 +236,8 @@ def test_logprobs(client):
 def test_models_health_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert _raw(server, "GET", "/health", key=None) == (200, b"ok")
-    status, body = _raw(server, "GET", "/metrics", key=None)
+    assert _raw(server, "GET", "/metrics", key=None)[0] == 401  # behind the key
+    status, body = _raw(server, "GET", "/metrics")
     text = body.decode()
     for name in (
         "pagedjax_num_requests_running",
@@ -366,7 +371,7 @@ def test_a_full_waiting_queue_refuses():
     loop.start()
     try:
         fut = loop.submit("r", [5, 6], None, sink=lambda item: None)
-        with pytest.raises(_QueueFull):
+        with pytest.raises(QueueFull):
             fut.result(timeout=10)
     finally:
         loop.stop()

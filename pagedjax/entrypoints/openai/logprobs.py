@@ -1,0 +1,138 @@
+"""Logprob fields in OpenAI's two shapes: a token's raw bytes (chat) and where each token starts
+in the completion's text (completions)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, which byte-level BPE vocabularies are spelt in."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += range(ord("®"), ord("ÿ") + 1)
+    chars, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _is_byte_level(tokenizer) -> bool:
+    """Whether a fast tokenizer's decoder is (or contains) the byte-level one."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if decoder is None:
+        return False
+    state = json.loads(decoder.__getstate__())
+    return any(d.get("type") == "ByteLevel" for d in [state, *state.get("decoders", [])])
+
+
+class TokenStrings:
+    """A token id's text (as vLLM shows it: the token decoded alone) and its raw bytes, so that
+    the bytes of the pieces of one character (an emoji split over tokens) join back into it."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.byte_level = tokenizer is not None and _is_byte_level(tokenizer)
+        self._text: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+
+    def text(self, token_id: int) -> str:
+        s = self._text.get(token_id)
+        if s is None:
+            tok = self.tokenizer
+            s = tok.decode([token_id]) if tok is not None else str(token_id)
+            self._text[token_id] = s
+        return s
+
+    def bytes(self, token_id: int) -> list[int]:
+        b = self._bytes.get(token_id)
+        if b is None:
+            b = self._bytes[token_id] = list(self._raw_bytes(token_id))
+        return b
+
+    def _raw_bytes(self, token_id: int) -> bytes:
+        piece = None
+        if self.tokenizer is not None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str):
+            return self.text(token_id).encode()
+        m = _BYTE_PIECE.fullmatch(piece)
+        if m:
+            return bytes([int(m[1], 16)])
+        if self.byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if piece.startswith("▁"):  # SentencePiece: a word-initial space, dropped when decoded alone
+            return piece.replace("▁", " ").encode()
+        return self.text(token_id).encode()
+
+
+class TextOffsets:
+    """Where each generated token starts in the completion's text.
+
+    Replays the engine's incremental detokenisation (vLLM's: decode a short window, keep only
+    complete text) from the same prompt context, so a token's offset is the length of the text
+    the engine had emitted before it. Pieces of one character share the character's offset.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        context = prompt_ids[-5:]
+        self.ids = list(context)
+        self.prefix, self.read = 0, len(context)
+        self.length = 0  # characters emitted so far
+
+    def feed(self, token_ids: list[int]) -> list[int]:
+        offsets = []
+        for t in token_ids:
+            offsets.append(self.length)
+            if self.tokenizer is None:
+                continue
+            self.ids.append(t)
+            dec = self.tokenizer.decode
+            prefix_text = dec(self.ids[self.prefix : self.read], skip_special_tokens=True)
+            full = dec(self.ids[self.prefix :], skip_special_tokens=True)
+            if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
+                self.length += len(full) - len(prefix_text)
+                del self.ids[: self.read]
+                self.prefix, self.read = 0, len(self.ids)
+        return offsets
+
+
+def completion_logprobs(strings: TokenStrings, token_ids, logprobs, k: int, offsets) -> dict:
+    tokens, token_lps, tops = [], [], []
+    for tid, lp in zip(token_ids, logprobs, strict=False):
+        tokens.append(strings.text(tid))
+        token_lps.append(lp.get(tid))
+        top = sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+        tops.append({strings.text(t): v for t, v in top} if k else None)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": list(offsets[: len(tokens)]),
+    }
+
+
+def chat_logprobs(strings: TokenStrings, token_ids, logprobs, k: int) -> dict:
+    content = []
+    for tid, lp in zip(token_ids, logprobs, strict=False):
+        top = sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+        content.append(
+            {
+                "token": strings.text(tid),
+                "logprob": lp.get(tid),
+                "bytes": strings.bytes(tid),
+                "top_logprobs": [
+                    {"token": strings.text(t), "logprob": v, "bytes": strings.bytes(t)}
+                    for t, v in top
+                ],
+            }
+        )
+    return {"content": content}

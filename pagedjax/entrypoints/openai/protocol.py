@@ -1,0 +1,330 @@
+"""What the server accepts, strictly: JSON (finite numbers, valid Unicode, bounded nesting), the
+request bodies with their types and bounds, and the OpenAI fields refused because they are not
+implemented. Everything here raises APIError; nothing here touches the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Annotated, Any
+
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pagedjax.sampling_params import SamplingParams
+
+MAX_JSON_DEPTH = 32  # a chat body with content parts needs 5
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, type_: str, code: str | None = None, param=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = (
+            status,
+            message,
+            type_,
+            code,
+            param,
+        )
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.code, self.param)
+
+    def response(self) -> Response:
+        return error_response(self.status, self.message, self.type, self.code, self.param)
+
+
+def error_body(message: str, type_: str, code: str | None = None, param=None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status, message, type_="invalid_request_error", code=None, param=None):
+    # json.dumps escapes non-ASCII, so a message quoting client text always encodes.
+    body = json.dumps(error_body(message, type_, code, param))
+    headers = {"Connection": "close"} if status == 408 else None
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", code, param)
+
+
+# ---- limits ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """Per-request bounds the engine's own config does not already imply."""
+
+    max_queue: int = 256  # requests waiting for admission before new ones get 503
+    max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 30.0  # the whole body must arrive within this
+    max_stop_strings: int = 64  # stop strings per request (and stop_token_ids)
+    max_stop_string_chars: int = 1024
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{f.name} must be a positive number, got {value!r}")
+
+
+# ---- JSON -----------------------------------------------------------------------------------
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json(body: bytes) -> Any:
+    """Strict JSON: no NaN/Infinity, no lone surrogates, at most MAX_JSON_DEPTH levels."""
+    try:
+        data = json.loads(body, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise bad_request(f"the body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer over 4300 digits
+        raise bad_request(f"the body is not valid JSON: {e}") from None
+    stack: list[tuple[Any, tuple]] = [(data, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) > MAX_JSON_DEPTH:
+            raise bad_request(f"the body nests deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, str):
+            _check_unicode(value, path)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise bad_request(f"{_loc(path)}: numbers must be finite", _loc(path))
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                _check_unicode(k, path)
+                stack.append((v, (*path, k)))
+        elif isinstance(value, list):
+            stack.extend((v, (*path, i)) for i, v in enumerate(value))
+    return data
+
+
+def _check_unicode(text: str, path: tuple) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        loc = _loc(path)
+        raise bad_request(
+            f"{loc}: a string holds a lone surrogate at position {e.start} (not valid Unicode)",
+            loc or None,
+        ) from None
+
+
+def _loc(path) -> str:
+    return ".".join(str(p) for p in path) if path else "body"
+
+
+# ---- request bodies (OpenAI's fields, plus a few of vLLM's extras) ---------------------------
+
+# Integers up to what a 64-bit seed needs; smaller bounds come from SamplingParams and the engine.
+Int = Annotated[int, Field(ge=-(2**63), lt=2**64)]
+Float = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Int | None = None
+    min_p: Float | None = None
+    n: Int = 1
+    stop: str | list[str] | None = None
+    seed: Int | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    repetition_penalty: Float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[Int] | None = None
+    user: str | None = None
+    # OpenAI fields accepted only at the value that asks for nothing (see _refuse_unsupported).
+    best_of: Int | None = None
+    logit_bias: dict[str, Float] | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[Any] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    logprobs: bool = False
+    top_logprobs: Int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+# field -> the values that ask for nothing this server lacks
+_NEUTRAL: dict[str, tuple] = {
+    "logit_bias": ({},),
+    "echo": (False,),
+    "suffix": ("",),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+}
+
+
+def parse_request(model_cls: type[_Common], data: Any) -> _Common:
+    """Validate a parsed body; unknown fields and unsupported values are 400s naming them."""
+    if not isinstance(data, dict):
+        raise bad_request("the body must be a JSON object")
+    try:
+        req = model_cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        if err["type"] == "extra_forbidden":
+            raise bad_request(f"unknown field {loc!r}", param=loc) from None
+        raise bad_request(f"{loc}: {err['msg']}", param=loc) from None
+    _refuse_unsupported(req)
+    return req
+
+
+def _refuse_unsupported(req: _Common) -> None:
+    for name, neutral in _NEUTRAL.items():
+        value = getattr(req, name, None)
+        if value is not None and not any(value == v for v in neutral):
+            raise bad_request(f"{name} is not supported by this server", name)
+    if req.best_of is not None and req.best_of not in (1, req.n):
+        raise bad_request("best_of other than n is not supported by this server", "best_of")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options needs stream: true", "stream_options")
+    if isinstance(req, ChatRequest) and req.parallel_tool_calls and req.tools:
+        raise bad_request("parallel_tool_calls is not supported by this server")
+
+
+def chat_messages(req: ChatRequest) -> list[dict]:
+    """The conversation as the chat template takes it: text only, content parts joined."""
+    messages = []
+    for i, m in enumerate(req.messages):
+        if m.tool_calls:
+            raise bad_request("tool calls are not supported by this server", f"messages.{i}")
+        content = m.content
+        if isinstance(content, list):
+            parts = enumerate(content)
+            content = "".join(_text_part(p, f"messages.{i}.content.{j}") for j, p in parts)
+        message = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            message["name"] = m.name
+        messages.append(message)
+    return messages
+
+
+def _text_part(part: Any, loc: str) -> str:
+    if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+        raise bad_request(f"{loc}: a content part must be an object with a string 'type'", loc)
+    kind = part["type"]
+    if kind != "text":
+        raise bad_request(
+            f"{loc}: {kind!r} content parts are not supported (this server takes text only)",
+            f"{loc}.type",
+        )
+    if not isinstance(part.get("text"), str):
+        raise bad_request(f"{loc}.text: a text part's 'text' must be a string", f"{loc}.text")
+    extra = sorted(set(part) - {"type", "text"})
+    if extra:
+        raise bad_request(f"{loc}: unknown field {extra[0]!r}", f"{loc}.{extra[0]}")
+    return part["text"]
+
+
+# ---- to SamplingParams ----------------------------------------------------------------------
+
+
+def sampling_params(
+    req: _Common,
+    max_tokens: int,
+    max_tokens_field: str,
+    logprobs: int | None,
+    limits: ServerLimits,
+) -> SamplingParams:
+    """SamplingParams for ``req``; its ValueErrors become 400s naming the field."""
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > limits.max_stop_strings:
+        raise bad_request(
+            f"stop: at most {limits.max_stop_strings} stop strings per request, got {len(stops)}",
+            "stop",
+        )
+    longest = max((len(s) for s in stops), default=0)
+    if longest > limits.max_stop_string_chars:
+        raise bad_request(
+            f"stop: a stop string is at most {limits.max_stop_string_chars} characters, "
+            f"got {longest}",
+            "stop",
+        )
+    stop_ids = req.stop_token_ids or []
+    if len(stop_ids) > limits.max_stop_strings:
+        raise bad_request(
+            f"stop_token_ids: at most {limits.max_stop_strings} per request, got {len(stop_ids)}",
+            "stop_token_ids",
+        )
+    if max_tokens < 1:
+        raise bad_request(
+            f"{max_tokens_field} must be at least 1, got {max_tokens}", max_tokens_field
+        )
+    kwargs = dict(
+        n=req.n,
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        seed=req.seed,
+        stop=stops,
+        stop_token_ids=list(stop_ids),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+    )
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        message = str(e)
+        first = message.split(maxsplit=1)[0] if message else ""
+        field = first if first in kwargs else None
+        if field == "max_tokens":
+            field = max_tokens_field
+        elif field == "logprobs" and isinstance(req, ChatRequest):
+            field = "top_logprobs"
+        raise bad_request(message, field) from None
