@@ -99,7 +99,7 @@ class InputProcessor:
             raise ValueError("the prompt is empty")
         if n >= cap.max_model_len:
             raise ValueError(
-                f"the prompt has {n} tokens, which leaves no room to generate within "
+                f"the prompt has {n} tokens and leaves no room to generate within "
                 f"max_model_len={cap.max_model_len}"
             )
         if isinstance(params, SamplingParams):
