@@ -140,13 +140,11 @@ def jax_shipped_op(interpret: bool, pages_per_seq: int):
     )
 
 
-def make_pool(key, args, num_blocks):
+def make_pool(key, args, num_blocks, dtype=jnp.bfloat16):
+    """Random K and V pages, [num_kv_heads, num_blocks, block_size, head_dim] each."""
     shape = (args.num_kv_heads, num_blocks, args.block_size, args.head_dim)
     kk, kv = jax.random.split(key)
-    return (
-        jax.random.normal(kk, shape, jnp.bfloat16),
-        jax.random.normal(kv, shape, jnp.bfloat16),
-    )
+    return jax.random.normal(kk, shape, dtype), jax.random.normal(kv, shape, dtype)
 
 
 def make_batch(rng, args, batch, context, num_blocks):

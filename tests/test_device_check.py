@@ -1,0 +1,120 @@
+"""benchmarks/device_check.py on CPU: stages 2-4 at toy sizes (kernels interpreted), and the
+guarding that lets one stage fail, overrun or stop early while the next still runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "device_check.py"
+
+
+def load_device_check():
+    spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def dc():
+    return load_device_check()
+
+
+def test_toy_run_of_stages_2_to_4_passes_and_reports(dc, tmp_path, capsys):
+    ctx = dc.main(["--toy", "--stages", "2,3,4", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    results = ctx.results
+    assert list(results) == ["kernels", "engine_tiny", "engine_8b", "decode"]
+    for key, r in results.items():
+        assert r.status == "PASS", f"{key}: {r.status} {r.summary}\n{r.error}"
+
+    # 2: every axis value covered, ours within tolerance and NaN-free on poisoned pools.
+    cases = results["kernels"].data["cases"]
+    ours = [c for c in cases if c["op"] == "ours"]
+    assert {c["kind"] for c in ours} == {"decode", "ragged"}
+    assert {c["dtype"] for c in ours} == {"float32", "bfloat16"}
+    assert {c["gqa"] for c in ours} == {1, 4, 8}
+    assert {c["block_size"] for c in ours} == {16, 32}
+    assert all(c["finite"] and c["rel_err"] <= c["tol"] for c in ours)
+    assert all(c["padding_rows_zero"] for c in ours if c["kind"] == "ragged")
+    assert [c for c in cases if c["op"] == "jax"], "JAX's shipped op was not compared"
+    lowering = results["kernels"].data["lowering"]
+    assert set(lowering) == {"ours/decode", "ours/ragged", "jax_op/decode"}
+    assert all("lowers to triton for cuda" in v for v in lowering.values()), lowering
+
+    # 3a: same greedy tokens as transformers, with preemption and prefix hits.
+    (run,) = results["engine_tiny"].data["runs"]
+    assert run["equal"] == run["prompts"] and run["num_preemptions"] > 0
+    assert run["prefix_cache_hits"] > 0
+
+    # 3b: the warm run reuses the cold run's programs.
+    big = results["engine_8b"].data
+    assert big["warm"]["output_tokens_per_s"] > 0
+    assert big["cold_compiles"]["count"] >= 1 and big["warm_compiles"]["count"] == 0
+    assert big["stats"]["num_blocks_peak"] > 0
+
+    # 4: the decode benchmark's rows and its NaN check.
+    decode = results["decode"].data
+    assert decode["rows"] and decode["summary"]["ours_finite"]
+
+    payload = json.loads((tmp_path / "device_check.json").read_text())
+    assert set(payload["stages"]) == set(results)
+    assert payload["stages"]["kernels"]["status"] == "PASS"
+    log = (tmp_path / "device_check.log").read_text()
+    assert "| # | stage | status | s | result |" in printed
+    assert "| 3b | engine_8b | PASS |" in log
+
+
+def test_a_failing_overrunning_or_spent_stage_is_recorded_and_the_next_runs(
+    dc, tmp_path, monkeypatch
+):
+    def boom(ctx, budget, data):
+        raise ValueError("boom")
+
+    def overrun(ctx, budget, data):
+        while True:  # never checks its budget: the hard limit stops it
+            time.sleep(0.01)
+
+    def spent(ctx, budget, data):
+        data["partial"] = "1 of 2 steps"
+        time.sleep(budget.seconds + 0.01)
+        budget.check("step 2")
+        return True, "unreachable"
+
+    def fine(ctx, budget, data):
+        data["ran"] = True
+        return True, "fine"
+
+    for key, fn in (("env", boom), ("kernels", overrun), ("engine_tiny", spent), ("decode", fine)):
+        number, title, _ = dc.STAGES[key]
+        monkeypatch.setitem(dc.STAGES, key, (number, title, fn))
+    monkeypatch.setattr(dc, "HARD_FACTOR", 1.0)
+    monkeypatch.setattr(dc, "HARD_SLACK_S", 0.2)
+    argv = ["--toy", "--stages", "1,2,3a,4", "--budget-scale", "0.001", "--out", str(tmp_path)]
+    ctx = dc.main(argv)
+    r = ctx.results
+    assert r["env"].status == "ERROR" and "ValueError: boom" in r["env"].error
+    assert r["kernels"].status == "ERROR" and "StageTimeout" in r["kernels"].error
+    assert r["engine_tiny"].status == "PARTIAL" and "1 of 2 steps" in r["engine_tiny"].summary
+    assert r["decode"].status == "PASS" and r["decode"].data == {"ran": True}
+    stages = json.loads((tmp_path / "device_check.json").read_text())["stages"]
+    assert [stages[k]["status"] for k in ("env", "kernels", "engine_tiny", "decode")] == [
+        "ERROR",
+        "ERROR",
+        "PARTIAL",
+        "PASS",
+    ]
+
+
+def test_stage_selection_by_number_group_or_name(dc):
+    assert dc.parse_args(["--stages", "3"]).stage_keys == ["engine_tiny", "engine_8b"]
+    assert dc.parse_args(["--stages", "peer,1"]).stage_keys == ["env", "peer"]
+    with pytest.raises(SystemExit):
+        dc.parse_args(["--stages", "7"])
