@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: install demo test test-all lint clean
+.PHONY: install demo test test-all lint clean device-check
 
 install: $(STAMP)
 
@@ -25,6 +25,14 @@ test: install
 
 test-all: install
 	$(BIN)/python -m pytest -q
+
+# The GPU/TPU proof, one command (benchmarks/device_check.py; about 8 minutes on one H200): JSON and
+# log under $(OUT). Needs no install: it runs on the machine's own python3 (jax with CUDA, torch,
+# transformers, flax, orbax) or this venv's, and finds the repository itself. ARGS=--toy: CPU run.
+OUT ?= device_check_out
+device-check:
+	PYTHONUNBUFFERED=1 $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) \
+		benchmarks/device_check.py --out $(OUT) $(ARGS)
 
 lint: install
 	$(BIN)/ruff check .
