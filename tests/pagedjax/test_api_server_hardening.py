@@ -120,8 +120,8 @@ def sse_events(body: bytes) -> list:
     return out
 
 
-def metrics(base) -> dict[str, float]:
-    status, body = raw(base, "GET", "/metrics")
+def metrics(base, key=KEY) -> dict[str, float]:
+    status, body = raw(base, "GET", "/metrics", key=key)
     assert status == 200
     out = {}
     for line in body.decode().splitlines():
@@ -131,10 +131,10 @@ def metrics(base) -> dict[str, float]:
     return out
 
 
-def wait_idle(base, timeout=60) -> dict[str, float]:
+def wait_idle(base, timeout=60, key=KEY) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
-        m = metrics(base)
+        m = metrics(base, key)
         idle = m["pagedjax_num_requests_running"] == 0 and m["pagedjax_num_requests_waiting"] == 0
         if idle and m["pagedjax_kv_blocks_used"] == 0:
             return m
