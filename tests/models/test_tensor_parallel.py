@@ -70,8 +70,8 @@ def test_step_never_gathers_the_kv_pool_or_the_embedding(report, model, tp):
 
 def test_cached_params_restore_straight_into_the_sharded_layout(report):
     restored = report["sharded_restore"]
-    assert restored["shape"] == [64, 64]
-    assert restored["shards"] == [[64, 32], [64, 32]]  # each device holds its heads' columns
+    assert restored["shape"] == [2, 64, 64]  # stacked: [num_layers, hidden, heads * head_dim]
+    assert restored["shards"] == [[2, 64, 32], [2, 64, 32]]  # each device: its heads' columns
 
 
 def test_a_split_cache_restores_onto_one_device_without_a_mesh(report):

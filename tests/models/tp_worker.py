@@ -20,7 +20,7 @@ from models.loader import default_model_path, load_model  # noqa: E402
 from models.sharding import make_mesh  # noqa: E402
 from pagedjax import LLM, SamplingParams  # noqa: E402
 from pagedjax.runner import ScheduledSeq  # noqa: E402
-from pagedjax.sampler import SamplingInput, SamplingRow  # noqa: E402
+from pagedjax.sampler import SamplingRow  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
@@ -36,14 +36,10 @@ def step_hlo(llm: LLM) -> str:
     r = llm.runner
     seqs = [ScheduledSeq([5, 6, 7], 0, [1], [SamplingRow()])]
     step_input = r.build_step_input(seqs)
-    sampling = SamplingInput.build(
-        seqs[0].samples, len(step_input.logits_indices), r.config.vocab_size
-    )
     lowered = runner_mod._step.lower(
         r.params,
         r.kv_pool,
         jax.device_put(step_input, r._inputs),
-        jax.device_put(sampling, r._inputs),
         r.config,
         r.backend,
         r.mesh,
@@ -66,7 +62,7 @@ def run(path: str, prompts, degrees, block_size: int) -> dict:
             report[tp] = {"error": str(e)}
             continue
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        pool = [a for kv in llm.runner.kv_pool for a in kv]
+        pool = list(llm.runner.kv_pool)  # K and V, every layer
         params = jax.tree_util.tree_flatten_with_path(llm.runner.params)[0]
         entry = {
             "tokens": [o.outputs[0].token_ids for o in outs],
@@ -107,7 +103,7 @@ def main() -> None:
     prompts = [rng.integers(3, 256, n).tolist() for n in (5, 16, 30)]
     report = {"tiny": run(str(tmp / "tiny"), prompts, (1, 2, 4), block_size=8)}
     # The converted params are cached now: a load onto a mesh restores each device's slices.
-    q = load_model(str(tmp / "tiny"), mesh=make_mesh(2)).params["layers_0"]["self_attn"]
+    q = load_model(str(tmp / "tiny"), mesh=make_mesh(2)).params["layers"]["self_attn"]
     q = q["q_proj"]["kernel"]
     report["sharded_restore"] = {
         "shape": q.shape,
