@@ -14,6 +14,10 @@ so it never scatters a permutation back. The threshold comes from the ``_NUM_CAN
 logits (``lax.top_k``) when they decide it exactly (top-k <= that many, or a nucleus that closes
 inside them); only rows they cannot decide fall back to a full sort, and each row uses the same
 computation whatever shares its batch, so the fallback cannot change another row's tokens.
+
+The runner compiles sampling as its own program, apart from the model step, and every input here
+has a shape set by the batch's row count alone (plus one token-history width when some row uses
+penalties), so sampling options never multiply the model's programs.
 """
 
 from __future__ import annotations
@@ -26,9 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from pagedjax.sampling_params import MAX_LOGPROBS
+
 _BASE_SEED = 0
 _NUM_CANDIDATES = 256  # logits per row that top-k / top-p look at before falling back to a sort
-_MIN_TOKENS_BUCKET = 16  # narrowest prompt/output token array when some row uses penalties
+_MIN_TOKENS_BUCKET = 16  # narrowest token-history array when no fixed width is given
+# Top logprobs are computed at one fixed width (whatever a request asks, up to vLLM's cap), so the
+# number a request asks for never makes a new program.
+TOP_LOGPROBS_WIDTH = MAX_LOGPROBS
 
 
 @dataclasses.dataclass
@@ -63,43 +72,71 @@ class SamplingInput:
     presence_penalty: jax.Array  # f32[num_seqs], 0 = off
     frequency_penalty: jax.Array  # f32[num_seqs], 0 = off
     repetition_penalty: jax.Array  # f32[num_seqs], 1 = off
-    prompt_tokens: jax.Array  # i32[num_seqs, P], padded with vocab_size
-    output_tokens: jax.Array  # i32[num_seqs, O], padded with vocab_size
-    num_top_logprobs: int = struct.field(pytree_node=False, default=0)  # K; 0 = none
+    # The tokens penalties read: row i's first prompt_lens[i] entries are prompt tokens, the rest
+    # output tokens; padded with vocab_size. One column wide when no row uses penalties.
+    token_history: jax.Array  # i32[num_seqs, W]
+    prompt_lens: jax.Array  # i32[num_seqs]
+    num_top_logprobs: jax.Array  # i32[], top logprobs wanted by some row (0 = skip them)
 
     @classmethod
     def build(
-        cls, rows: list[SamplingRow], size: int, vocab_size: int, num_top_logprobs: int = 0
+        cls,
+        rows: list[SamplingRow],
+        size: int,
+        vocab_size: int,
+        num_top_logprobs: int = 0,
+        *,
+        history_width: int | None = None,
     ) -> SamplingInput:
         """Pack ``rows`` (numpy), padded to ``size`` rows with greedy no-op rows.
 
-        Token arrays are bucketed (power of two, at least 16) and hold only the rows whose penalties
-        read them: prompts only when some row has a repetition penalty, outputs when some row has
-        any penalty; otherwise they are one padding column wide. A row whose penalties are all
-        neutral gets padding only (its tokens could not change its logits anyway).
+        The token history holds only the rows whose penalties read it (a row's prompt only when
+        it has a repetition penalty); a row whose penalties are all neutral gets padding. It is
+        ``history_width`` columns wide when some row uses penalties (the runner passes its
+        max_model_len, so the width never makes a new program), one column otherwise; without a
+        ``history_width``, the longest row's length bucketed (a power of two, at least 16).
         """
         if len(rows) > size:
             raise ValueError(f"size must be >= the number of rows ({len(rows)}), got {size}")
-        if not 0 <= num_top_logprobs <= vocab_size:
-            raise ValueError(f"num_top_logprobs must be in [0, vocab_size], got {num_top_logprobs}")
+        if not 0 <= num_top_logprobs <= min(TOP_LOGPROBS_WIDTH, vocab_size):
+            raise ValueError(
+                f"num_top_logprobs must be in [0, {min(TOP_LOGPROBS_WIDTH, vocab_size)}], "
+                f"got {num_top_logprobs}"
+            )
         pad = size - len(rows)
 
         def col(name, dtype, fill):
             return np.asarray([getattr(r, name) for r in rows] + [fill] * pad, dtype=dtype)
 
-        def tokens(name, used_by):
-            users = [(i, getattr(r, name)) for i, r in enumerate(rows) if used_by(r)]
-            width = _bucket(max(len(ids) for _, ids in users)) if users else 1
-            out = np.full((size, width), vocab_size, np.int32)
-            for i, ids in users:
-                ids = np.asarray(ids, dtype=np.int64)
-                if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-                    raise ValueError(f"{name} must be in [0, {vocab_size}), got row {i}: {ids}")
-                out[i, : ids.size] = ids
-            return out
+        def checked(name, i, ids):
+            ids = np.asarray(ids, dtype=np.int64)
+            if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+                raise ValueError(f"{name} must be in [0, {vocab_size}), got row {i}: {ids}")
+            return ids
 
-        repeats = lambda r: r.repetition_penalty != 1
-        penalises = lambda r: repeats(r) or r.presence_penalty != 0 or r.frequency_penalty != 0
+        histories = []  # (row, prompt tokens, output tokens) of the rows penalties read
+        for i, r in enumerate(rows):
+            repeats = r.repetition_penalty != 1
+            if repeats or r.presence_penalty != 0 or r.frequency_penalty != 0:
+                prompt = checked("prompt_token_ids", i, r.prompt_token_ids if repeats else ())
+                histories.append((i, prompt, checked("output_token_ids", i, r.output_token_ids)))
+        longest = max((p.size + o.size for _, p, o in histories), default=0)
+        if not histories:
+            width = 1
+        elif history_width is None:
+            width = _bucket(longest)
+        elif longest > history_width:
+            raise ValueError(
+                f"a row's prompt and output tokens ({longest}) exceed history_width={history_width}"
+            )
+        else:
+            width = history_width
+        history = np.full((size, width), vocab_size, np.int32)
+        prompt_lens = np.zeros(size, np.int32)
+        for i, prompt, output in histories:
+            history[i, : prompt.size] = prompt
+            history[i, prompt.size : prompt.size + output.size] = output
+            prompt_lens[i] = prompt.size
         return cls(
             temperature=col("temperature", np.float32, 0.0),
             top_k=col("top_k", np.int32, 0),
@@ -110,9 +147,9 @@ class SamplingInput:
             presence_penalty=col("presence_penalty", np.float32, 0.0),
             frequency_penalty=col("frequency_penalty", np.float32, 0.0),
             repetition_penalty=col("repetition_penalty", np.float32, 1.0),
-            prompt_tokens=tokens("prompt_token_ids", repeats),
-            output_tokens=tokens("output_token_ids", penalises),
-            num_top_logprobs=num_top_logprobs,
+            token_history=history,
+            prompt_lens=prompt_lens,
+            num_top_logprobs=np.asarray(num_top_logprobs, np.int32),
         )
 
 
@@ -120,18 +157,23 @@ class SamplingInput:
 class SamplerOutput:
     tokens: jax.Array  # i32[num_seqs], the sampled token
     logprobs: jax.Array  # f32[num_seqs], its log-probability under the raw model
-    top_token_ids: jax.Array  # i32[num_seqs, K], most likely tokens under the raw model, descending
+    # i32[num_seqs, K], most likely tokens under the raw model, descending (K = TOP_LOGPROBS_WIDTH
+    # or the vocabulary if smaller; zeros when no row asked for them)
+    top_token_ids: jax.Array
     top_logprobs: jax.Array  # f32[num_seqs, K], their raw log-probabilities
 
 
 def _apply_penalties(logits: jax.Array, s: SamplingInput) -> jax.Array:
     num_seqs, vocab = logits.shape
     rows = jnp.arange(num_seqs)[:, None]
+    is_output = jnp.arange(s.token_history.shape[1])[None, :] >= s.prompt_lens[:, None]
     # Padding ids (= vocab) land in the extra column, which is dropped.
+    output_ids = jnp.where(is_output, s.token_history, vocab)
+    prompt_ids = jnp.where(is_output, vocab, s.token_history)
     counts = jnp.zeros((num_seqs, vocab + 1), jnp.int32)
-    counts = counts.at[rows, s.output_tokens].add(1, mode="drop")[:, :vocab]  # [num_seqs, vocab]
+    counts = counts.at[rows, output_ids].add(1, mode="drop")[:, :vocab]  # [num_seqs, vocab]
     in_prompt = jnp.zeros((num_seqs, vocab + 1), jnp.bool_)
-    in_prompt = in_prompt.at[rows, s.prompt_tokens].set(True, mode="drop")[:, :vocab]
+    in_prompt = in_prompt.at[rows, prompt_ids].set(True, mode="drop")[:, :vocab]
     in_output = counts > 0
     rep = s.repetition_penalty[:, None]
     logits = jnp.where(
@@ -252,11 +294,16 @@ def sample(logits: jax.Array, s: SamplingInput) -> SamplerOutput:
     sampled = jax.lax.cond(jnp.any(random), draw, lambda _: greedy, penalised)
     tokens = jnp.where(random, sampled, greedy).astype(jnp.int32)
     lse = jax.nn.logsumexp(logits, axis=-1)  # [num_seqs]
-    if s.num_top_logprobs:
-        top_logits, top_ids = jax.lax.top_k(logits, s.num_top_logprobs)  # [num_seqs, K]
-    else:
-        top_logits = jnp.zeros((logits.shape[0], 0), jnp.float32)
-        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    width = min(TOP_LOGPROBS_WIDTH, logits.shape[1])
+    top_logits, top_ids = jax.lax.cond(
+        s.num_top_logprobs > 0,
+        lambda x: tuple(jax.lax.top_k(x, width)),  # [num_seqs, K]
+        lambda x: (
+            jnp.zeros((x.shape[0], width), x.dtype),
+            jnp.zeros((x.shape[0], width), jnp.int32),
+        ),
+        logits,
+    )
     return SamplerOutput(
         tokens=tokens,
         logprobs=jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse,
@@ -265,4 +312,11 @@ def sample(logits: jax.Array, s: SamplingInput) -> SamplerOutput:
     )
 
 
-__all__ = ["SamplerOutput", "SamplingInput", "SamplingRow", "process_logits", "sample"]
+__all__ = [
+    "TOP_LOGPROBS_WIDTH",
+    "SamplerOutput",
+    "SamplingInput",
+    "SamplingRow",
+    "process_logits",
+    "sample",
+]

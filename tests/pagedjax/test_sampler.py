@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 
 from pagedjax import sampler
-from pagedjax.sampler import SamplerOutput, SamplingInput, SamplingRow
+from pagedjax.sampler import TOP_LOGPROBS_WIDTH, SamplerOutput, SamplingInput, SamplingRow
 
 V = 1000
 S = 8
 K = 5
+HISTORY = 64  # token-history width when some row uses penalties (no row here holds more)
 DELTA = 1e-4  # slack on top_p / min_p for tokens on the float32 edge of a filter
 
 assert V > sampler._NUM_CANDIDATES
@@ -29,7 +30,7 @@ def _run(logits, s):
 
 
 def run(logits, rows, size=S, k=K, vocab=V):
-    s = SamplingInput.build(rows, size, vocab, k)
+    s = SamplingInput.build(rows, size, vocab, k, history_width=HISTORY)
     out, processed = _run(np.asarray(logits, np.float32), s)
     return jax.tree.map(np.asarray, out), np.asarray(processed), s
 
@@ -124,7 +125,7 @@ def random_logits(rng, n):
 
 
 def with_rep(rows):
-    """Make the batch use penalties (token arrays 16 wide), so it shares one compiled shape."""
+    """Make the batch use penalties (a token history HISTORY wide), so it shares one program."""
     return [*rows[:-1], SamplingRow(repetition_penalty=1.2, prompt_token_ids=[3])]
 
 
@@ -137,7 +138,7 @@ def test_random_batches_match_the_reference():
         rows = with_rep([random_row(rng) for _ in range(S)])
         logits = random_logits(rng, S)
         out, processed, s = run(logits, rows)
-        assert s.prompt_tokens.shape == s.output_tokens.shape == (S, 16)
+        assert s.token_history.shape == (S, HISTORY)
         assert out.tokens.dtype == np.int32 and out.tokens.shape == (S,)
         for i, r in enumerate(rows):
             check_processed(processed[i], logits[i], r)
@@ -147,7 +148,7 @@ def test_random_batches_match_the_reference():
             else:
                 assert np.isfinite(processed[i, out.tokens[i]]), "sampled outside the support"
             np.testing.assert_allclose(out.logprobs[i], raw[out.tokens[i]], atol=1e-5)
-            top = np.argsort(-raw)[:K]
+            top = np.argsort(-raw)[:TOP_LOGPROBS_WIDTH]  # computed at one width, whatever K
             np.testing.assert_array_equal(out.top_token_ids[i], top)
             np.testing.assert_allclose(out.top_logprobs[i], raw[top], atol=1e-5)
 
@@ -262,7 +263,7 @@ def test_seeded_tokens_ignore_batch_composition_and_row_order():
             alone_rows[slot] = r
             alone, _, s = run(alone_logits, alone_rows)
             if i == 0:
-                assert s.output_tokens.shape == (S, 1)
+                assert s.token_history.shape == (S, 1)
             assert alone.tokens[slot] == batch.tokens[i]
             assert alone.logprobs[slot] == batch.logprobs[i]
 
@@ -288,7 +289,7 @@ def test_padded_rows_are_greedy_no_ops():
     np.testing.assert_array_equal(s.repetition_penalty[2:], 1)
     np.testing.assert_array_equal(s.presence_penalty[2:], 0)
     np.testing.assert_array_equal(s.frequency_penalty[2:], 0)
-    assert np.all(s.prompt_tokens[2:] == V) and np.all(s.output_tokens[2:] == V)
+    assert np.all(s.token_history[2:] == V) and np.all(s.prompt_lens[2:] == 0)
     logits = random_logits(rng, S)
     out, processed, _ = run(logits, rows)
     np.testing.assert_array_equal(out.tokens[2:], logits[2:].argmax(-1))
@@ -296,30 +297,38 @@ def test_padded_rows_are_greedy_no_ops():
     assert np.all(np.isfinite(out.logprobs)) and np.all(np.isfinite(out.top_logprobs))
 
 
-def test_build_buckets_token_arrays_only_for_penalties():
-    none = SamplingInput.build([SamplingRow(prompt_token_ids=range(100))], 4, V)
-    assert none.prompt_tokens.shape == none.output_tokens.shape == (4, 1)
-    assert np.all(none.prompt_tokens == V) and np.all(none.output_tokens == V)
+def test_token_history_packs_only_what_penalties_read():
+    none = SamplingInput.build([SamplingRow(prompt_token_ids=range(100))], 4, V, history_width=64)
+    assert none.token_history.shape == (4, 1) and np.all(none.token_history == V)
     assert none.num_top_logprobs == 0
     out_only = SamplingInput.build(
-        [SamplingRow(presence_penalty=0.5, prompt_token_ids=range(50), output_token_ids=[7])], 4, V
+        [SamplingRow(presence_penalty=0.5, prompt_token_ids=range(50), output_token_ids=[7])],
+        4,
+        V,
+        history_width=64,
     )
-    assert out_only.prompt_tokens.shape == (4, 1)  # only repetition reads the prompt
-    assert out_only.output_tokens.shape == (4, 16)
-    assert out_only.output_tokens[0, 0] == 7 and np.all(out_only.output_tokens[0, 1:] == V)
-    for n, width in [(0, 16), (16, 16), (17, 32), (100, 128)]:
+    assert out_only.token_history.shape == (4, 64)  # fixed width: no new program per length
+    assert out_only.prompt_lens[0] == 0  # only repetition reads the prompt
+    assert out_only.token_history[0, 0] == 7 and np.all(out_only.token_history[0, 1:] == V)
+    for n in (0, 16, 40):
         rows = [
             SamplingRow(repetition_penalty=1.1, prompt_token_ids=range(n), output_token_ids=[1]),
             SamplingRow(prompt_token_ids=range(300)),  # neutral: its tokens are not packed
         ]
-        s = SamplingInput.build(rows, 2, V, num_top_logprobs=3)
-        assert s.prompt_tokens.shape == (2, width) and s.output_tokens.shape == (2, 16)
-        np.testing.assert_array_equal(s.prompt_tokens[0, :n], np.arange(n))
-        assert np.all(s.prompt_tokens[0, n:] == V) and np.all(s.prompt_tokens[1] == V)
-        assert s.prompt_tokens.dtype == np.int32 and s.seeds.dtype == np.uint32
+        s = SamplingInput.build(rows, 2, V, num_top_logprobs=3, history_width=64)
+        assert s.token_history.shape == (2, 64) and list(s.prompt_lens) == [n, 0]
+        np.testing.assert_array_equal(s.token_history[0, : n + 1], [*range(n), 1])
+        assert np.all(s.token_history[0, n + 1 :] == V) and np.all(s.token_history[1] == V)
+        assert s.token_history.dtype == np.int32 and s.seeds.dtype == np.uint32
         assert s.num_top_logprobs == 3
+    with pytest.raises(ValueError, match="history_width=64"):
+        SamplingInput.build([SamplingRow(frequency_penalty=1, output_token_ids=[1] * 65)], 2, V,
+                            history_width=64)  # fmt: skip
+    # Without a fixed width, the longest row's length bucketed.
+    s = SamplingInput.build([SamplingRow(repetition_penalty=2, prompt_token_ids=range(17))], 2, V)
+    assert s.token_history.shape == (2, 32)
     s = SamplingInput.build([], 2, V)
-    assert s.temperature.shape == (2,) and s.prompt_tokens.shape == (2, 1)
+    assert s.temperature.shape == (2,) and s.token_history.shape == (2, 1)
 
 
 def test_build_rejects_bad_input():
@@ -333,10 +342,16 @@ def test_build_rejects_bad_input():
         SamplingInput.build([], 2, V, num_top_logprobs=-1)
 
 
-def test_no_logprobs_requested_gives_empty_columns():
-    out, _, _ = run(np.zeros((256, V), np.float32), [], size=256, k=0)
-    assert out.top_token_ids.shape == (256, 0) and out.top_logprobs.shape == (256, 0)
-    assert out.top_token_ids.dtype == np.int32
+def test_no_logprobs_requested_skips_the_top_k():
+    logits = np.random.default_rng(0).normal(size=(256, V)).astype(np.float32)
+    out, _, _ = run(logits, [], size=256, k=0)
+    width = (256, TOP_LOGPROBS_WIDTH)  # one width whatever is asked: no new program
+    assert out.top_token_ids.shape == out.top_logprobs.shape == width
+    assert out.top_token_ids.dtype == np.int32 and not np.any(out.top_token_ids)
+    asked, _, _ = run(logits, [], size=256, k=1)
+    np.testing.assert_array_equal(asked.top_token_ids[:, 0], logits.argmax(-1))
+    logits = np.zeros((256, V), np.float32)
+    out, _, _ = run(logits, [], size=256, k=0)
     np.testing.assert_allclose(out.logprobs, -np.log(V), rtol=1e-6)
 
 
