@@ -867,6 +867,13 @@ def compile_events():
             jax.monitoring.unregister_event_duration_listener(listen)
 
 
+TOY_NOTE = " (toy run: timings meaningless)"
+
+
+def shape_name(ctx: Context) -> str:
+    return "Llama-3-8B-shaped" if ctx.sizes.big_config is LLAMA3_8B else "toy Llama"
+
+
 def device_memory() -> dict:
     dev = jax.local_devices()[0]
     stats = dev.memory_stats() if dev.platform != "cpu" else None
@@ -886,7 +893,7 @@ def stage_engine_8b(ctx: Context, budget: Budget, data: dict):
     config = ModelConfig.from_hf_dict(hf_config.to_dict())
     full_layers = s.big_config["num_hidden_layers"]
     data["model"] = (
-        f"Llama-3-8B-shaped random weights, bfloat16, {config.num_layers} of {full_layers} layers "
+        f"{shape_name(ctx)} random weights, bfloat16, {config.num_layers} of {full_layers} layers "
         f"(hidden {config.hidden_size}, heads {config.num_heads}/{config.num_kv_heads}, "
         f"vocab {config.vocab_size})"
     )
@@ -952,13 +959,13 @@ def stage_engine_8b(ctx: Context, budget: Budget, data: dict):
         llm.close()
     peak = data["memory"].get("peak_bytes_in_use")
     summary = (
-        f"8B-shaped ({config.num_layers}/{full_layers} layers) bf16: "
+        f"{shape_name(ctx)} ({config.num_layers}/{full_layers} layers) bf16: "
         f"{timed.output_tokens_per_s:.0f} out tok/s warm; cold {cold.elapsed_s:.0f} s with "
         f"{data['cold_compiles']['count']} compiles ({data['cold_compiles']['total_s']:.0f} s, "
         f"max {data['cold_compiles']['max_s']:.1f}); KV blocks {stats.num_blocks_peak}/"
         f"{stats.num_blocks_total}" + (f"; process peak {peak / 2**30:.1f} GiB" if peak else "")
     )
-    return True, summary
+    return True, summary + TOY_NOTE * ctx.interpret
 
 
 def summarize_compiles(events: list[tuple[str, float]]) -> dict:
@@ -990,11 +997,9 @@ def stage_decode(ctx: Context, budget: Budget, data: dict):
         f"{100 * info['min_fraction_of_copy_at_long_context']:.0f}% of copy; x JAX op min "
         f"{_f(info['min_speedup_vs_jax'])}, geomean {_f(info['geomean_speedup_vs_jax'])}; "
         f"max err {info['max_err_ours']:.1e}; stale NaN: ours finite {info['ours_finite']}, "
-        f"JAX finite {info.get('jax_finite')}"
+        f"JAX finite {info.get('jax_finite', '-')}"
     )
-    if ctx.interpret:
-        summary += " (interpret mode: timings meaningless)"
-    return ok, summary
+    return ok, summary + TOY_NOTE * ctx.interpret
 
 
 def _f(x) -> str:
@@ -1064,6 +1069,7 @@ def stage_peer(ctx: Context, budget: Budget, data: dict):
             else "; no pagedjax figure from stage 3 to compare"
         )
     )
+    summary += TOY_NOTE * ctx.interpret
     if "partial" in data:
         raise BudgetSpent(summary)
     return True, summary
