@@ -13,8 +13,8 @@ each with its own time budget (the whole run is sized for 8 minutes on one H200)
   3 engine    (a) a tiny random Llama through ``LLM.generate``, greedy tokens equal to transformers
               on the same device, with a pool small enough to preempt (recompute, then swap) and
               a shared prompt prefix (prefix caching); (b) a Llama-3-8B-shaped random-weight
-              model in bfloat16, built on the device (no download, no files; reduced depth by
-              default, see --big-layers) through ``LLM.generate`` on a ShareGPT-like workload:
+              model in bfloat16, built on the device (no download, no files; all 32 layers unless
+              --big-layers says fewer) through ``LLM.generate`` on a ShareGPT-like workload:
               output tokens/s (warm), cold run, seconds per compiled program, KV blocks, peak
               device memory
   4 decode    benchmarks/paged_attention_gpu.py at reduced size: achieved bandwidth as a fraction
@@ -153,7 +153,7 @@ DEVICE = Sizes(
     tiny_new_tokens=24,
     tiny_preemption_modes=("recompute", "swap"),
     big_config=LLAMA3_8B,
-    big_layers=4,
+    big_layers=32,  # the whole depth: layers run under scan, so compile time does not grow with it
     num_requests=128,
     max_prompt_len=512,
     max_output_len=256,
@@ -379,6 +379,14 @@ def _version(module: str) -> str | None:
         return None
 
 
+def compilation_cache_dir():
+    """Where pagedjax keeps compiled programs (None: off); older checkouts had no such cache."""
+    try:
+        return importlib.import_module("pagedjax.compilation").cache_dir()
+    except ImportError:
+        return None
+
+
 def stage_env(ctx: Context, budget: Budget, data: dict):
     import jaxlib
 
@@ -431,6 +439,9 @@ def stage_env(ctx: Context, budget: Budget, data: dict):
             lowerings[name] = f"{type(e).__name__}: {e}"
     data["pallas_lowerings"] = lowerings
     data["jax_pallas_use_mosaic_gpu"] = getattr(jax.config, "jax_pallas_use_mosaic_gpu", None)
+    cache = jax.config.jax_compilation_cache_dir or str(compilation_cache_dir())
+    entries = len(list(Path(cache).iterdir())) if cache and Path(cache).is_dir() else 0
+    data["jax_compilation_cache"] = f"{cache} ({entries} entries at start)"
     data["pagedjax_gpu_lowering"] = getattr(
         importlib.import_module("pallas_kernels._gpu"), "GPU_LOWERING", None
     )
@@ -804,7 +815,7 @@ def random_params(config, dtype: str, seed: int = 0):
             return jnp.ones(shape, dtype)
         if kind == "bias":
             return jnp.zeros(shape, dtype)
-        return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        return (0.02 * jax.random.normal(key, shape, dtype)).astype(dtype)  # no float32 copy
 
     leaves = []
     for key, (path, s) in zip(keys, flat, strict=True):
