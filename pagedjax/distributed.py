@@ -118,3 +118,59 @@ class Channel:
             tail[: len(data) - len(head)] = np.frombuffer(data[len(head) :], np.uint8)
             out += np.asarray(multihost_utils.broadcast_one_to_all(tail))[:rest].tobytes()
         return out
+
+
+class DriverOrFollower:
+    """The engine's multi-process side (mixed into LLMEngine, which has ``runner`` and
+    ``_stopped``): the driver broadcasts, a follower replays until told to stop."""
+
+    @property
+    def is_driver(self) -> bool:
+        """Whether this process schedules (always, in a single-process run)."""
+        return self.runner.channel is None or self.runner.channel.is_driver
+
+    def _require_driver(self, what: str) -> None:
+        if not self.is_driver:
+            raise RuntimeError(
+                f"{what}: process {jax.process_index()} follows process 0, which alone takes "
+                "requests and steps; call follow() here"
+            )
+
+    def broadcast(self, op: str, payload=None) -> None:
+        """Driver: send a message that followers' ``follow`` returns (no-op in one process, or
+        once the engine is closed: the followers have gone)."""
+        if self.runner.channel is not None and not self._stopped:
+            self.runner.channel.send((op, payload))
+
+    def keep_alive(self) -> None:
+        """Driver, while idle: a "noop", so that followers waiting in the broadcast hear from
+        it regularly (a collective backend may time out a wait of hours)."""
+        self.broadcast("noop")
+
+    def follow(self, until: frozenset[str] = frozenset({"stop"})) -> tuple[str, object]:
+        """Follower: replay the driver's steps until one of the messages ``until`` (or "stop",
+        sent by the driver's ``close``); returns it as ``(op, payload)``."""
+        if self.is_driver:
+            raise RuntimeError("follow() is for processes other than 0; process 0 drives")
+        if self._stopped:
+            raise RuntimeError("the engine is closed")
+        while True:
+            op, payload = self.runner.follow()
+            if op == "stop":
+                self._stopped = True
+            if op in until or op == "stop":
+                return op, payload
+
+    def close(self) -> None:
+        """Free the device KV pool and parameters; the engine is unusable afterwards. In a
+        multi-process run every process calls it; the driver's tells the followers to stop."""
+        if self.runner.channel is not None and not self._stopped:
+            if self.is_driver:
+                self.broadcast("stop")
+                self._stopped = True
+            else:
+                self.follow()  # until the driver's "stop"
+        self.runner.free_device_memory()
+        for leaf in jax.tree.leaves(self.runner.params):
+            leaf.delete()
+        self.runner.params = None

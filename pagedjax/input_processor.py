@@ -36,6 +36,21 @@ class Capacity:
     num_host_blocks: int  # swap space, in blocks
     vocab_size: int
 
+    @classmethod
+    def of(cls, config, num_blocks: int, watermark_blocks: int, num_host_blocks: int, model_config):
+        sched = config.scheduler
+        return cls(
+            max_model_len=sched.max_model_len,
+            max_num_seqs=sched.max_num_seqs,
+            token_budget=sched.token_budget,
+            enable_chunked_prefill=sched.enable_chunked_prefill,
+            block_size=config.cache.block_size,
+            num_blocks=num_blocks,
+            num_usable_blocks=num_blocks - 1 - watermark_blocks,
+            num_host_blocks=num_host_blocks,
+            vocab_size=model_config.vocab_size,
+        )
+
 
 def check_capacity(cap: Capacity) -> None:
     """Refuse configurations under which no request could ever run."""
@@ -138,6 +153,14 @@ class InputProcessor:
                 f"swapping, and it may hold {need} blocks, more than the {cap.num_host_blocks} "
                 "blocks of swap space; raise swap_space_gib or lower max_tokens"
             )
+
+
+def eos_token_ids(model_config, source: str, tokenizer) -> frozenset[int]:
+    """The model config's EOS ids, generation_config.json's and the tokenizer's."""
+    eos = set(model_config.eos_token_ids) | set(generation_config_eos_ids(source))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return frozenset(eos)
 
 
 def generation_config_eos_ids(source: str) -> tuple[int, ...]:

@@ -1,4 +1,4 @@
-"""What ``LLM.generate`` returns, shaped like vLLM's RequestOutput."""
+"""What the engine returns: RequestOutput (shaped like vLLM's) and EngineStats."""
 
 from __future__ import annotations
 
@@ -25,3 +25,43 @@ class RequestOutput:
     # Set when the engine ended the request itself (it could not run it, or it failed on its
     # own): its completions then finish with "abort" and keep what was generated so far.
     error: str | None = None
+
+
+@dataclasses.dataclass
+class EngineStats:
+    num_blocks_total: int  # allocatable blocks (the null block excluded)
+    num_blocks_used: int
+    num_blocks_peak: int
+    kv_slots_allocated_peak: int
+    kv_tokens_stored_peak: int
+    kv_utilization: float  # tokens stored / slots allocated, summed over every step of the run
+    num_preemptions: int
+    num_swapped_out: int  # blocks moved device -> host
+    prefix_cache_hit_rate: float
+    num_compilations: int
+    num_swapped_in: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_aborted: int = 0  # requests the engine ended itself, each with a reason (never a client's)
+    compile_seconds: float = 0.0  # spent compiling (or loading) the num_compilations programs
+
+    @classmethod
+    def of(cls, bm, scheduler, runner) -> EngineStats:
+        """From the block manager's stats, the scheduler's and the runner's counters."""
+        return cls(
+            num_blocks_total=bm.num_blocks_total,
+            num_blocks_used=bm.num_blocks_used,
+            num_blocks_peak=bm.num_blocks_peak,
+            kv_slots_allocated_peak=bm.kv_slots_allocated_peak,
+            kv_tokens_stored_peak=bm.kv_tokens_stored_peak,
+            kv_utilization=bm.kv_utilization,
+            num_preemptions=scheduler.num_preemptions,
+            num_swapped_out=bm.num_swapped_out,
+            prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
+            num_compilations=runner.num_compilations,
+            num_swapped_in=bm.num_swapped_in,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_aborted=scheduler.num_aborted,
+            compile_seconds=runner.compile_seconds,
+        )

@@ -10,10 +10,33 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
+from collections.abc import Collection
 
+from pagedjax import beam_search
 from pagedjax.block_manager import AllocStatus, BlockManager
 from pagedjax.config import PREEMPTION_MODES
+from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 from pagedjax.sequence import Sequence, SequenceGroup, SequenceStatus
+
+_FINISHED_STATUS = {
+    "stop": SequenceStatus.FINISHED_STOPPED,
+    "length": SequenceStatus.FINISHED_LENGTH_CAPPED,
+    "abort": SequenceStatus.FINISHED_ABORTED,
+}
+
+
+def check_stop(
+    seq: Sequence, p: SamplingParams, eos_token_ids: Collection[int], max_model_len: int
+) -> str | None:
+    """Why seq stops after its last token: "stop" (EOS, a stop token id), "length", or None.
+    (Stop strings need the text: the output processor checks them.)"""
+    token = seq.get_last_token_id()
+    if (not p.ignore_eos and token in eos_token_ids) or token in p.stop_token_ids:
+        return "stop"
+    if seq.get_output_len() >= p.max_tokens or seq.get_len() >= max_model_len:
+        return "length"
+    return None
 
 
 @dataclasses.dataclass
@@ -28,6 +51,24 @@ class SeqChunk:
     def completes(self) -> bool:
         """Whether the step brings the sequence up to date, so its logits yield a new token."""
         return self.seq.num_computed_tokens + self.num_tokens == self.seq.get_len()
+
+    @property
+    def num_samples(self) -> int:
+        """Tokens sampled from this chunk's last logits: none before the prompt is done, n for
+        the first tokens of a parallel-sampling request (its samples fork then), else one."""
+        if not self.completes:
+            return 0
+        p = self.group.sampling_params
+        first = self.group.num_seqs() == 1 and self.seq.get_output_len() == 0
+        return p.n if first and isinstance(p, SamplingParams) else 1
+
+
+@dataclasses.dataclass
+class StepUpdate:
+    """What update_from_output did: sequences that got a token, requests whose update failed."""
+
+    new_tokens: list[tuple[SequenceGroup, Sequence]] = dataclasses.field(default_factory=list)
+    failed: dict[str, Exception] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -79,6 +120,8 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         preemption_mode: str = "recompute",
+        max_model_len: int = 2**31 - 1,
+        eos_token_ids: Collection[int] = (),
     ):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
@@ -97,6 +140,9 @@ class Scheduler:
         self.num_recomputed = 0
         self.num_swapped = 0
         self.num_aborted = 0  # groups the scheduler gave up on (with a reason)
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._seq_ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -217,6 +263,99 @@ class Scheduler:
             out.chunks.append(SeqChunk(group, seq, n))
             budget -= n
             self.running.append(group)
+
+    # ---- after the step -------------------------------------------------------------------
+
+    def new_seq_id(self) -> int:
+        return next(self._seq_ids)
+
+    def finish_seq(self, seq: Sequence, reason: str) -> None:
+        """End seq ("stop", "length" or "abort") and free its blocks."""
+        self.free_seq(seq, _FINISHED_STATUS[reason])
+        seq.status = _FINISHED_STATUS[reason]
+        seq.finish_reason = reason
+
+    def fork(self, group: SequenceGroup, parent: Sequence, sample_index: int) -> Sequence:
+        """A new sequence of group sharing every block of parent."""
+        child = parent.fork(self.new_seq_id())
+        child.sample_index = sample_index
+        self.bm.fork(parent, child)
+        group.add(child)
+        return child
+
+    def update_from_output(self, chunks: list[SeqChunk], result) -> StepUpdate:
+        """Account for an executed step: the chunks' KV is in the pool; each completing chunk
+        has ``num_samples`` rows of ``result`` (tokens, logprobs, top_token_ids, top_logprobs,
+        host arrays), in chunk order. Appends tokens, forks the n samples and the kept beams,
+        stops (EOS, stop token ids, length) and frees what finished. A request whose update
+        raises is reported in ``failed`` and the others go on."""
+        update = StepUpdate()
+        row, beams = 0, {}
+        for c in chunks:
+            rows = range(row, row + c.num_samples)
+            row += c.num_samples
+            group = c.group
+            if group.request_id in update.failed:
+                continue
+            c.seq.num_computed_tokens += c.num_tokens
+            self.bm.mark_blocks_computed(c.seq)
+            if not rows:
+                continue
+            if isinstance(group.sampling_params, BeamSearchParams):
+                top = (
+                    result.top_token_ids[rows[0]].tolist(),
+                    result.top_logprobs[rows[0]].tolist(),
+                )
+                beams.setdefault(group.request_id, (group, []))[1].append((c.seq, *top))
+                continue
+            try:
+                for i in rows[1:]:  # the first tokens of n samples
+                    self._append(group, self.fork(group, c.seq, i - rows[0]), result, i, update)
+                self._append(group, c.seq, result, rows[0], update)
+            except Exception as e:
+                update.failed[group.request_id] = e
+        for group, candidates in beams.values():
+            try:
+                self._beam_update(group, candidates)
+            except Exception as e:
+                update.failed[group.request_id] = e
+        return update
+
+    def _append(self, group, seq: Sequence, result, row: int, update: StepUpdate) -> None:
+        p: SamplingParams = group.sampling_params
+        token, logprob = int(result.tokens[row]), float(result.logprobs[row])
+        seq.append_token_id(token, logprob)
+        if p.logprobs is not None:
+            top = zip(
+                result.top_token_ids[row, : p.logprobs].tolist(),
+                result.top_logprobs[row, : p.logprobs].tolist(),
+                strict=True,
+            )
+            seq.logprobs.append({token: logprob, **dict(top)})
+        reason = check_stop(seq, p, self.eos_token_ids, self.max_model_len)
+        if reason is not None:
+            self.finish_seq(seq, reason)
+        update.new_tokens.append((group, seq))
+
+    def _beam_update(self, group: SequenceGroup, candidates) -> None:
+        p: BeamSearchParams = group.sampling_params
+        step = beam_search.beam_step(
+            p, candidates, group.finished_beams, self.eos_token_ids, self.max_model_len
+        )
+        group.finished_beams += step.finished
+        for seq in step.drop:
+            self.free_seq(seq, SequenceStatus.FINISHED_ABORTED)
+            del group.seqs_dict[seq.seq_id]
+        for seq, _, _ in candidates:
+            picks = step.extend.get(seq.seq_id)
+            if picks:
+                for token, lp in picks[1:]:
+                    self.fork(group, seq, 0).append_token_id(token, lp)
+                seq.append_token_id(*picks[0])
+        if step.done:
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                group.finished_beams.append((list(seq.output_token_ids), seq.cumulative_logprob))
+                self.finish_seq(seq, "length")
 
     # ---- preemption -----------------------------------------------------------------------
 

@@ -134,6 +134,7 @@ class SequenceGroup:
         self.arrival_time = arrival_time
         self.sampling_params = sampling_params
         self.abort_reason: str | None = None  # why the engine gave up on it, if it did
+        self.finished_beams: list[tuple[list[int], float]] = []  # beam search: (tokens, logprob)
 
     def __repr__(self) -> str:
         return f"SequenceGroup(request_id={self.request_id!r}, seqs={self.get_seqs()})"

@@ -71,6 +71,7 @@ class FakeRunner:
         self.kv_pool = None
         self.channel = None
         self.num_compilations = 0
+        self.compile_seconds = 0.0
         self.num_steps = 0
 
     def _slots(self, table: list[int], start: int, stop: int) -> np.ndarray:

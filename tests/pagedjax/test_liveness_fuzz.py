@@ -15,7 +15,7 @@ import pytest
 from fake_model import EOS, VOCAB, fake_engine, next_token
 
 from pagedjax import BeamSearchParams, SamplingParams
-from pagedjax.engine import _GOLDEN
+from pagedjax.request import GOLDEN
 
 SEEDS_PER_CHUNK = 50
 # The only reason the engine may end a request it accepted: several sequences had to be
@@ -147,7 +147,7 @@ def run_case(case_seed: int) -> dict:
         assert len(out.outputs) == params.n
         base = (params.seed ^ (params.seed >> 32)) & 0xFFFFFFFF
         for c in out.outputs:
-            want = _reference(prompt, params, (base + c.index * _GOLDEN) % 2**32, max_len)
+            want = _reference(prompt, params, (base + c.index * GOLDEN) % 2**32, max_len)
             assert (c.token_ids, c.finish_reason) == want, (request_id, c.index, cfg)
     return {
         "accepted": len(accepted),

@@ -1,0 +1,85 @@
+"""Beam search inside the engine: one step over a request's live beams, and its final ranking.
+
+Pure Python; imports no jax. A beam is a Sequence; a kept candidate forks its parent (sharing
+every block, copy-on-write on the next write), a parent with no kept candidate is freed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Collection
+
+from pagedjax.sampling_params import BeamSearchParams
+from pagedjax.sequence import Sequence
+
+Hypothesis = tuple[list[int], float]  # (output token ids, cumulative logprob)
+
+
+def beam_score(p: BeamSearchParams, length: int, cumulative_logprob: float) -> float:
+    """Cumulative logprob / output_length ** length_penalty (vLLM's and HF's)."""
+    return cumulative_logprob / max(length, 1) ** p.length_penalty
+
+
+@dataclasses.dataclass
+class BeamStep:
+    """What one step decided for a request's beams."""
+
+    extend: dict[int, list[tuple[int, float]]]  # seq_id -> its kept (token, logprob)s, best first
+    drop: list[Sequence]  # live beams with no kept continuation
+    finished: list[Hypothesis]  # hypotheses that ended with EOS among the best
+    done: bool  # the search is over: the live beams are final too
+
+
+def beam_step(
+    p: BeamSearchParams,
+    beams: list[tuple[Sequence, list[int], list[float]]],  # (beam, top ids, top logprobs)
+    finished_so_far: list[Hypothesis],
+    eos_token_ids: Collection[int],
+    max_model_len: int,
+) -> BeamStep:
+    """Keep the beam_width best continuations of the live beams (2 * beam_width candidates
+    each, so that EOS endings cannot crowd out every live one)."""
+    width = p.beam_width
+    candidates = []
+    for seq, ids, logprobs in beams:
+        for token, lp in zip(ids[: 2 * width], logprobs[: 2 * width], strict=True):
+            candidates.append((seq.cumulative_logprob + lp, seq, token, lp))
+    candidates.sort(key=lambda c: -c[0])
+    kept, finished = [], []
+    for rank, (score, seq, token, lp) in enumerate(candidates):
+        if not p.ignore_eos and token in eos_token_ids:
+            if rank < width:  # an ended hypothesis among the best: keep it as a result
+                finished.append(([*seq.output_token_ids, token], score))
+            continue
+        kept.append((seq, token, lp))
+        if len(kept) == width:
+            break
+    extend: dict[int, list[tuple[int, float]]] = {}
+    for seq, token, lp in kept:
+        extend.setdefault(seq.seq_id, []).append((token, lp))
+    drop = [seq for seq, _, _ in beams if seq.seq_id not in extend]
+
+    live = [seq for seq, _, _ in beams if seq.seq_id in extend]
+    out_len = max((s.get_output_len() + 1 for s in live), default=0)
+    longest = max((s.get_len() + 1 for s in live), default=0)
+    done = not live or out_len >= p.max_tokens or longest >= max_model_len
+    all_finished = finished_so_far + finished
+    if not done and len(all_finished) >= width:
+        worst_kept = sorted((beam_score(p, len(t), c) for t, c in all_finished), reverse=True)[
+            width - 1
+        ]
+        best_live = max(
+            beam_score(p, s.get_output_len() + 1, s.cumulative_logprob + extend[s.seq_id][0][1])
+            for s in live
+        )
+        done = best_live <= worst_kept
+    return BeamStep(extend, drop, finished, done)
+
+
+def best_hypotheses(p: BeamSearchParams, hypotheses: list[Hypothesis]) -> list[Hypothesis]:
+    """The beam_width best, best first."""
+    return sorted(hypotheses, key=lambda h: -beam_score(p, len(h[0]), h[1]))[: p.beam_width]
+
+
+def finish_reason(p: BeamSearchParams, tokens: list[int], is_eos: Callable[[int], bool]) -> str:
+    return "stop" if tokens and is_eos(tokens[-1]) and not p.ignore_eos else "length"

@@ -1,0 +1,115 @@
+"""From tokens to what users read: incremental detokenization, stop strings, RequestOutput.
+
+Pure Python; imports no jax. The scheduler stops sequences on EOS, stop token ids and length
+(``scheduler.check_stop``); stop strings need the text, so they are checked here after
+detokenizing, and a hit finishes the sequence through the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from pagedjax import beam_search
+from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.request import Request
+from pagedjax.sampling_params import SamplingParams
+from pagedjax.sequence import Sequence
+
+
+def find_stop_string(text: str, searched: int, stops: list[str]) -> int:
+    """Start of the earliest stop string in text, or -1. text[:searched] held none, so a new
+    match ends after it: each stop is looked for in the tail where it could start."""
+    first = -1
+    for s in stops:
+        i = text.find(s, max(0, searched - len(s) + 1))
+        if i >= 0 and (first < 0 or i < first):
+            first = i
+    return first
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: Collection[int]):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def detokenize(self, seq: Sequence, skip_special_tokens: bool) -> None:
+        """Incremental detokenisation (vLLM's): decode a short window, keep only complete text."""
+        if self.tokenizer is None:
+            return
+        ids = seq.get_token_ids()
+        prefix = self.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens)
+        full = self.decode(ids[seq.prefix_offset :], skip_special_tokens)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            seq.text += full[len(prefix) :]
+            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+
+    def stop_string_hit(self, seq: Sequence, p: SamplingParams) -> bool:
+        """Detokenize seq's new tokens; cut its text at a stop string if one appeared."""
+        self.detokenize(seq, p.skip_special_tokens)
+        searched, seq.stop_search_from = seq.stop_search_from, len(seq.text)
+        if not p.stop or seq.finish_reason == "stop" or len(seq.text) == searched:
+            return False
+        at = find_stop_string(seq.text, searched, p.stop)
+        if at < 0:
+            return False
+        seq.text = seq.text[:at]
+        return True
+
+    def make_output(self, req: Request) -> RequestOutput:
+        if req.is_beam_search:
+            return self._beam_output(req)
+        seqs = sorted(req.group.get_seqs(), key=lambda s: s.sample_index)
+        want_logprobs = req.params.logprobs is not None
+        completions = [
+            CompletionOutput(
+                index=s.sample_index,
+                text=s.text,
+                token_ids=list(s.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=list(s.logprobs) if want_logprobs else None,
+                finish_reason=s.finish_reason,
+            )
+            for s in seqs
+        ]
+        finished = req.group.is_finished()  # before its first token a request has one seq
+        return RequestOutput(
+            req.request_id, req.prompt, req.prompt_token_ids, completions, finished, req.error
+        )
+
+    def _beam_output(self, req: Request) -> RequestOutput:
+        p = req.params
+        finished = req.group.is_finished()
+        hyps = list(req.group.finished_beams)
+        if not finished or req.error is not None:  # the live beams as they stand
+            hyps += [
+                (list(s.output_token_ids), s.cumulative_logprob)
+                for s in req.group.get_seqs()
+                if s.finish_reason in (None, "abort")
+            ]
+
+        def reason(tokens: list[int]) -> str | None:
+            if not finished:
+                return None
+            if req.error is not None:
+                return "abort"
+            return beam_search.finish_reason(p, tokens, self.eos_token_ids.__contains__)
+
+        completions = [
+            CompletionOutput(
+                index=i,
+                text=self.decode(tokens),
+                token_ids=tokens,
+                cumulative_logprob=cum,
+                logprobs=None,
+                finish_reason=reason(tokens),
+            )
+            for i, (tokens, cum) in enumerate(beam_search.best_hypotheses(p, hyps))
+        ]
+        return RequestOutput(
+            req.request_id, req.prompt, req.prompt_token_ids, completions, finished, req.error
+        )

@@ -1,0 +1,52 @@
+"""Request: one prompt and how to decode it, with the sequences it runs (pure Python)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pagedjax.sampler import SamplingRow
+from pagedjax.sampling_params import BeamSearchParams, SamplingParams
+from pagedjax.scheduler import SeqChunk
+from pagedjax.sequence import SequenceGroup
+
+GOLDEN = 0x9E3779B9  # spreads the per-sample seeds of one request
+SAMPLING_EPS = 1e-5  # a temperature below this samples greedily (as vLLM)
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt: str | None  # the text, when the prompt came as one
+    prompt_token_ids: list[int]
+    params: SamplingParams | BeamSearchParams  # the request's own copy
+    group: SequenceGroup  # its sequences: one, then n samples or beam_width beams
+    seed: int  # 32-bit; sample i draws with (seed + i * golden) mod 2**32
+    error: str | None = None  # why the engine ended it, if it did (its output carries this)
+
+    @property
+    def is_beam_search(self) -> bool:
+        return isinstance(self.params, BeamSearchParams)
+
+    def sampling_rows(self, chunk: SeqChunk, vocab_size: int) -> list[SamplingRow]:
+        """The chunk's rows for the on-device sampler (one per token it samples)."""
+        p, seq = self.params, chunk.seq
+        if self.is_beam_search:
+            return [SamplingRow(position=seq.get_len())] * chunk.num_samples
+        indices = range(chunk.num_samples) if chunk.num_samples > 1 else [seq.sample_index]
+        penalties = p.uses_penalties
+        return [
+            SamplingRow(
+                temperature=float(p.temperature) if p.temperature >= SAMPLING_EPS else 0.0,
+                top_k=min(max(p.top_k, 0), vocab_size),
+                top_p=float(p.top_p),
+                min_p=float(p.min_p),
+                seed=(self.seed + i * GOLDEN) % 2**32,
+                position=seq.get_len(),
+                presence_penalty=float(p.presence_penalty),
+                frequency_penalty=float(p.frequency_penalty),
+                repetition_penalty=float(p.repetition_penalty),
+                prompt_token_ids=seq.prompt_token_ids if penalties else (),
+                output_token_ids=seq.output_token_ids if penalties else (),
+            )
+            for i in (indices if chunk.num_samples else ())
+        ]
