@@ -44,6 +44,9 @@ class EngineStats:
     prefix_cache_hits: int = 0
     num_aborted: int = 0  # requests the engine ended itself, each with a reason (never a client's)
     compile_seconds: float = 0.0  # spent compiling (or loading) the num_compilations programs
+    num_requests_waiting: int = 0  # queued, or preempted for recompute
+    num_requests_running: int = 0
+    num_requests_swapped: int = 0
 
     @classmethod
     def of(cls, bm, scheduler, runner) -> EngineStats:
@@ -64,4 +67,7 @@ class EngineStats:
             prefix_cache_hits=bm.prefix_cache_hits,
             num_aborted=scheduler.num_aborted,
             compile_seconds=runner.compile_seconds,
+            num_requests_waiting=len(scheduler.waiting),
+            num_requests_running=len(scheduler.running),
+            num_requests_swapped=len(scheduler.swapped),
         )
