@@ -1,0 +1,640 @@
+"""Read-only views of the engine's memory, a per-step record, and snapshot / replay.
+
+``engine.inspect()`` returns an ``EngineView``: plain frozen dataclasses built from the engine's
+state at the moment of the call (they never change afterwards, so a notebook never races the
+engine). It holds, per request, its sequences with their block tables, tokens per block and the
+ref counts of those blocks; the pool's free / cached / used blocks; the queues; and the record of
+the last step (what was scheduled, preempted, swapped and copied). A finished request keeps its
+last state (the block table it held in its last step) in ``EngineView.finished`` for the last
+``History.max_finished`` requests.
+
+``engine.snapshot()`` captures the host-side state (scheduler with its block manager, requests,
+the engine's seed generator, this history) and the KV blocks that hold data (device and host);
+``engine.restore(snapshot)`` puts an engine with the same configuration back in that state, and
+its next steps produce the same tokens (sampling is keyed by each request's seed and the token's
+position). ``diff(a, b)`` lists, line by line, what differs between two snapshots or views.
+Not covered: multi-process runs, and ``preemption_mode="auto"`` (it decides from measured
+timings, which a replay measures anew).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import html
+import io
+import itertools
+import pickle
+import re
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pagedjax.scheduler import SchedulerOutput
+from pagedjax.sequence import Sequence, SequenceGroup, SequenceStatus
+
+if TYPE_CHECKING:
+    from pagedjax.engine import LLMEngine
+    from pagedjax.request import Request
+
+
+# ---- views --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceView:
+    seq_id: int
+    status: str  # "waiting", "running", "swapped", "finished_stopped", ...
+    token_ids: tuple[int, ...]  # prompt then output
+    num_prompt_tokens: int
+    num_computed_tokens: int  # leading tokens whose KV is in the pool
+    # "device", "host" (swapped out), "none" (waiting), or "released": a finished sequence, with
+    # the table it held in its last step (those blocks may hold other data by now).
+    location: str
+    block_table: tuple[int, ...]  # physical block ids (host block ids when location is "host")
+    tokens_per_block: tuple[int, ...]  # slots holding a token, per entry of block_table
+    ref_counts: tuple[int, ...]  # block tables holding each block; () once released
+    finish_reason: str | None
+    cumulative_logprob: float
+    text: str
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestView:
+    request_id: str
+    status: str  # "waiting", "running", "swapped" or "finished"
+    prompt: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens found in the prefix cache at its last admission
+    sequences: tuple[SequenceView, ...]  # by seq_id
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status == "finished"
+
+    @property
+    def shared_blocks(self) -> tuple[int, ...]:
+        """Physical blocks held by more than one block table (anyone's), in table order."""
+        seen = {}
+        for s in self.sequences:
+            for b, r in zip(s.block_table, s.ref_counts, strict=False):
+                if r > 1 and s.location == "device":
+                    seen[b] = None
+        return tuple(seen)
+
+    def _repr_html_(self) -> str:
+        head = (
+            f"<b>request {html.escape(self.request_id)}</b>: {self.status}, "
+            f"{self.num_prompt_tokens} prompt tokens ({self.num_cached_tokens} from the prefix "
+            "cache)" + (f", error: {html.escape(self.error)}" if self.error else "")
+        )
+        return head + _sequences_table(self.sequences)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolView:
+    block_size: int
+    num_blocks: int  # device blocks, the null block 0 included
+    num_used: int  # referenced by a block table
+    num_cached: int  # free, but holding a computed prefix block that a prompt can hit
+    num_free: int  # free and pristine
+    watermark_blocks: int
+    num_host_blocks: int
+    num_host_used: int
+    ref_counts: tuple[int, ...]  # per device block id
+    tokens: tuple[int, ...]  # slots holding a token, per device block id
+    state: tuple[str, ...]  # per device block id: "null", "free", "cached" or "used"
+
+    def _repr_html_(self) -> str:
+        rows = [
+            ("device blocks", self.num_blocks - 1, "allocatable (block 0 is the null block)"),
+            ("used", self.num_used, "held by a block table"),
+            ("shared", sum(r > 1 for r in self.ref_counts), "held by several tables"),
+            ("cached", self.num_cached, "free, holding a prefix the cache can hit"),
+            ("free", self.num_free, "pristine"),
+            ("host blocks used", self.num_host_used, f"of {self.num_host_blocks} (swap space)"),
+        ]
+        return _table(["", "blocks", ""], rows, f"<b>pool</b>: block size {self.block_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """What one engine step scheduled, and the pool right after scheduling (before the step
+    ran, so these are the step's peak)."""
+
+    step: int  # 1 for the engine's first step
+    time: float  # seconds since the engine was built (time.perf_counter)
+    scheduled: tuple[tuple[str, int, int, int], ...]  # (request_id, seq_id, first token, tokens)
+    preempted: tuple[tuple[str, str], ...]  # (request_id, "swap" or "recompute")
+    aborted: tuple[str, ...]  # requests the scheduler gave up on
+    blocks_swapped_out: tuple[tuple[int, int], ...]  # (device block, host block)
+    blocks_swapped_in: tuple[tuple[int, int], ...]  # (host block, device block)
+    blocks_copied: tuple[tuple[int, int], ...]  # copy-on-write (src, dst)
+    num_used: int
+    num_cached: int
+    num_free: int
+    num_host_used: int
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for *_, n in self.scheduled)
+
+    def _repr_html_(self) -> str:
+        rows = [
+            (r, s, f"{p}..{p + n - 1}" if n > 1 else str(p), n) for r, s, p, n in self.scheduled
+        ]
+        extra = ", ".join(
+            f"{name}: {value}"
+            for name, value in (
+                ("preempted", self.preempted),
+                ("aborted", self.aborted),
+                ("swapped out", self.blocks_swapped_out),
+                ("swapped in", self.blocks_swapped_in),
+                ("copied", self.blocks_copied),
+            )
+            if value
+        )
+        title = (
+            f"<b>step {self.step}</b>: {self.num_batched_tokens} tokens; blocks used "
+            f"{self.num_used}, cached {self.num_cached}, free {self.num_free}; queues "
+            f"{self.num_waiting} waiting / {self.num_running} running / {self.num_swapped} "
+            f"swapped" + (f"<br>{html.escape(extra)}" if extra else "")
+        )
+        return _table(["request", "seq", "positions", "tokens"], rows, title)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineView:
+    step: int  # steps the engine had run
+    requests: dict[str, RequestView]  # unfinished, by request id
+    finished: dict[str, RequestView]  # the last finished ones, oldest first
+    waiting: tuple[str, ...]  # queues, in order of service
+    running: tuple[str, ...]
+    swapped: tuple[str, ...]
+    pool: PoolView
+    last_step: StepRecord | None
+
+    def request(self, request_id: str) -> RequestView:
+        """An unfinished request, else a finished one's last state."""
+        view = self.requests.get(request_id) or self.finished.get(request_id)
+        if view is None:
+            raise KeyError(f"no request {request_id!r} in flight or among the last finished")
+        return view
+
+    __getitem__ = request
+
+    def _repr_html_(self) -> str:
+        queues = ", ".join(
+            f"{name} [{', '.join(map(html.escape, ids))}]"
+            for name, ids in (
+                ("waiting", self.waiting),
+                ("running", self.running),
+                ("swapped", self.swapped),
+            )
+        )
+        parts = [f"<b>engine after step {self.step}</b>: {queues}", self.pool._repr_html_()]
+        parts += [r._repr_html_() for r in self.requests.values()]
+        if self.finished:
+            done = ", ".join(html.escape(r) for r in self.finished)
+            parts.append(f"finished (last state kept): {done}")
+        return "<br>".join(parts)
+
+
+def _table(header, rows, title="") -> str:
+    cells = lambda tag, row: "".join(f"<{tag}>{html.escape(str(v))}</{tag}>" for v in row)
+    body = "".join(f"<tr>{cells('td', r)}</tr>" for r in rows)
+    return f"{title}<table><tr>{cells('th', header)}</tr>{body}</table>"
+
+
+def _sequences_table(seqs: tuple[SequenceView, ...]) -> str:
+    rows = []
+    for s in seqs:
+        refs = s.ref_counts or ("-",) * len(s.block_table)
+        blocks = " ".join(
+            f"#{b}:{t}" + (f"(r{r})" if r != 1 else "")
+            for b, t, r in zip(s.block_table, s.tokens_per_block, refs, strict=True)
+        )
+        status = s.status + (f" ({s.finish_reason})" if s.finish_reason else "")
+        rows.append(
+            (s.seq_id, status, s.num_tokens, s.num_computed_tokens, s.location, blocks, s.text)
+        )
+    header = ["seq", "status", "tokens", "computed", "blocks on", "#block:tokens(refs)", "text"]
+    return _table(header, rows)
+
+
+# ---- building views from the engine ------------------------------------------------------------
+
+
+def _seq_view(engine: LLMEngine, seq: Sequence, released: list[int] | None = None) -> SequenceView:
+    bm, bs = engine.block_manager, engine.block_manager.block_size
+    if seq.seq_id in bm.block_tables:
+        location, table = "device", bm.block_tables[seq.seq_id]
+        tokens = [bm.blocks[b].num_tokens for b in table]
+        refs = tuple(bm.blocks[b].ref_count for b in table)
+    elif seq.seq_id in bm.host_block_tables:
+        location, table = "host", bm.host_block_tables[seq.seq_id]
+        tokens = [bm.host_num_tokens[h] for h in table]
+        refs = tuple(bm.host_ref_counts[h] for h in table)
+    else:
+        location = "released" if seq.is_finished() else "none"
+        table = (released or []) if seq.is_finished() else []
+        n = seq.num_computed_tokens
+        tokens = [min(bs, max(0, n - i * bs)) for i in range(len(table))]
+        refs = ()
+    return SequenceView(
+        seq_id=seq.seq_id,
+        status=seq.status.name.lower(),
+        token_ids=tuple(seq.get_token_ids()),
+        num_prompt_tokens=seq.get_prompt_len(),
+        num_computed_tokens=seq.num_computed_tokens,
+        location=location,
+        block_table=tuple(table),
+        tokens_per_block=tuple(tokens),
+        ref_counts=refs,
+        finish_reason=seq.finish_reason,
+        cumulative_logprob=seq.cumulative_logprob,
+        text=seq.text,
+    )
+
+
+def _request_view(
+    engine: LLMEngine, group: SequenceGroup, status: str, req: Request | None = None
+) -> RequestView:
+    h = engine.history
+    seqs = sorted(group.get_seqs(), key=lambda s: s.seq_id)
+    first = seqs[0]
+    return RequestView(
+        request_id=group.request_id,
+        status=status,
+        prompt=req.prompt if req is not None else None,
+        num_prompt_tokens=first.get_prompt_len(),
+        num_cached_tokens=h.cached_tokens.get(group.request_id, 0),
+        sequences=tuple(_seq_view(engine, s, h.tables.get(s.seq_id)) for s in seqs),
+        error=req.error if req is not None else group.abort_reason,
+    )
+
+
+def _pool_view(engine: LLMEngine) -> PoolView:
+    bm = engine.block_manager
+    state = tuple(
+        "null"
+        if b.block_id == 0
+        else "used"
+        if b.ref_count
+        else "cached"
+        if b.block_id in bm.evictable
+        else "free"
+        for b in bm.blocks
+    )
+    return PoolView(
+        block_size=bm.block_size,
+        num_blocks=bm.num_blocks,
+        num_used=bm.num_blocks - 1 - bm.get_num_free_blocks(),
+        num_cached=len(bm.evictable),
+        num_free=len(bm.free_block_ids),
+        watermark_blocks=bm.watermark_blocks,
+        num_host_blocks=bm.num_host_blocks,
+        num_host_used=bm.num_host_blocks - bm.get_num_free_host_blocks(),
+        ref_counts=tuple(b.ref_count for b in bm.blocks),
+        tokens=tuple(
+            b.num_tokens if b.ref_count or s == "cached" else 0
+            for b, s in zip(bm.blocks, state, strict=True)
+        ),
+        state=state,
+    )
+
+
+def inspect(engine: LLMEngine) -> EngineView:
+    """A read-only view of the engine's requests, pool and queues now (see the module doc)."""
+    engine.history.settle(engine)
+    sched = engine.scheduler
+    queue_of = {
+        g.request_id: name
+        for name, queue in (
+            ("waiting", sched.waiting),
+            ("running", sched.running),
+            ("swapped", sched.swapped),
+        )
+        for g in queue
+    }
+    requests = {
+        rid: _request_view(
+            engine,
+            req.group,
+            "finished" if req.group.is_finished() else queue_of.get(rid, "?"),
+            req,
+        )
+        for rid, req in engine.requests.items()
+    }
+    return EngineView(
+        step=engine.history.num_steps,
+        requests=requests,
+        finished=dict(engine.history.finished),
+        waiting=tuple(g.request_id for g in sched.waiting),
+        running=tuple(g.request_id for g in sched.running),
+        swapped=tuple(g.request_id for g in sched.swapped),
+        pool=_pool_view(engine),
+        last_step=engine.history.steps[-1] if engine.history.steps else None,
+    )
+
+
+# ---- the per-step record -----------------------------------------------------------------------
+
+
+class History:
+    """The engine's memory of its recent steps: the last ``max_steps`` StepRecords and the last
+    state of the last ``max_finished`` finished requests. ``record`` runs once per step, right
+    after scheduling; its cost is one pass over the step's chunks."""
+
+    def __init__(self, max_steps: int = 1024, max_finished: int = 256):
+        self.steps: collections.deque[StepRecord] = collections.deque(maxlen=max_steps)
+        self.max_finished = max_finished
+        self.finished: collections.OrderedDict[str, RequestView] = collections.OrderedDict()
+        self.num_steps = 0
+        self.start = time.perf_counter()
+        self.cached_tokens: dict[str, int] = {}  # request id -> prefix-cache hit tokens
+        self.tables: dict[int, list[int]] = {}  # seq id -> its block table in the last step
+        self._last_groups: dict[str, SequenceGroup] = {}  # scheduled in the last step
+
+    def record(self, engine: LLMEngine, out: SchedulerOutput) -> SchedulerOutput:
+        """Keep what ``out`` scheduled; returns ``out``."""
+        self.settle(engine)
+        bm = engine.block_manager
+        self.num_steps += 1
+        preempted = []
+        for g in out.preempted:
+            swapped = any(s.status is SequenceStatus.SWAPPED for s in g.get_seqs())
+            preempted.append((g.request_id, "swap" if swapped else "recompute"))
+            if not swapped:  # its prompt is admitted again, maybe with other cache hits
+                self.cached_tokens.pop(g.request_id, None)
+        for c in out.chunks:
+            # A request's first chunk after admission starts where its prefix-cache hits end.
+            self.cached_tokens.setdefault(c.group.request_id, c.seq.num_computed_tokens)
+        self._last_groups = {c.group.request_id: c.group for c in out.chunks}
+        self._last_groups.update((g.request_id, g) for g in out.aborted)
+        # The table lists themselves: the block manager drops a finished sequence's list
+        # without changing it, so it keeps the last table the sequence held.
+        self.tables = {c.seq.seq_id: bm.block_tables[c.seq.seq_id] for c in out.chunks}
+        sched = engine.scheduler
+        self.steps.append(
+            StepRecord(
+                step=self.num_steps,
+                time=time.perf_counter() - self.start,
+                scheduled=tuple(
+                    (c.group.request_id, c.seq.seq_id, c.seq.num_computed_tokens, c.num_tokens)
+                    for c in out.chunks
+                ),
+                preempted=tuple(preempted),
+                aborted=tuple(g.request_id for g in out.aborted),
+                blocks_swapped_out=tuple(out.blocks_to_swap_out),
+                blocks_swapped_in=tuple(out.blocks_to_swap_in),
+                blocks_copied=tuple(out.blocks_to_copy),
+                num_used=bm.num_blocks - 1 - bm.get_num_free_blocks(),
+                num_cached=len(bm.evictable),
+                num_free=len(bm.free_block_ids),
+                num_host_used=bm.num_host_blocks - bm.get_num_free_host_blocks(),
+                num_waiting=len(sched.waiting),
+                num_running=len(sched.running),
+                num_swapped=len(sched.swapped),
+            )
+        )
+        return out
+
+    def settle(self, engine: LLMEngine) -> None:
+        """Keep the last state of the requests that the last step finished."""
+        for rid, group in self._last_groups.items():
+            req = engine.requests.get(rid)
+            if group.is_finished() and (req is None or req.group is group):
+                self.finished[rid] = _request_view(engine, group, "finished", req)
+                self.finished.move_to_end(rid)
+                self.cached_tokens.pop(rid, None)
+        self._last_groups = {}
+        while len(self.finished) > self.max_finished:
+            self.finished.popitem(last=False)
+        if len(self.cached_tokens) > 2 * len(engine.requests) + 64:  # aborted while waiting
+            self.cached_tokens = {
+                r: n for r, n in self.cached_tokens.items() if r in engine.requests
+            }
+
+
+# ---- snapshot and replay -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """The engine's state after ``step`` steps; ``save`` / ``Snapshot.load`` keep it in a file."""
+
+    step: int
+    view: EngineView  # what inspect() showed at that moment (diff compares these)
+    config: object  # the EngineConfig: restore needs an engine built the same way
+    state: bytes  # pickled (scheduler with its block manager, requests, seed generator, history)
+    device_blocks: tuple[int, ...]  # device blocks holding data (used or cached)
+    kv: tuple[np.ndarray, np.ndarray] | None  # their K and V: [kv_heads, layers, n, bs, head_dim]
+    host_blocks: tuple[int, ...]  # host (swap space) blocks holding data
+    # Their K and V per slice of kv heads, as the runner keeps them: [heads, layers, n, bs, hd].
+    host_kv: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]
+
+    def save(self, path) -> None:
+        with open(path, "wb") as f:
+            pickle.dump(self, f, protocol=pickle.HIGHEST_PROTOCOL)
+
+    @staticmethod
+    def load(path) -> Snapshot:
+        with open(path, "rb") as f:
+            snap = pickle.load(f)
+        if not isinstance(snap, Snapshot):
+            raise ValueError(f"{path} holds a {type(snap).__name__}, not a Snapshot")
+        return snap
+
+    def _repr_html_(self) -> str:
+        return f"<b>snapshot at step {self.step}</b><br>" + self.view._repr_html_()
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles the scheduler's seq-id counter by its next value (itertools drops pickle support
+    for its iterators in Python 3.14)."""
+
+    def reducer_override(self, obj):
+        if type(obj) is itertools.count:
+            start = re.fullmatch(r"count\((-?\d+)\)", repr(obj))
+            if start is None:
+                raise ValueError(f"cannot snapshot {obj!r}")
+            return itertools.count, (int(start[1]),)
+        return NotImplemented
+
+
+def _pool_layer_ids(engine: LLMEngine, blocks: np.ndarray) -> np.ndarray:
+    """Blocks -> their index in the pool array in every layer (layer l's block b at
+    l * num_blocks + b), layer-major: i32[num_layers * len(blocks)]."""
+    layers = np.arange(engine.model_config.num_layers)[:, None] * engine.block_manager.num_blocks
+    return (layers + blocks[None, :]).reshape(-1).astype(np.int32)
+
+
+def snapshot(engine: LLMEngine) -> Snapshot:
+    """Capture the engine's state between steps (see the module doc)."""
+    import jax
+
+    if jax.process_count() > 1:
+        raise ValueError("snapshots cover single-process engines only")
+    view = inspect(engine)
+    buf = io.BytesIO()
+    state = (engine.scheduler, engine.requests, engine._rng, engine.history)
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(state)
+    blocks = np.asarray(
+        [b for b, s in enumerate(view.pool.state) if s in ("used", "cached")], np.int32
+    )
+    kv, runner = None, engine.runner
+    if len(blocks):
+        ids = _pool_layer_ids(engine, blocks)
+        kv = tuple(
+            np.asarray(jax.device_get(pages[:, ids])).reshape(
+                pages.shape[0], -1, len(blocks), *pages.shape[2:]
+            )
+            for pages in runner.kv_pool
+        )
+    host_ids = np.nonzero(engine.block_manager.host_ref_counts)[0]
+    host_kv = {
+        heads: (k[:, :, host_ids].copy(), v[:, :, host_ids].copy())
+        for heads, (k, v) in runner.host_pool.items()
+    }
+    return Snapshot(
+        step=view.step,
+        view=view,
+        config=engine.config,
+        state=buf.getvalue(),
+        device_blocks=tuple(blocks.tolist()),
+        kv=kv,
+        host_blocks=tuple(host_ids.tolist()),
+        host_kv=host_kv,
+    )
+
+
+def restore(engine: LLMEngine, snap: Snapshot) -> None:
+    """Put ``engine`` (built with the snapshot's configuration) in the snapshot's state; its
+    requests in flight are dropped. The snapshot itself is left as it was."""
+    import jax
+
+    if engine.config != snap.config:
+        raise ValueError(
+            f"the snapshot was taken on an engine configured {snap.config}, not {engine.config}"
+        )
+    sched, requests, rng, history = pickle.loads(snap.state)
+    engine.scheduler, engine.requests, engine._rng, engine.history = sched, requests, rng, history
+    engine.block_manager = sched.bm
+    runner = engine.runner
+    if snap.kv is not None:
+        ids = _pool_layer_ids(engine, np.asarray(snap.device_blocks, np.int32))
+        runner.kv_pool = tuple(
+            jax.device_put(
+                pages.at[:, ids].set(data.reshape(data.shape[0], -1, *data.shape[3:])),
+                pages.sharding,
+            )
+            for pages, data in zip(runner.kv_pool, snap.kv, strict=True)
+        )
+    host_ids = np.asarray(snap.host_blocks, np.int64)
+    for heads, (k, v) in snap.host_kv.items():
+        host_k, host_v = runner._host_blocks(heads)
+        host_k[:, :, host_ids] = k
+        host_v[:, :, host_ids] = v
+
+
+# ---- diff --------------------------------------------------------------------------------------
+
+
+def diff(a: Snapshot | EngineView, b: Snapshot | EngineView) -> list[str]:
+    """What differs from ``a`` to ``b``, one readable line per difference ([] if nothing)."""
+    va = a.view if isinstance(a, Snapshot) else a
+    vb = b.view if isinstance(b, Snapshot) else b
+    lines = []
+    if va.step != vb.step:
+        lines.append(f"step: {va.step} -> {vb.step}")
+    for name in ("waiting", "running", "swapped"):
+        qa, qb = getattr(va, name), getattr(vb, name)
+        if qa != qb:
+            lines.append(f"{name}: {list(qa)} -> {list(qb)}")
+    pa, pb = va.pool, vb.pool
+    counts = [
+        f"{name} {x} -> {y}"
+        for name in ("num_used", "num_cached", "num_free", "num_host_used")
+        if (x := getattr(pa, name)) != (y := getattr(pb, name))
+    ]
+    if counts:
+        lines.append("pool: " + ", ".join(c.removeprefix("num_") for c in counts))
+    ra, rb = {**va.finished, **va.requests}, {**vb.finished, **vb.requests}
+    for rid in list(ra) + [r for r in rb if r not in ra]:
+        if rid not in rb:
+            lines.append(f"- request {rid!r} ({ra[rid].status})")
+        elif rid not in ra:
+            lines.append(f"+ request {rid!r} ({rb[rid].status})")
+        else:
+            lines += _request_diff(ra[rid], rb[rid])
+    if isinstance(a, Snapshot) and isinstance(b, Snapshot):
+        lines += _kv_diff(a, b)
+    return lines
+
+
+def _request_diff(a: RequestView, b: RequestView) -> list[str]:
+    name = f"request {a.request_id!r}"
+    lines = [f"{name}: {a.status} -> {b.status}"] if a.status != b.status else []
+    sa = {s.seq_id: s for s in a.sequences}
+    sb = {s.seq_id: s for s in b.sequences}
+    for seq_id in list(sa) + [s for s in sb if s not in sa]:
+        if seq_id not in sb or seq_id not in sa:
+            sign, s = ("-", sa[seq_id]) if seq_id in sa else ("+", sb[seq_id])
+            lines.append(f"{name} {sign} seq {seq_id} ({s.status}, {s.num_tokens} tokens)")
+            continue
+        x, y = sa[seq_id], sb[seq_id]
+        where = f"{name} seq {seq_id}"
+        if x.status != y.status:
+            lines.append(f"{where}: {x.status} -> {y.status}")
+        first = next(
+            (i for i, (p, q) in enumerate(zip(x.token_ids, y.token_ids, strict=False)) if p != q),
+            min(len(x.token_ids), len(y.token_ids)),
+        )
+        if x.token_ids != y.token_ids:
+            grown = first == min(len(x.token_ids), len(y.token_ids))
+            change = (
+                f"+{list(y.token_ids[first:])}"
+                if grown and len(y.token_ids) > len(x.token_ids)
+                else f"differ from position {first}: {list(x.token_ids[first : first + 4])}.. vs "
+                f"{list(y.token_ids[first : first + 4])}.."
+            )
+            lines.append(f"{where}: tokens {x.num_tokens} -> {y.num_tokens} ({change})")
+        if x.num_computed_tokens != y.num_computed_tokens:
+            lines.append(f"{where}: computed {x.num_computed_tokens} -> {y.num_computed_tokens}")
+        if (x.location, x.block_table) != (y.location, y.block_table):
+            lines.append(
+                f"{where}: blocks {x.location} {list(x.block_table)} -> "
+                f"{y.location} {list(y.block_table)}"
+            )
+    return lines
+
+
+def _kv_diff(a: Snapshot, b: Snapshot) -> list[str]:
+    """Device blocks held in both snapshots whose K or V contents differ."""
+    if a.kv is None or b.kv is None:
+        return []
+    ia = {blk: i for i, blk in enumerate(a.device_blocks)}
+    changed = [
+        blk
+        for j, blk in enumerate(b.device_blocks)
+        if blk in ia
+        and any(
+            not np.array_equal(x[:, :, ia[blk]], y[:, :, j], equal_nan=True)
+            for x, y in zip(a.kv, b.kv, strict=True)
+        )
+    ]
+    return [f"kv: blocks with other contents: {changed}"] if changed else []
