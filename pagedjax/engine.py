@@ -20,7 +20,7 @@ from models.sharding import (
     sharded_config,
     tensor_parallel_mesh,
 )
-from pagedjax import kv_cache
+from pagedjax import inspection, kv_cache
 from pagedjax.block_manager import BlockManager
 from pagedjax.config import EngineConfig
 from pagedjax.distributed import Channel, DriverOrFollower
@@ -97,6 +97,7 @@ class LLMEngine(DriverOrFollower):
         self._stopped = False  # multi-process: the driver has told the followers to stop
         self.requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(config.seed)
+        self.history = inspection.History()  # recent steps and finished requests (inspect())
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -152,7 +153,7 @@ class LLMEngine(DriverOrFollower):
         A request that fails on its own (sampling rows, detokenisation, stops, beams, output)
         ends alone, with ``finish_reason="abort"`` and ``error`` set; the others go on."""
         self._require_driver("step")
-        out = self.scheduler.schedule()
+        out = self.history.record(self, self.scheduler.schedule())
         for group in out.aborted:
             req = self.requests.get(group.request_id)
             if req is not None and req.error is None:
@@ -244,6 +245,8 @@ class LLMEngine(DriverOrFollower):
         return output
 
     # ---- inspection -----------------------------------------------------------------------
+
+    inspect, snapshot, restore = inspection.inspect, inspection.snapshot, inspection.restore
 
     def get_stats(self) -> EngineStats:
         return EngineStats.of(self.block_manager.get_stats(), self.scheduler, self.runner)
