@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hf_models import make_tiny_model, save_word_tokenizer
@@ -114,7 +117,6 @@ def test_snapshot_under_preemption_replays_the_same_tokens(tiny, mode, tmp_path)
     snap = engine.snapshot()
     snap.save(tmp_path / "snap.pkl")
     late_at = snap.step + 2
-    views = []
     first = _run(engine, late_at)
     assert set(first) == {f"r{i}" for i in range(8)} | {"late"}
 
@@ -125,15 +127,14 @@ def test_snapshot_under_preemption_replays_the_same_tokens(tiny, mode, tmp_path)
     fresh = LLM(tiny, **kwargs).engine
     fresh.restore(Snapshot.load(tmp_path / "snap.pkl"))
     mid = _run(fresh, late_at, until=snap.step + 4)
-    views.append(fresh.snapshot())
+    later = fresh.snapshot()
     replayed = {**mid, **_run(fresh, late_at)}
     assert replayed == first
     assert fresh.get_stats().num_blocks_used == 0
 
     # Two snapshots of one run differ in readable lines, KV contents included.
-    lines = diff(snap, views[0])
+    lines = diff(snap, later)
     assert lines[0] == f"step: {snap.step} -> {snap.step + 4}"
-    print("\n".join(lines))
     assert any(line.startswith("kv: blocks with other contents") for line in lines)
     assert any("seq" in line and "tokens" in line for line in lines)
     assert any(line.startswith("+ request 'late'") for line in lines)
@@ -145,3 +146,32 @@ def test_restore_refuses_another_configuration(tiny):
     other = LLM(tiny, block_size=BLOCK, num_blocks=40, max_model_len=128).engine
     with pytest.raises(ValueError, match="configured"):
         other.restore(snap)
+
+
+def test_drawings(tiny):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    from pagedjax.plotting import draw_block_tables, draw_pool, plot_history
+
+    engine = LLM(tiny, block_size=BLOCK, num_blocks=32, max_model_len=128).engine
+    for i, p in enumerate(_prompts(3, seed=2)):
+        engine.add_request(f"r{i}", p, SamplingParams(n=2, max_tokens=4, seed=i))
+    for _ in range(2):
+        engine.step()
+    view = engine.inspect()
+    ax = draw_block_tables(view, title="tables")
+    cells = sum(len(s.block_table) for r in view.requests.values() for s in r.sequences)
+    assert cells and len(ax.patches) == cells
+    ax = draw_pool(view)
+    assert len(ax.patches) == view.pool.num_blocks + view.pool.num_used + view.pool.num_cached
+    mem, queues = plot_history(engine.history.steps)
+    assert mem.collections and queues.lines
+
+
+def test_importing_pagedjax_imports_no_matplotlib_or_torch():
+    code = (
+        "import sys, pagedjax, pagedjax.inspection, pagedjax.plotting; "
+        "print(sorted({'matplotlib', 'torch'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
