@@ -367,7 +367,8 @@ class History:
         self.start = time.perf_counter()
         self.cached_tokens: dict[str, int] = {}  # request id -> prefix-cache hit tokens
         self.tables: dict[int, list[int]] = {}  # seq id -> its block table in the last step
-        self._last_groups: dict[str, SequenceGroup] = {}  # scheduled in the last step
+        # Scheduled in the last step: request id -> (its group, its Request if still known).
+        self._last: dict[str, tuple[SequenceGroup, Request | None]] = {}
 
     def record(self, engine: LLMEngine, out: SchedulerOutput) -> SchedulerOutput:
         """Keep what ``out`` scheduled; returns ``out``."""
@@ -383,8 +384,10 @@ class History:
         for c in out.chunks:
             # A request's first chunk after admission starts where its prefix-cache hits end.
             self.cached_tokens.setdefault(c.group.request_id, c.seq.num_computed_tokens)
-        self._last_groups = {c.group.request_id: c.group for c in out.chunks}
-        self._last_groups.update((g.request_id, g) for g in out.aborted)
+        self._last = {
+            g.request_id: (g, engine.requests.get(g.request_id))
+            for g in [c.group for c in out.chunks] + out.aborted
+        }
         # The table lists themselves: the block manager drops a finished sequence's list
         # without changing it, so it keeps the last table the sequence held.
         self.tables = {c.seq.seq_id: bm.block_tables[c.seq.seq_id] for c in out.chunks}
@@ -415,13 +418,12 @@ class History:
 
     def settle(self, engine: LLMEngine) -> None:
         """Keep the last state of the requests that the last step finished."""
-        for rid, group in self._last_groups.items():
-            req = engine.requests.get(rid)
+        for rid, (group, req) in self._last.items():
             if group.is_finished() and (req is None or req.group is group):
                 self.finished[rid] = _request_view(engine, group, "finished", req)
                 self.finished.move_to_end(rid)
                 self.cached_tokens.pop(rid, None)
-        self._last_groups = {}
+        self._last = {}
         while len(self.finished) > self.max_finished:
             self.finished.popitem(last=False)
         if len(self.cached_tokens) > 2 * len(engine.requests) + 64:  # aborted while waiting
