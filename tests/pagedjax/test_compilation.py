@@ -121,11 +121,14 @@ def test_after_warmup_nothing_compiles(tiny):
         )
         for _ in prompts
     ]
+    long = SamplingParams(max_tokens=25, ignore_eos=True)  # together they outgrow the pool
+    prompts += [prompt(30) for _ in range(6)]
+    params += [long] * 6
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(o.finished for o in outs)
     llm.beam_search([prompt(9), prompt(30)], BeamSearchParams(beam_width=3, max_tokens=5))
     stats = llm.get_stats()
-    assert stats.num_preemptions > 0 or stats.num_swapped_out > 0 or stats.num_blocks_peak > 10
+    assert stats.num_swapped_out > 0 and stats.prefix_cache_hits > 0  # swap and sharing ran
     assert stats.num_compilations == warm.num_compilations, "a program compiled after warm-up"
     assert stats.compile_seconds == warm.compile_seconds
     llm.close()
