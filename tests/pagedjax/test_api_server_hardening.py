@@ -24,6 +24,7 @@ from hf_models import make_tiny_model
 from pagedjax import LLM, SamplingParams
 from pagedjax.entrypoints.api_server import ServerLimits, build_app
 from pagedjax.entrypoints.openai.logprobs import _bytes_to_unicode
+from pagedjax.request import Request
 
 KEY = "hardening-key"
 MODEL = "tiny-bytes"
@@ -238,18 +239,18 @@ def test_top_k_past_int32_is_a_400_while_others_stream(server, client):
 def failing_requests(engine, seed: int):
     """Requests with this seed fail inside ``engine.step`` (while their sampling rows are built),
     the way a bad value that slipped through validation would."""
-    original = engine._sample_rows
+    original = Request.sampling_rows
 
-    def sample_rows(req, chunk):
+    def sampling_rows(req, chunk, vocab_size):
         if getattr(req.params, "seed", None) == seed:
             raise RuntimeError("planted failure")
-        return original(req, chunk)
+        return original(req, chunk, vocab_size)
 
-    engine._sample_rows = sample_rows
+    Request.sampling_rows = sampling_rows
     try:
         yield
     finally:
-        del engine._sample_rows
+        Request.sampling_rows = original
 
 
 def test_a_request_failing_in_the_engine_ends_alone(server):
