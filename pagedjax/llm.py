@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from models.loader import default_model_path, load_model
 from models.sharding import tensor_parallel_mesh
+from pagedjax import compilation
 from pagedjax.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedjax.engine import LLMEngine
 from pagedjax.outputs import EngineStats, RequestOutput
@@ -45,6 +46,7 @@ class LLM:
     ):
         """``warmup=True`` compiles every program the engine's limits allow up front (see
         ``Runner.warmup``), so that no request waits for a compilation."""
+        compilation.enable_persistent_cache()  # before anything compiles, the loader included
         mesh = tensor_parallel_mesh(tensor_parallel_size)
         loaded = load_model(
             model or default_model_path(), dtype=dtype, cache_dir=cache_dir, mesh=mesh
@@ -68,7 +70,9 @@ class LLM:
         )
         self.engine = LLMEngine(config, loaded)
         if warmup:
-            self.runner.warmup(config.scheduler.max_num_seqs, config.scheduler.token_budget)
+            sched = config.scheduler  # groups of several sequences swap in any mode
+            swap = self.engine.block_manager.num_host_blocks > 0
+            self.runner.warmup(sched.max_num_seqs, sched.token_budget, swap=swap)
         self._request_ids = itertools.count()
         self._driver_stats: EngineStats | None = None  # a follower's copy of the driver's
 

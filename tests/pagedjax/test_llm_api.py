@@ -120,4 +120,4 @@ def test_close_frees_device_memory(model_dir):
     llm = LLM(model_dir, block_size=8, num_blocks=16, max_model_len=96)
     pool = llm.runner.kv_pool
     llm.close()
-    assert all(k.is_deleted() and v.is_deleted() for k, v in pool)
+    assert all(pages.is_deleted() for pages in pool)  # (k_pages, v_pages)
