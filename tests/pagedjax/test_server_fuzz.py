@@ -17,7 +17,7 @@ import types
 
 import openai
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_api_server_hardening import live_server, make_byte_model, raw, sse_events, wait_idle
 
@@ -252,6 +252,21 @@ REQUEST = st.one_of(
 )
 
 
+# Always tried first: past int32 and 64 bits on the fields the sampler packs into arrays.
+EDGE_EXAMPLES = [
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2, field: value})
+    for field in ("top_k", "n", "max_tokens", "seed", "logprobs", "best_of")
+    for value in (2**31, 2**63, 2**64 - 1)
+] + [
+    ("/v1/chat/completions", {**body, "model": MODEL, "max_tokens": 2})
+    for body in (
+        {"messages": [{"role": "user", "content": "Hi"}], "top_k": 2**31, "stream": True},
+        {"messages": [{"role": "user", "content": "Hi"}], "stop_token_ids": [2**31]},
+        {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 2**31},
+    )
+]
+
+
 # ---- the properties -------------------------------------------------------------------------
 
 
@@ -288,10 +303,12 @@ def fuzz(server, examples: int, derandomize: bool) -> None:
     def one(request):
         path, sent = request
         data = sent if isinstance(sent, bytes) else json.dumps(sent).encode()
-        status, reply = raw(server.base, "POST", path, data, key=KEY, timeout=120)
+        status, reply = raw(server.base, "POST", path, data, key=KEY, timeout=30)
         statuses[status] = statuses.get(status, 0) + 1
         check_reply(path, sent, status, reply)
 
+    for request in EDGE_EXAMPLES:
+        one = example(request=request)(one)
     with GoodStreams(server) as good:
         one()
     print(f"fuzzer: {sum(statuses.values())} requests, by status {sorted(statuses.items())}")

@@ -203,15 +203,22 @@ def build_app(
                 code = "context_length_exceeded" if len(ids) >= max_model_len else None
                 raise bad_request(str(e), param, code) from None
 
+    def check_engine_thread() -> None:
+        """A request waiting on a dead engine thread would wait forever: fail it instead."""
+        if not loop_owner.is_running:
+            raise APIError(500, "the engine thread has stopped", "server_error", "engine_error")
+
     async def start(prompts: list[list[int]], params: SamplingParams) -> _Job:
         job = _Job(asyncio.get_running_loop())
         base = f"{next(counter)}-{uuid.uuid4().hex[:8]}"
         try:
             for i, ids in enumerate(prompts):
                 rid = f"{base}-{i}"
-                fut = loop_owner.submit(rid, ids, params, job.sink)
+                fut = asyncio.wrap_future(loop_owner.submit(rid, ids, params, job.sink))
                 job.request_ids.append(rid)
-                await asyncio.wrap_future(fut)
+                while not (await asyncio.wait({fut}, timeout=_POLL_S))[0]:
+                    check_engine_thread()
+                fut.result()
         except BaseException as e:
             for rid in job.request_ids:
                 loop_owner.abort(rid)
@@ -231,6 +238,7 @@ def build_app(
             except TimeoutError:
                 if await request.is_disconnected():
                     return None
+                check_engine_thread()
                 continue
             if isinstance(item, Exception):
                 raise APIError(500, f"the engine failed: {item}", "server_error", "engine_error")
