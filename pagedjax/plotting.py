@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from pagedjax.inspection import EngineView, PoolView, RequestView, StepRecord
 
 _STATE_COLORS = {"null": "#222222", "free": "#eeeeee", "cached": "#9ecae1"}
+_SHARED = "#fdd835"  # a used block held by several requests (or by none, given a PoolView)
 
 
 def _axes(ax, figsize):
@@ -87,19 +88,22 @@ def draw_block_tables(
 
 def draw_pool(pool: EngineView | PoolView, ax=None, title: str | None = None, columns=None):
     """Every physical block of the device pool: free (light), cached prefix blocks (blue), used
-    ones coloured by the request holding them (given an EngineView) with their filled slots,
-    shared ones outlined with their ref count. Block 0 is the null block (black)."""
+    ones coloured by the request holding them (given an EngineView; yellow when several requests
+    hold one) with their filled slots, shared ones outlined with their ref count. Block 0 is the
+    null block (black)."""
     import matplotlib.pyplot as plt
 
     view = pool if isinstance(pool, EngineView) else None
     pool = view.pool if view else pool
-    owner: dict[int, str] = {}
+    owners: dict[int, set[str]] = {}
     if view is not None:
         for r in view.requests.values():
             for s in r.sequences:
                 if s.location == "device":
-                    owner.update((b, r.request_id) for b in s.block_table)
-    names = sorted(set(owner.values()))
+                    for b in s.block_table:
+                        owners.setdefault(b, set()).add(r.request_id)
+    names = sorted({r for held in owners.values() for r in held})
+    palette = [plt.cm.tab10(i) for i in (1, 2, 3, 4, 5, 6, 8)]  # no blue: blue is the cache's
     n = pool.num_blocks
     cols = columns or max(8, math.ceil(math.sqrt(2 * n)))
     nrows = math.ceil(n / cols)
@@ -108,8 +112,9 @@ def draw_pool(pool: EngineView | PoolView, ax=None, title: str | None = None, co
         zip(pool.state, pool.ref_counts, pool.tokens, strict=True)
     ):
         x, y = b % cols, -(b // cols)
+        held = owners.get(b, ())
         if state == "used":
-            color = plt.cm.tab20(names.index(owner[b]) % 20) if b in owner else "#fdae6b"
+            color = palette[names.index(next(iter(held))) % 7] if len(held) == 1 else _SHARED
         else:
             color = _STATE_COLORS[state]
         ax.add_patch(
@@ -135,8 +140,11 @@ def draw_pool(pool: EngineView | PoolView, ax=None, title: str | None = None, co
             )
     handles = [plt.Rectangle((0, 0), 1, 1, color=_STATE_COLORS[s]) for s in ("free", "cached")]
     labels = ["free", "cached (prefix)"]
+    if any(len(held) > 1 for held in owners.values()):
+        handles.append(plt.Rectangle((0, 0), 1, 1, color=_SHARED))
+        labels.append("used by several requests")
     for name in names[:12]:
-        handles.append(plt.Rectangle((0, 0), 1, 1, color=plt.cm.tab20(names.index(name) % 20)))
+        handles.append(plt.Rectangle((0, 0), 1, 1, color=palette[names.index(name) % 7]))
         labels.append(name)
     ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     ax.set_xlim(-0.1, cols)
