@@ -36,8 +36,8 @@ def load() -> float:
 def step_programs(model: str | None, repeats: int) -> list[dict]:
     """Compile seconds per step program, scan vs unrolled, persistent cache off."""
     import jax
+    from pagedjax.models.llama import forward
 
-    from models.llama import forward
     from pagedjax import LLM
     from pagedjax.runner import ScheduledSeq, StepShape
     from pagedjax.sampler import SamplingRow

@@ -67,8 +67,7 @@ for _p in (ROOT, ROOT / "benchmarks"):  # run from anywhere, nothing installed
         sys.path.insert(0, str(_p))
 
 import paged_attention_gpu as decode_bench  # noqa: E402
-
-from pallas_kernels import (  # noqa: E402
+from pagedjax.pallas_kernels import (  # noqa: E402
     paged_attention,
     paged_attention_reference,
     ragged_paged_attention,
@@ -443,7 +442,7 @@ def stage_env(ctx: Context, budget: Budget, data: dict):
     entries = len(list(Path(cache).iterdir())) if cache and Path(cache).is_dir() else 0
     data["jax_compilation_cache"] = f"{cache} ({entries} entries at start)"
     data["pagedjax_gpu_lowering"] = getattr(
-        importlib.import_module("pallas_kernels._gpu"), "GPU_LOWERING", None
+        importlib.import_module("pagedjax.pallas_kernels._gpu"), "GPU_LOWERING", None
     )
     try:
         import jax.experimental.pallas.ops.gpu as jax_gpu_ops
@@ -803,7 +802,7 @@ def stage_engine_tiny(ctx: Context, budget: Budget, data: dict):
 def random_params(config, dtype: str, seed: int = 0):
     """Random weights on the default device with the model's parameter tree (no host copy):
     norms 1, biases 0, matrices N(0, 0.02)."""
-    from models.llama import param_shapes
+    from pagedjax.models.llama import param_shapes
 
     shapes = param_shapes(config, dtype)
     flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
@@ -894,9 +893,10 @@ def device_memory() -> dict:
 
 
 def stage_engine_8b(ctx: Context, budget: Budget, data: dict):
-    from models.config import ModelConfig
-    from models.llama import kv_pool_bytes_per_block
-    from models.loader import LoadedModel
+    from pagedjax.models.config import ModelConfig
+    from pagedjax.models.llama import kv_pool_bytes_per_block
+    from pagedjax.models.loader import LoadedModel
+
     from pagedjax.bench.throughput import Request, run_pagedjax
 
     s = ctx.sizes

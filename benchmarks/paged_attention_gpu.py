@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the repo
 
-from pallas_kernels import paged_attention, paged_attention_reference  # noqa: E402
+from pagedjax.pallas_kernels import paged_attention, paged_attention_reference  # noqa: E402
 
 BATCHES, CONTEXTS = (1, 32, 128), (512, 4096, 32768)
 SMALL_BATCHES, SMALL_CONTEXTS = (1, 3), (48,)

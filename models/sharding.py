@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.config import ModelConfig
+from .config import ModelConfig
 
 AXIS = "tp"
 # [num_kv_heads, num_layers * num_blocks, block_size, head_dim]

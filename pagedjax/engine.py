@@ -13,18 +13,18 @@ import time
 import jax
 import numpy as np
 
-from models.loader import LoadedModel, load_model, load_tokenizer
-from models.sharding import (
-    min_over_processes,
-    replicate_kv_heads,
-    sharded_config,
-    tensor_parallel_mesh,
-)
 from pagedjax import inspection, kv_cache
 from pagedjax.block_manager import BlockManager
 from pagedjax.config import EngineConfig
 from pagedjax.distributed import Channel, DriverOrFollower
 from pagedjax.input_processor import Capacity, InputProcessor, check_capacity, eos_token_ids
+from pagedjax.models.loader import LoadedModel, load_model, load_tokenizer
+from pagedjax.models.sharding import (
+    min_over_processes,
+    replicate_kv_heads,
+    sharded_config,
+    tensor_parallel_mesh,
+)
 from pagedjax.output_processor import OutputProcessor
 from pagedjax.outputs import EngineStats, RequestOutput
 from pagedjax.request import Request

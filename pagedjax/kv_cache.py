@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import jax
 
-from models.llama import kv_pool_bytes_per_block
 from pagedjax.config import DEFAULT_CPU_KV_SPACE_GIB, CacheConfig
+from pagedjax.models.llama import kv_pool_bytes_per_block
 
 
 def bytes_per_block(device_config, block_size: int, dtype: str) -> int:

@@ -8,11 +8,11 @@ from collections.abc import Sequence as SequenceOf
 import numpy as np
 from tqdm.auto import tqdm
 
-from models.loader import default_model_path, load_model
-from models.sharding import tensor_parallel_mesh
 from pagedjax import compilation
 from pagedjax.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedjax.engine import LLMEngine
+from pagedjax.models.loader import default_model_path, load_model
+from pagedjax.models.sharding import tensor_parallel_mesh
 from pagedjax.outputs import EngineStats, RequestOutput
 from pagedjax.runner import Runner
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams

@@ -31,13 +31,12 @@ from jax._src import dispatch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 from tqdm.auto import tqdm
 
-import pallas_kernels
-from models.config import ModelConfig
-from models.llama import forward, init_kv_pool
-from models.sharding import pool_sharding, shard_params
-from models.step_input import StepInput
-from pagedjax import compilation
+from pagedjax import compilation, pallas_kernels
 from pagedjax.distributed import Channel
+from pagedjax.models.config import ModelConfig
+from pagedjax.models.llama import forward, init_kv_pool
+from pagedjax.models.sharding import pool_sharding, shard_params
+from pagedjax.models.step_input import StepInput
 from pagedjax.sampler import SamplerOutput, SamplingInput, SamplingRow, sample
 
 logger = logging.getLogger(__name__)

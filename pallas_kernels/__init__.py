@@ -1,6 +1,6 @@
 """Pallas kernels for paged attention and their pure-jnp references. Arrays in, arrays out."""
 
-from pallas_kernels.kv_cache import (
+from .kv_cache import (
     copy_blocks,
     copy_blocks_reference,
     gather_blocks,
@@ -10,12 +10,12 @@ from pallas_kernels.kv_cache import (
     write_kv,
     write_kv_reference,
 )
-from pallas_kernels.paged_attention import (
+from .paged_attention import (
     paged_attention,
     paged_attention_reference,
     resolve_backend,
 )
-from pallas_kernels.ragged_attention import (
+from .ragged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )

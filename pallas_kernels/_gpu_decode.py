@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _gpu
-from pallas_kernels._common import (
+from . import _gpu
+from ._common import (
     attention_logits,
     cdiv,
     decode_tiling,

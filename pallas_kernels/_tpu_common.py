@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import cdiv
+from ._common import cdiv
 
 
 def compiler_params(num_grid_dims: int):

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import _tpu_common as tpu
-from pallas_kernels._common import (
+from . import _tpu_common as tpu
+from ._common import (
     attention_logits,
     cdiv,
     decode_tiling,

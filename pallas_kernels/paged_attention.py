@@ -14,8 +14,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._gpu_decode import paged_attention_gpu
-from pallas_kernels._tpu_decode import paged_attention_tpu
+from ._gpu_decode import paged_attention_gpu
+from ._tpu_decode import paged_attention_tpu
 
 BACKENDS = ("auto", "gpu", "tpu", "reference")
 

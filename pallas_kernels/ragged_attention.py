@@ -18,9 +18,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._gpu_ragged import ragged_paged_attention_gpu
-from pallas_kernels._tpu_ragged import ragged_paged_attention_tpu
-from pallas_kernels.paged_attention import (
+from ._gpu_ragged import ragged_paged_attention_gpu
+from ._tpu_ragged import ragged_paged_attention_tpu
+from .paged_attention import (
     check_paged_inputs,
     gather_context,
     paged_attention,

@@ -86,8 +86,8 @@ def serve(engine, requests, arrivals: np.ndarray, prefix: str = "lat") -> dict:
 
 
 def benchmark(args) -> dict:
-    from models.loader import default_model_path
     from pagedjax import LLM
+    from pagedjax.models.loader import default_model_path
 
     source = args.model or default_model_path()
     llm = LLM(

@@ -222,7 +222,7 @@ def _saving(shared: int, unshared: int) -> dict:
 def swap_vs_recompute(model: str, num_tokens: int, repeats: int) -> dict:
     import jax
 
-    from models.loader import load_model
+    from pagedjax.models.loader import load_model
     from pagedjax.runner import Runner, ScheduledSeq
 
     loaded = load_model(model)
@@ -372,7 +372,7 @@ def run(args) -> int:
             res["sharing"] = sharing(model, args.sharing_prompts, args.widths, args.seed)
             res["sharing"]["model"] = args.sharing_model
     if "swap" not in skip:
-        from models.loader import default_model_path
+        from pagedjax.models.loader import default_model_path
 
         res["swap"] = swap_vs_recompute(
             args.swap_model or default_model_path(), args.swap_tokens, args.repeats

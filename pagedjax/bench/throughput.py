@@ -172,8 +172,8 @@ def benchmark(args) -> dict:
     import jax
     import torch
 
-    from models.loader import default_model_path
     from pagedjax import LLM
+    from pagedjax.models.loader import default_model_path
 
     source = args.model or default_model_path()
     on_gpu = jax.devices()[0].platform == "gpu" and torch.cuda.is_available()

@@ -31,8 +31,8 @@ def serve(
     model loads."""
     import uvicorn
 
-    from models.loader import default_model_path
     from pagedjax import LLM
+    from pagedjax.models.loader import default_model_path
 
     check_api_key(api_key)
     limits = limits or ServerLimits()

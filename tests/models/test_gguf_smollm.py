@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 import torch
+from pagedjax.models.loader import default_model_path
 
-from models.loader import default_model_path
 from pagedjax import LLM, SamplingParams
 from pagedjax.runner import ScheduledSeq
 

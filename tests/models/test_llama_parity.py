@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 from hf_models import TINY_CONFIGS, make_tiny_model
+from pagedjax.models.loader import load_model
 
-from models.loader import load_model
 from pagedjax import LLM, SamplingParams
 from pagedjax.runner import Runner, ScheduledSeq
 

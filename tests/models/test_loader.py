@@ -6,11 +6,10 @@ import json
 
 import jax
 import numpy as np
+import pagedjax.models.loader as loader
 import pytest
 from hf_models import make_tiny_model
-
-import models.loader as loader
-from models.config import ModelConfig
+from pagedjax.models.config import ModelConfig
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the packages first, then tests/hf_models.py
 
 from hf_models import make_tiny_model  # noqa: E402
+from pagedjax.models.loader import default_model_path, load_model  # noqa: E402
+from pagedjax.models.sharding import make_mesh  # noqa: E402
 
 import pagedjax.runner as runner_mod  # noqa: E402
-from models.loader import default_model_path, load_model  # noqa: E402
-from models.sharding import make_mesh  # noqa: E402
 from pagedjax import LLM, SamplingParams  # noqa: E402
 from pagedjax.runner import ScheduledSeq  # noqa: E402
 from pagedjax.sampler import SamplingRow  # noqa: E402

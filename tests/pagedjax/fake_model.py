@@ -11,9 +11,9 @@ import zlib
 from typing import NamedTuple
 
 import numpy as np
+from pagedjax.models.config import ModelConfig
+from pagedjax.models.loader import LoadedModel
 
-from models.config import ModelConfig
-from models.loader import LoadedModel
 from pagedjax.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedjax.engine import LLMEngine
 

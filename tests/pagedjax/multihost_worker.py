@@ -27,8 +27,8 @@ def main(model_dir: str, out_dir: str, num_processes: int, process_id: int, port
     if num_processes > 1:
         distributed.initialize(f"127.0.0.1:{port}", num_processes, process_id)
     import jax
+    from pagedjax.models import loader
 
-    from models import loader
     from pagedjax import LLM, BeamSearchParams, SamplingParams
 
     # A pool too small for the batch: requests are preempted and swapped to host memory.

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hf_models import make_tiny_model
+from pagedjax.models.config import ModelConfig
+from pagedjax.models.llama import param_shapes
 
-from models.config import ModelConfig
-from models.llama import param_shapes
 from pagedjax import LLM, BeamSearchParams, SamplingParams, compilation
 from pagedjax.runner import Runner, ScheduledSeq, StepShape
 from pagedjax.sampler import SamplingRow

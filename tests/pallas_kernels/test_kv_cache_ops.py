@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from kernel_cases import fresh_rng
-
-from pallas_kernels import (
+from pagedjax.pallas_kernels import (
     copy_blocks,
     gather_blocks,
     scatter_blocks,

@@ -23,10 +23,14 @@ from kernel_cases import (
     rel_err,
     tpu_interpret,
 )
+from pagedjax.pallas_kernels import _tpu_decode
+from pagedjax.pallas_kernels.paged_attention import (
+    paged_attention,
+    paged_attention_reference,
+    pick_backend,
+)
 
-import pallas_kernels
-from pallas_kernels import _tpu_decode
-from pallas_kernels.paged_attention import paged_attention, paged_attention_reference, pick_backend
+from pagedjax import pallas_kernels
 
 
 def decode_lengths(block_size: int) -> list[int]:

@@ -1,0 +1,8 @@
+"""``python -m pagedjax ...`` is the ``pagedjax`` command."""
+
+import sys
+
+from pagedjax.entrypoints.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
