@@ -67,6 +67,9 @@ def test_views_of_running_and_finished_requests(tiny):
     assert last.tokens_per_block == (8, 8, 8, 7) and len(last.block_table) == 4
     assert view["solo"].sequences[0].num_tokens == 21  # the earlier view did not change
     assert "solo" in done._repr_html_() and "<table>" in engine.inspect()._repr_html_()
+    engine.add_request("text", "one two three", SamplingParams(max_tokens=1))
+    engine.step()
+    assert engine.inspect()["text"].prompt == "one two three"  # finished, prompt kept
 
     # Parallel samples share the prompt's blocks; the next request hits the prefix cache.
     engine.add_request("pair", prompt, SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=3))
