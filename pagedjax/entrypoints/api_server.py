@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from pagedjax.entrypoints.openai.engine_loop import EngineLoop, QueueFull
 from pagedjax.entrypoints.openai.protocol import ServerLimits
@@ -20,7 +21,7 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
-    served_model_name: str | None = None,
+    served_model_name: str | list[str] | None = None,
     limits: ServerLimits | None = None,
     public_metrics: bool = False,
     public_docs: bool = False,
@@ -36,6 +37,9 @@ def serve(
 
     check_api_key(api_key)
     limits = limits or ServerLimits()
+    # The id clients use: the aliases given, else the name the user passed (not a resolved
+    # cache path), else the embedded model's file name.
+    names = served_model_name or model or Path(default_model_path()).stem
     model = model or default_model_path()
     llm = LLM(model, **llm_kwargs)
     if not llm.engine.is_driver:  # multi-process: process 0 serves; this one replays its steps
@@ -46,7 +50,7 @@ def serve(
     try:
         app = build_app(
             llm.engine,
-            served_model_name or model,
+            names,
             api_key=api_key,
             limits=limits,
             public_metrics=public_metrics,

@@ -112,6 +112,7 @@ def _serve(args: argparse.Namespace) -> int:
         public_metrics=args.public_metrics,
         public_docs=args.public_docs,
         max_num_seqs=args.max_num_seqs,
+        warmup=args.warmup,
         **_engine_kwargs(args),
     )
     return 0
@@ -163,7 +164,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="serve /docs, /redoc and /openapi.json without the API key",
     )
-    srv.add_argument("--served-model-name", default=None, help="model id (default: --model)")
+    srv.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model id clients use, and any aliases (default: --model as given)",
+    )
+    srv.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compile every step program before serving (default: on)",
+    )
     srv.add_argument("--max-num-seqs", type=int, default=256)
     srv.add_argument(
         "--max-queue",

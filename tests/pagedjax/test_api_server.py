@@ -18,11 +18,12 @@ import pytest
 import uvicorn
 from hf_models import make_tiny_model, save_word_tokenizer
 
-from pagedjax import LLM, SamplingParams
+from pagedjax import LLM, EngineStats, SamplingParams
 from pagedjax.entrypoints.api_server import EngineLoop, QueueFull, ServerLimits, build_app
 
 KEY = "test-key"
 MODEL = "tiny"
+ALIAS = "tiny-alias"  # a second --served-model-name
 MAX_MODEL_LEN = 96
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ 'w10' if m['role'] == 'user' else 'w11' }} {{ m['content'] }} "
@@ -66,7 +67,7 @@ def server(tmp_path_factory):
         for n in (10, 30)
     }
     limits = ServerLimits(max_queue=64, max_body_bytes=32 * 1024)
-    app = build_app(llm.engine, MODEL, api_key=KEY, limits=limits)
+    app = build_app(llm.engine, [MODEL, ALIAS], api_key=KEY, limits=limits)
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -234,7 +235,7 @@ def test_logprobs(client):
 
 
 def test_models_health_metrics(server, client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
     assert _raw(server, "GET", "/health", key=None) == (200, b"ok")
     assert _raw(server, "GET", "/metrics", key=None)[0] == 401  # behind the key
     status, body = _raw(server, "GET", "/metrics")
@@ -250,6 +251,9 @@ def test_models_health_metrics(server, client):
         "pagedjax_generation_tokens_total",
         "pagedjax_time_to_first_token_seconds_bucket",
         "pagedjax_time_per_output_token_seconds_count",
+        "pagedjax_compilations_total",
+        "pagedjax_compile_seconds_total",
+        "pagedjax_engine_aborts_total",
     ):
         assert re.search(rf"^{name}\S* \S+$", text, re.M), name
     m = _metrics(server)
@@ -351,17 +355,20 @@ def test_bad_requests_get_their_errors_while_others_stream(server, client):
 
 
 def test_a_full_waiting_queue_refuses():
-    class _Engine:
-        scheduler = types.SimpleNamespace(waiting=[object()], running=[], swapped=[])
-
+    class _Engine:  # one request already waits
         def get_stats(self):
-            return types.SimpleNamespace(
+            return EngineStats(
                 num_blocks_total=8,
                 num_blocks_used=0,
-                prefix_cache_hit_rate=0.0,
+                num_blocks_peak=0,
+                kv_slots_allocated_peak=0,
+                kv_tokens_stored_peak=0,
+                kv_utilization=0.0,
                 num_preemptions=0,
-                prefix_cache_queries=0,
-                prefix_cache_hits=0,
+                num_swapped_out=0,
+                prefix_cache_hit_rate=0.0,
+                num_compilations=0,
+                num_requests_waiting=1,
             )
 
         def has_unfinished_requests(self):
@@ -396,3 +403,12 @@ def test_stop_strings_are_cut_the_same_way_when_streaming(server, client):
     assert whole.text == ref[: ref.find(stop)]
     streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs))
     assert streamed == whole.text
+
+
+def test_served_model_aliases(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
+    assert client.models.retrieve(ALIAS).id == ALIAS
+    r = client.completions.create(model=ALIAS, prompt=PROMPTS[0], max_tokens=3, temperature=0)
+    assert r.model == MODEL and r.choices[0].text
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="other", prompt=PROMPTS[0], max_tokens=3)

@@ -173,7 +173,7 @@ class EngineLoop:
         _, request_id, prompt_ids, params, sink, fut = cmd
         if not fut.set_running_or_notify_cancel():
             return
-        if len(self.engine.scheduler.waiting) >= self.max_queue:
+        if self.engine.get_stats().num_requests_waiting >= self.max_queue:
             fut.set_exception(QueueFull(f"{self.max_queue} requests are already waiting"))
             return
         try:
@@ -239,11 +239,11 @@ class EngineLoop:
             logger.exception("could not read the engine's stats")
 
     def _publish(self) -> None:
-        sched, st = self.engine.scheduler, self.engine.get_stats()
+        st = self.engine.get_stats()
         gauges = {
-            "num_requests_running": len(sched.running),
-            "num_requests_waiting": len(sched.waiting),
-            "num_requests_swapped": len(sched.swapped),
+            "num_requests_running": st.num_requests_running,
+            "num_requests_waiting": st.num_requests_waiting,
+            "num_requests_swapped": st.num_requests_swapped,
             "kv_blocks_total": st.num_blocks_total,
             "kv_blocks_used": st.num_blocks_used,
             "kv_blocks_usage_ratio": st.num_blocks_used / max(st.num_blocks_total, 1),
@@ -251,6 +251,9 @@ class EngineLoop:
             "num_preemptions": st.num_preemptions,
             "prefix_cache_queries": st.prefix_cache_queries,
             "prefix_cache_hits": st.prefix_cache_hits,
+            "num_compilations": st.num_compilations,
+            "compile_seconds": st.compile_seconds,
+            "num_aborted": st.num_aborted,
         }
         with self.metrics.lock:
             self.metrics.gauges = gauges
@@ -285,6 +288,14 @@ class EngineLoop:
                 g["prefix_cache_queries"],
             )
             metric("prefix_cache_hits_total", "counter", "Prefix hits.", g["prefix_cache_hits"])
+            metric("compilations_total", "counter", "Programs compiled.", g["num_compilations"])
+            metric("compile_seconds_total", "counter", "Seconds compiling.", g["compile_seconds"])
+            metric(
+                "engine_aborts_total",
+                "counter",
+                "Requests the engine ended itself, with a reason.",
+                g["num_aborted"],
+            )
             metric("prompt_tokens_total", "counter", "Prompt tokens admitted.", m.prompt_tokens)
             metric("generation_tokens_total", "counter", "Tokens generated.", m.generation_tokens)
             metric(

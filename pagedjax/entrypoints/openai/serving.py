@@ -78,7 +78,7 @@ class _Job:
 
 def build_app(
     engine,
-    served_model_name: str,
+    served_model_name: str | list[str],
     api_key: str | None = None,
     limits: ServerLimits | None = None,
     *,
@@ -87,10 +87,17 @@ def build_app(
 ) -> FastAPI:
     """The FastAPI app over ``engine``; the engine thread starts and stops with the app.
 
-    With ``api_key`` every route but /health needs it, /metrics and the API docs too unless
-    ``public_metrics`` / ``public_docs`` open them.
+    ``served_model_name`` is the model id, or several aliases: requests may name any of them,
+    /v1/models lists them all, responses carry the first. With ``api_key`` every route but
+    /health needs it, /metrics and the API docs too unless ``public_metrics`` / ``public_docs``
+    open them.
     """
     check_api_key(api_key)
+    model_names = (
+        [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    )
+    if not model_names or not all(isinstance(n, str) and n for n in model_names):
+        raise ValueError(f"served model names must be non-empty strings, got {model_names!r}")
     limits = limits or ServerLimits()
     loop_owner = EngineLoop(engine, max_queue=limits.max_queue)
     tokenizer = copy.deepcopy(engine.tokenizer)  # the handlers' own: tokenizers aren't shareable
@@ -171,10 +178,10 @@ def build_app(
 
     def parse(model_cls, data):
         req = parse_request(model_cls, data)
-        if req.model != served_model_name:
+        if req.model not in model_names:
             raise APIError(
                 404,
-                f"the model {req.model!r} does not exist; this server serves {served_model_name!r}",
+                f"the model {req.model!r} does not exist; this server serves {model_names}",
                 "invalid_request_error",
                 "model_not_found",
                 "model",
@@ -317,7 +324,7 @@ def build_app(
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": now,
-            "model": served_model_name,
+            "model": model_names[0],
             "choices": choices,
             "usage": usage(prompts, generated),
         }
@@ -349,7 +356,7 @@ def build_app(
                     "id": rid,
                     "object": kind,
                     "created": now,
-                    "model": served_model_name,
+                    "model": model_names[0],
                     "choices": [choice],
                 }
             )
@@ -394,7 +401,7 @@ def build_app(
                         "id": rid,
                         "object": kind,
                         "created": now,
-                        "model": served_model_name,
+                        "model": model_names[0],
                         "choices": [],
                         "usage": usage(prompts, job.generated),
                     }
@@ -443,9 +450,9 @@ def build_app(
             check_key(request)
         return get_redoc_html(openapi_url="/openapi.json", title="pagedjax")
 
-    def model_card() -> dict:
+    def model_card(name: str) -> dict:
         return {
-            "id": served_model_name,
+            "id": name,
             "object": "model",
             "created": created,
             "owned_by": "pagedjax",
@@ -455,20 +462,20 @@ def build_app(
     @app.get("/v1/models")
     async def models(request: Request):
         check_key(request)
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in model_names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str):
         check_key(request)
-        if model_id != served_model_name:
+        if model_id not in model_names:
             raise APIError(
                 404,
-                f"the model {model_id!r} does not exist; this server serves {served_model_name!r}",
+                f"the model {model_id!r} does not exist; this server serves {model_names}",
                 "invalid_request_error",
                 "model_not_found",
                 "model",
             )
-        return model_card()
+        return model_card(model_id)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
