@@ -39,8 +39,8 @@ def step_programs(model: str | None, repeats: int) -> list[dict]:
     from pagedjax.models.llama import forward
 
     from pagedjax import LLM
-    from pagedjax.runner import ScheduledSeq, StepShape
-    from pagedjax.sampler import SamplingRow
+    from pagedjax.worker.runner import ScheduledSeq, StepShape
+    from pagedjax.worker.sampler import SamplingRow
 
     llm = LLM(model, max_model_len=2048, max_num_seqs=64)
     r = llm.runner

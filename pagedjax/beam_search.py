@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Collection
 
+from pagedjax.core.sequence import Sequence
 from pagedjax.sampling_params import BeamSearchParams
-from pagedjax.sequence import Sequence
 
 Hypothesis = tuple[list[int], float]  # (output token ids, cumulative logprob)
 

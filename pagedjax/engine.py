@@ -13,9 +13,11 @@ import time
 import jax
 import numpy as np
 
-from pagedjax import inspection, kv_cache
-from pagedjax.block_manager import BlockManager
+from pagedjax import inspection
 from pagedjax.config import EngineConfig
+from pagedjax.core.block_manager import BlockManager
+from pagedjax.core.scheduler import Scheduler, SchedulerOutput, SeqChunk
+from pagedjax.core.sequence import Sequence, SequenceGroup
 from pagedjax.distributed import Channel, DriverOrFollower
 from pagedjax.input_processor import Capacity, InputProcessor, check_capacity, eos_token_ids
 from pagedjax.models.loader import LoadedModel, load_model, load_tokenizer
@@ -28,10 +30,9 @@ from pagedjax.models.sharding import (
 from pagedjax.output_processor import OutputProcessor
 from pagedjax.outputs import EngineStats, RequestOutput
 from pagedjax.request import Request
-from pagedjax.runner import Runner, ScheduledSeq
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
-from pagedjax.scheduler import Scheduler, SchedulerOutput, SeqChunk
-from pagedjax.sequence import Sequence, SequenceGroup
+from pagedjax.worker import kv_cache
+from pagedjax.worker.runner import Runner, ScheduledSeq
 
 Prompt = str | list[int]
 Params = SamplingParams | BeamSearchParams
@@ -200,9 +201,7 @@ class LLMEngine(DriverOrFollower):
             except Exception as e:
                 self._fail(req, e)
                 continue
-            if rows:
-                p = req.params
-                num_top = max(num_top, 2 * p.beam_width if req.is_beam_search else p.logprobs or 0)
+            num_top = max(num_top, req.num_top_logprobs if rows else 0)
             start = c.seq.num_computed_tokens
             ids = c.seq.get_token_ids()[start : start + c.num_tokens]
             sched.append(ScheduledSeq(ids, start, self.block_manager.get_block_table(c.seq), rows))
@@ -243,8 +242,6 @@ class LLMEngine(DriverOrFollower):
         if output.finished:
             del self.requests[request_id]
         return output
-
-    # ---- inspection -----------------------------------------------------------------------
 
     inspect, snapshot, restore = inspection.inspect, inspection.snapshot, inspection.restore
 

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pagedjax.scheduler import SchedulerOutput
-from pagedjax.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedjax.core.scheduler import SchedulerOutput
+from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 if TYPE_CHECKING:
     from pagedjax.engine import LLMEngine

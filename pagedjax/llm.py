@@ -14,8 +14,8 @@ from pagedjax.engine import LLMEngine
 from pagedjax.models.loader import default_model_path, load_model
 from pagedjax.models.sharding import tensor_parallel_mesh
 from pagedjax.outputs import EngineStats, RequestOutput
-from pagedjax.runner import Runner
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
+from pagedjax.worker.runner import Runner
 
 Prompt = str | list[int]
 Params = SamplingParams | BeamSearchParams

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from pagedjax import beam_search
+from pagedjax.core.sequence import Sequence
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.request import Request
 from pagedjax.sampling_params import SamplingParams
-from pagedjax.sequence import Sequence
 
 
 def find_stop_string(text: str, searched: int, stops: list[str]) -> int:

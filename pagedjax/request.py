@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from pagedjax.sampler import SamplingRow
+from pagedjax.core.scheduler import SeqChunk
+from pagedjax.core.sequence import SequenceGroup
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
-from pagedjax.scheduler import SeqChunk
-from pagedjax.sequence import SequenceGroup
+from pagedjax.worker.sampler import SamplingRow
 
 GOLDEN = 0x9E3779B9  # spreads the per-sample seeds of one request
 SAMPLING_EPS = 1e-5  # a temperature below this samples greedily (as vLLM)
@@ -26,6 +26,12 @@ class Request:
     @property
     def is_beam_search(self) -> bool:
         return isinstance(self.params, BeamSearchParams)
+
+    @property
+    def num_top_logprobs(self) -> int:
+        """Most likely tokens its sampled rows need: its logprobs, or 2 * beam_width."""
+        p = self.params
+        return 2 * p.beam_width if self.is_beam_search else p.logprobs or 0
 
     def sampling_rows(self, chunk: SeqChunk, vocab_size: int) -> list[SamplingRow]:
         """The chunk's rows for the on-device sampler (one per token it samples)."""

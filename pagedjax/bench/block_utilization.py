@@ -18,8 +18,8 @@ import dataclasses
 from collections import deque
 
 from pagedjax.bench.workload import RequestLengths, sharegpt_like
-from pagedjax.block_manager import AllocStatus, BlockManager
-from pagedjax.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedjax.core.block_manager import AllocStatus, BlockManager
+from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 @dataclasses.dataclass(frozen=True)

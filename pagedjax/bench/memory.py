@@ -223,7 +223,7 @@ def swap_vs_recompute(model: str, num_tokens: int, repeats: int) -> dict:
     import jax
 
     from pagedjax.models.loader import load_model
-    from pagedjax.runner import Runner, ScheduledSeq
+    from pagedjax.worker.runner import Runner, ScheduledSeq
 
     loaded = load_model(model)
     rows = {}

@@ -10,7 +10,7 @@ import torch
 from pagedjax.models.loader import default_model_path
 
 from pagedjax import LLM, SamplingParams
-from pagedjax.runner import ScheduledSeq
+from pagedjax.worker.runner import ScheduledSeq
 
 PROMPTS = [
     "The capital of France is",

@@ -9,7 +9,7 @@ from hf_models import TINY_CONFIGS, make_tiny_model
 from pagedjax.models.loader import load_model
 
 from pagedjax import LLM, SamplingParams
-from pagedjax.runner import Runner, ScheduledSeq
+from pagedjax.worker.runner import Runner, ScheduledSeq
 
 BLOCK = 8
 PROMPT_LENS = [1, 5, 8, 16, 23]  # 8 and 16 end exactly on a block boundary

@@ -15,7 +15,7 @@ from pagedjax.models.config import ModelConfig
 from pagedjax.models.llama import forward, param_shapes
 from pagedjax.models.step_input import StepInput
 
-import pagedjax.runner as runner_mod
+import pagedjax.worker.runner as runner_mod
 
 NUM_BLOCKS, BLOCK = 256, 8  # a layer's pool is larger than any weight, so sizes tell it apart
 _DEF = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]")

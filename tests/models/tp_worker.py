@@ -17,10 +17,10 @@ from hf_models import make_tiny_model  # noqa: E402
 from pagedjax.models.loader import default_model_path, load_model  # noqa: E402
 from pagedjax.models.sharding import make_mesh  # noqa: E402
 
-import pagedjax.runner as runner_mod  # noqa: E402
+import pagedjax.worker.runner as runner_mod  # noqa: E402
 from pagedjax import LLM, SamplingParams  # noqa: E402
-from pagedjax.runner import ScheduledSeq  # noqa: E402
-from pagedjax.sampler import SamplingRow  # noqa: E402
+from pagedjax.worker.runner import ScheduledSeq  # noqa: E402
+from pagedjax.worker.sampler import SamplingRow  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 

@@ -572,7 +572,7 @@ def test_cli_serve_defaults_to_the_models_context_and_opens_what_flags_say(tmp_p
     save_byte_tokenizer(path, CHAT_TEMPLATE)
     apps = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: apps.append(app))
-    args = ["serve", "--model", str(path), "--num-blocks", "64", "--api-key", KEY]
+    args = ["serve", "--model", str(path), "--num-blocks", "64", "--api-key", KEY, "--no-warmup"]
     assert main([*args, "--served-model-name", "short", "--public-metrics"]) == 0
     (app,) = apps
     with live_server(app) as base:

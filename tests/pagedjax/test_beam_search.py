@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 from pagedjax.beam_search import beam_score, beam_step, best_hypotheses
+from pagedjax.core.scheduler import check_stop
+from pagedjax.core.sequence import Sequence
 from pagedjax.output_processor import find_stop_string
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
-from pagedjax.scheduler import check_stop
-from pagedjax.sequence import Sequence
 
 EOS = 2
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedjax.block_manager import AllocStatus, BlockManager
-from pagedjax.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedjax.core.block_manager import AllocStatus, BlockManager
+from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BS = 4
 _ids = itertools.count(1)
@@ -588,7 +588,7 @@ def test_empty_prompt_is_rejected():
 # ---- no jax --------------------------------------------------------------------------------------
 
 
-def test_block_manager_sequence_and_utilisation_bench_import_no_jax():
+def test_core_and_utilisation_bench_import_no_jax():
     # A bare package stands in for pagedjax/__init__.py (which imports the engine, hence jax):
     # what is checked is what these two modules import themselves.
     repo = Path(__file__).resolve().parents[2]
@@ -597,7 +597,8 @@ def test_block_manager_sequence_and_utilisation_bench_import_no_jax():
         "pkg = types.ModuleType('pagedjax')\n"
         f"pkg.__path__ = [{str(repo / 'pagedjax')!r}]\n"
         "sys.modules['pagedjax'] = pkg\n"
-        "import pagedjax.sequence, pagedjax.block_manager, pagedjax.bench.block_utilization\n"
+        "import pagedjax.core.sequence, pagedjax.core.block_manager, pagedjax.core.scheduler\n"
+        "import pagedjax.bench.block_utilization\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax'))\n"
         "assert not bad, bad\n"
     )

@@ -15,8 +15,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from pagedjax.block_manager import AllocStatus, BlockManager, hash_block_tokens
-from pagedjax.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedjax.core.block_manager import AllocStatus, BlockManager, hash_block_tokens
+from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 RUNNING, SWAPPED, WAITING = SequenceStatus.RUNNING, SequenceStatus.SWAPPED, SequenceStatus.WAITING
 

@@ -20,8 +20,8 @@ from pagedjax.models.config import ModelConfig
 from pagedjax.models.llama import param_shapes
 
 from pagedjax import LLM, BeamSearchParams, SamplingParams, compilation
-from pagedjax.runner import Runner, ScheduledSeq, StepShape
-from pagedjax.sampler import SamplingRow
+from pagedjax.worker.runner import Runner, ScheduledSeq, StepShape
+from pagedjax.worker.sampler import SamplingRow
 
 ROOT = Path(__file__).resolve().parents[2]
 

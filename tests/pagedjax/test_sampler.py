@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from pagedjax import sampler
-from pagedjax.sampler import TOP_LOGPROBS_WIDTH, SamplerOutput, SamplingInput, SamplingRow
+from pagedjax.worker import sampler
+from pagedjax.worker.sampler import TOP_LOGPROBS_WIDTH, SamplerOutput, SamplingInput, SamplingRow
 
 V = 1000
 S = 8

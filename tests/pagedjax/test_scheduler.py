@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagedjax.block_manager import BlockManager
-from pagedjax.scheduler import Scheduler
-from pagedjax.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedjax.core.block_manager import BlockManager
+from pagedjax.core.scheduler import Scheduler
+from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BS = 4
 _ids = iter(range(10**6))
@@ -169,7 +169,7 @@ def test_scheduler_imports_no_jax():
         "pkg = types.ModuleType('pagedjax')\n"
         f"pkg.__path__ = [{str(repo / 'pagedjax')!r}]\n"
         "sys.modules['pagedjax'] = pkg\n"
-        "import pagedjax.scheduler, pagedjax.config\n"
+        "import pagedjax.core.scheduler, pagedjax.config\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax'))\n"
         "assert not bad, bad\n"
     )

@@ -20,7 +20,7 @@ import enum
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 
-from pagedjax.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 # hash_fn(parent_hash, token_ids, extra_key) -> hash of a full block, chained over its prefix.
 HashFn = Callable[[int | None, tuple[int, ...], Hashable], int]

@@ -37,7 +37,7 @@ from pagedjax.models.config import ModelConfig
 from pagedjax.models.llama import forward, init_kv_pool
 from pagedjax.models.sharding import pool_sharding, shard_params
 from pagedjax.models.step_input import StepInput
-from pagedjax.sampler import SamplerOutput, SamplingInput, SamplingRow, sample
+from pagedjax.worker.sampler import SamplerOutput, SamplingInput, SamplingRow, sample
 
 logger = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ import itertools
 from collections.abc import Collection
 
 from pagedjax import beam_search
-from pagedjax.block_manager import AllocStatus, BlockManager
 from pagedjax.config import PREEMPTION_MODES
+from pagedjax.core.block_manager import AllocStatus, BlockManager
+from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
-from pagedjax.sequence import Sequence, SequenceGroup, SequenceStatus
 
 _FINISHED_STATUS = {
     "stop": SequenceStatus.FINISHED_STOPPED,
