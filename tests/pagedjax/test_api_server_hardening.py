@@ -580,3 +580,15 @@ def test_cli_serve_defaults_to_the_models_context_and_opens_what_flags_say(tmp_p
         assert cards[0]["max_model_len"] == 300
         assert raw(base, "GET", "/metrics", key=None)[0] == 200  # --public-metrics
         assert raw(base, "GET", "/openapi.json", key=None)[0] == 401
+
+
+def test_requests_that_could_never_run_are_400_while_streams_run(server):
+    """The engine's admission check over HTTP: the limit is in the message, nothing is queued."""
+    with streams_running(server):
+        status, body = raw(server.base, "POST", "/v1/completions", completion(n=300))
+        assert "max_num_seqs=256" in assert_openai_error(status, body, 400)["message"]
+        # Every sequence of n=64 up to max_model_len: more blocks than the pool has.
+        big = completion(n=64, max_tokens=MAX_MODEL_LEN, temperature=1.0)
+        status, body = raw(server.base, "POST", "/v1/completions", big)
+        assert "KV blocks at once" in assert_openai_error(status, body, 400)["message"]
+    wait_idle(server.base)
