@@ -279,6 +279,12 @@ class BlockManager:
         """
         seqs = self._waiting_seqs(group)
         seq = seqs[0]
+        num_required = self._num_blocks_for(seq.get_len())
+        if self.num_blocks - 1 - num_required < self.watermark_blocks:  # can_allocate's NEVER
+            raise ValueError(
+                f"request {group.request_id!r} needs {num_required} blocks, more than the pool's "
+                f"{self.num_blocks - 1} less the watermark of {self.watermark_blocks}"
+            )
         hits = self._match_prefix(seq)
         num_taken = self._num_free_blocks_taken(seq, hits)
         if num_taken > self.get_num_free_blocks():
