@@ -446,10 +446,52 @@ def _save(ckpt: Path, config: ModelConfig, params: dict) -> None:
 
 
 def load_tokenizer(loaded: LoadedModel):
-    """The model's tokenizer via transformers (``gguf_file=`` for GGUF), or None if it has none."""
+    """The model's tokenizer via transformers, or None if it has none. A GGUF's tokenizer is
+    built from the file's metadata read with the gguf package, so that no torch is needed
+    (transformers' ``gguf_file=`` route reads the file through torch)."""
     if loaded.tokenizer_dir is None:
         return None
     from transformers import AutoTokenizer
 
-    kwargs = {"gguf_file": loaded.gguf_file} if loaded.gguf_file else {}
-    return AutoTokenizer.from_pretrained(loaded.tokenizer_dir, **kwargs)
+    if loaded.gguf_file:
+        path = str(Path(loaded.tokenizer_dir) / loaded.gguf_file)
+        try:
+            return gguf_tokenizer(path)
+        except ImportError:  # a transformers without the GGUF tokenizer mapping used below
+            return AutoTokenizer.from_pretrained(loaded.tokenizer_dir, gguf_file=loaded.gguf_file)
+    return AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+
+
+def gguf_tokenizer(path: str):
+    """A fast tokenizer from a GGUF file's tokenizer metadata: transformers' own conversion
+    (``convert_gguf_tokenizer``) fed with fields read by the gguf package."""
+    import gguf
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        _SPECIAL_TOKENS,
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
+
+    reader = gguf.GGUFReader(path)
+    meta = {
+        k: f.contents()
+        for k, f in reader.fields.items()
+        if k.startswith("tokenizer.") or k == "general.architecture"
+    }
+    grouped = {
+        group: {
+            name: meta[f"tokenizer.{key}"]
+            for key, name in renames.items()
+            if f"tokenizer.{key}" in meta
+        }
+        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+    }
+    tokenizer_dict, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer_dict.get("tokenizer_type") == "llama":  # as transformers: sentencepiece adds BOS
+        config.setdefault("add_bos_token", True)
+    for name, key in _SPECIAL_TOKENS.items():
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        config[name] = tokenizer_dict["tokens"][token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(meta["general.architecture"], tokenizer_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
