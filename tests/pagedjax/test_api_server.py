@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import threading
 import time
 import types
@@ -15,8 +14,8 @@ import urllib.request
 import numpy as np
 import openai
 import pytest
-import uvicorn
 from hf_models import make_tiny_model, save_word_tokenizer
+from test_api_server_hardening import live_server
 
 from pagedjax import LLM, EngineStats, SamplingParams
 from pagedjax.entrypoints.api_server import EngineLoop, QueueFull, ServerLimits, build_app
@@ -47,12 +46,6 @@ def _no_eos(max_tokens):
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("api_llama")
@@ -68,18 +61,8 @@ def server(tmp_path_factory):
     }
     limits = ServerLimits(max_queue=64, max_body_bytes=32 * 1024)
     app = build_app(llm.engine, [MODEL, ALIAS], api_key=KEY, limits=limits)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    base = f"http://127.0.0.1:{port}"
-    yield types.SimpleNamespace(base=base, refs=refs, chat_ref=chat_ref, long_refs=long_refs)
-    srv.should_exit = True
-    thread.join(timeout=30)
+    with live_server(app) as base:
+        yield types.SimpleNamespace(base=base, refs=refs, chat_ref=chat_ref, long_refs=long_refs)
 
 
 @pytest.fixture(scope="module")

@@ -66,6 +66,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+async def stream_text(client, model: str, prompt: str, max_tokens: int) -> str:
+    """The text of one greedy completion stream (EOS ignored)."""
+    stream = await client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    text = ""
+    async for chunk in stream:
+        text += chunk.choices[0].text if chunk.choices else ""
+    return text
+
+
 @contextlib.contextmanager
 def live_server(app):
     """Serve ``app`` with uvicorn on a free loopback port; yields the base URL."""
@@ -176,18 +192,7 @@ def streams_running(server, n=3):
     results: dict = {}
 
     async def one(client, i):
-        stream = await client.completions.create(
-            model=MODEL,
-            prompt=PROMPTS[i % len(PROMPTS)],
-            max_tokens=NO_EOS_TOKENS,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        text = ""
-        async for chunk in stream:
-            text += chunk.choices[0].text if chunk.choices else ""
-        return text
+        return await stream_text(client, MODEL, PROMPTS[i % len(PROMPTS)], NO_EOS_TOKENS)
 
     async def main():
         client = openai.AsyncOpenAI(

@@ -19,7 +19,14 @@ import openai
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from test_api_server_hardening import live_server, make_byte_model, raw, sse_events, wait_idle
+from test_api_server_hardening import (
+    live_server,
+    make_byte_model,
+    raw,
+    sse_events,
+    stream_text,
+    wait_idle,
+)
 
 from pagedjax import LLM, SamplingParams
 from pagedjax.entrypoints.api_server import ServerLimits, build_app
@@ -61,17 +68,7 @@ class GoodStreams:
     async def _one(self, client, i: int) -> None:
         while not self.stop.is_set():
             try:
-                stream = await client.completions.create(
-                    model=MODEL,
-                    prompt=GOOD_PROMPTS[i],
-                    max_tokens=GOOD_TOKENS,
-                    temperature=0,
-                    stream=True,
-                    extra_body={"ignore_eos": True},
-                )
-                text = ""
-                async for chunk in stream:
-                    text += chunk.choices[0].text if chunk.choices else ""
+                text = await stream_text(client, MODEL, GOOD_PROMPTS[i], GOOD_TOKENS)
             except Exception as e:  # a stream cut or refused
                 self.failures.append(f"stream {i}: {type(e).__name__}: {e}")
                 continue
