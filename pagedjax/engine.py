@@ -20,6 +20,7 @@ from pagedjax.core.scheduler import Scheduler, SchedulerOutput, SeqChunk
 from pagedjax.core.sequence import Sequence, SequenceGroup
 from pagedjax.distributed import Channel, DriverOrFollower
 from pagedjax.input_processor import Capacity, InputProcessor, check_capacity, eos_token_ids
+from pagedjax.models.llama import kv_pool_bytes_per_block
 from pagedjax.models.loader import LoadedModel, load_model, load_tokenizer
 from pagedjax.models.sharding import (
     min_over_processes,
@@ -62,8 +63,10 @@ class LLMEngine(DriverOrFollower):
             )
         self.tokenizer = load_tokenizer(loaded)
         device_config = sharded_config(mc, tp)  # KV heads replicated when tp > num_kv_heads
-        block_bytes = kv_cache.bytes_per_block(device_config, cache.block_size, config.dtype)
-        num_blocks = min_over_processes(kv_cache.num_device_blocks(cache, block_bytes, tp))
+        block_bytes = kv_pool_bytes_per_block(device_config, cache.block_size, config.dtype)
+        num_blocks = cache.num_blocks or min_over_processes(
+            kv_cache.num_device_blocks(cache, block_bytes, tp)
+        )
         num_host_blocks = kv_cache.num_host_blocks(cache, block_bytes)
         self.block_manager = bm = BlockManager(
             num_blocks,
