@@ -226,10 +226,7 @@ class LLMEngine(DriverOrFollower):
             req.error = f"the request failed in the engine: {type(error).__name__}: {error}"
             logger.error("request %r: %s", req.request_id, req.error, exc_info=error)
             self.scheduler.num_aborted += 1
-        self.scheduler.abort(req.request_id)
-        for seq in req.group.get_seqs():
-            if not seq.is_finished():
-                self.scheduler.finish_seq(seq, "abort")
+        self.scheduler.abort(req.request_id)  # its unfinished seqs end with "abort"
 
     def _output(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)

@@ -158,8 +158,7 @@ class Scheduler:
             for group in queue:
                 if group.request_id == request_id:
                     queue.remove(group)
-                    for seq in group.get_seqs():
-                        self.free_seq(seq, SequenceStatus.FINISHED_ABORTED)
+                    self._end_group(group)
                     return group
         return None
 
@@ -374,9 +373,16 @@ class Scheduler:
             return group
         return queue.pop()
 
-    def _abort(self, group: SequenceGroup, out: SchedulerOutput, reason: str) -> None:
+    def _end_group(self, group: SequenceGroup) -> None:
+        """Abort every unfinished seq of group (a finished one keeps its finish reason)."""
         for seq in group.get_seqs():
-            self.free_seq(seq, SequenceStatus.FINISHED_ABORTED)
+            if seq.is_finished():
+                self.free_seq(seq, seq.status)
+            else:
+                self.finish_seq(seq, "abort")
+
+    def _abort(self, group: SequenceGroup, out: SchedulerOutput, reason: str) -> None:
+        self._end_group(group)
         group.abort_reason = reason
         out.aborted.append(group)
         self.num_aborted += 1

@@ -15,7 +15,7 @@ import pytest
 from fake_model import EOS, VOCAB, fake_engine, next_token
 
 from pagedjax import BeamSearchParams, SamplingParams
-from pagedjax.request import GOLDEN
+from pagedjax.request import GOLDEN, Request
 
 SEEDS_PER_CHUNK = 50
 # The only reason the engine may end a request it accepted: several sequences had to be
@@ -180,3 +180,33 @@ def test_liveness_fuzz(chunk):
 def test_liveness_fuzz_long():
     totals = _run_seeds(range(1000, 4000))
     assert totals["preemptions"] > 0 and totals["swaps"] > 0
+
+
+def test_a_request_failing_in_a_step_ends_alone_with_abort(monkeypatch):
+    """Its output is finished, says why, and every completion reads "abort"; the other request
+    gets the tokens it would get alone."""
+    engine = fake_engine(num_blocks=32, num_host_blocks=16, max_model_len=64)
+    original = Request.sampling_rows
+
+    def sampling_rows(req, chunk, vocab_size):
+        if req.request_id == "bad" and chunk.seq.get_output_len() >= 2:
+            raise RuntimeError("planted failure")
+        return original(req, chunk, vocab_size)
+
+    monkeypatch.setattr(Request, "sampling_rows", sampling_rows)
+    params = SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+    engine.add_request("bad", [5, 6, 7], params)
+    engine.add_request("good", [8, 9], params)
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    bad, good = outs["bad"], outs["good"]
+    assert "planted failure" in bad.error
+    assert [c.finish_reason for c in bad.outputs] == ["abort", "abort"]
+    assert all(len(c.token_ids) == 2 for c in bad.outputs)
+    assert good.error is None
+    for c in good.outputs:
+        want = _reference([8, 9], params, (7 + c.index * GOLDEN) % 2**32, 64)
+        assert (c.token_ids, c.finish_reason) == want
+    assert engine.block_manager.get_stats().num_blocks_used == 0
+    assert engine.get_stats().num_aborted == 1

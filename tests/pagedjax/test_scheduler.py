@@ -174,3 +174,19 @@ def test_scheduler_imports_no_jax():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_abort_ends_unfinished_sequences_with_abort_and_keeps_finished_ones():
+    bm, sched = make()
+    g = group("r", 8, 0.0, width=2)
+    sched.add(g)
+    sched.schedule()
+    (seq,) = g.get_seqs()
+    other = seq.fork(next(_ids))
+    bm.fork(seq, other)
+    g.add(other)
+    sched.finish_seq(other, "stop")
+    sched.abort("r")
+    assert (seq.finish_reason, seq.status) == ("abort", SequenceStatus.FINISHED_ABORTED)
+    assert (other.finish_reason, other.status) == ("stop", SequenceStatus.FINISHED_STOPPED)
+    assert bm.get_num_free_blocks() == bm.num_blocks - 1
