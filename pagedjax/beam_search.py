@@ -7,7 +7,7 @@ every block, copy-on-write on the next write), a parent with no kept candidate i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 
 from pagedjax.core.sequence import Sequence
 from pagedjax.sampling_params import BeamSearchParams
@@ -81,5 +81,5 @@ def best_hypotheses(p: BeamSearchParams, hypotheses: list[Hypothesis]) -> list[H
     return sorted(hypotheses, key=lambda h: -beam_score(p, len(h[0]), h[1]))[: p.beam_width]
 
 
-def finish_reason(p: BeamSearchParams, tokens: list[int], is_eos: Callable[[int], bool]) -> str:
-    return "stop" if tokens and is_eos(tokens[-1]) and not p.ignore_eos else "length"
+def finish_reason(p: BeamSearchParams, tokens: list[int], eos_token_ids: Collection[int]) -> str:
+    return "stop" if tokens and tokens[-1] in eos_token_ids and not p.ignore_eos else "length"

@@ -97,7 +97,7 @@ class OutputProcessor:
                 return None
             if req.error is not None:
                 return "abort"
-            return beam_search.finish_reason(p, tokens, self.eos_token_ids.__contains__)
+            return beam_search.finish_reason(p, tokens, self.eos_token_ids)
 
         completions = [
             CompletionOutput(
