@@ -1,0 +1,120 @@
+"""The server's Prometheus metrics, through ``prometheus_client``.
+
+Each app has its own registry (several apps may live in one process, as in tests). The server's
+own counters and latency histograms are ``prometheus_client`` metrics updated on the engine
+thread; the engine's state (queues, KV blocks, preemptions, compilations) is read from a
+snapshot of ``engine.get_stats()`` that the engine thread refreshes every loop, and exposed by a
+collector at scrape time. Handlers never read the scheduler's queues.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pagedjax.outputs import EngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+# name, help, how to read it from EngineStats
+_GAUGES = (
+    ("num_requests_running", "Requests running.", lambda s: s.num_requests_running),
+    ("num_requests_waiting", "Requests waiting.", lambda s: s.num_requests_waiting),
+    ("num_requests_swapped", "Requests swapped.", lambda s: s.num_requests_swapped),
+    ("kv_blocks_total", "Allocatable KV blocks.", lambda s: s.num_blocks_total),
+    ("kv_blocks_used", "KV blocks in use.", lambda s: s.num_blocks_used),
+    (
+        "kv_cache_usage_ratio",
+        "Used / total KV blocks.",
+        lambda s: s.num_blocks_used / max(s.num_blocks_total, 1),
+    ),
+    ("prefix_cache_hit_rate", "Prefix cache hits / lookups.", lambda s: s.prefix_cache_hit_rate),
+)
+_COUNTERS = (
+    ("num_preemptions", "Preemptions.", lambda s: s.num_preemptions),
+    ("prefix_cache_queries", "Prefix cache lookups.", lambda s: s.prefix_cache_queries),
+    ("prefix_cache_hits", "Prefix cache hits.", lambda s: s.prefix_cache_hits),
+    ("compilations", "Programs compiled.", lambda s: s.num_compilations),
+    ("compile_seconds", "Seconds spent compiling.", lambda s: s.compile_seconds),
+    ("engine_aborts", "Requests the engine ended itself, with a reason.", lambda s: s.num_aborted),
+)
+
+
+class _EngineCollector:
+    """Exposes the latest engine stats snapshot at scrape time."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self._metrics = metrics
+
+    def collect(self):
+        stats = self._metrics.engine_stats
+        if stats is None:
+            return
+        for name, help_, read in _GAUGES:
+            yield GaugeMetricFamily(f"pagedjax_{name}", help_, value=read(stats))
+        for name, help_, read in _COUNTERS:
+            yield CounterMetricFamily(f"pagedjax_{name}", help_, value=read(stats))
+
+
+class ServerMetrics:
+    """The metrics of one app: updated by the engine thread, rendered by /metrics."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=False)
+        reg = self.registry
+        self.prompt_tokens = Counter(
+            "pagedjax_prompt_tokens", "Prompt tokens admitted.", registry=reg
+        )
+        self.generation_tokens = Counter(
+            "pagedjax_generation_tokens", "Tokens generated.", registry=reg
+        )
+        self.request_errors = Counter(
+            "pagedjax_request_errors", "Requests the engine finished with an error.", registry=reg
+        )
+        self.step_failures = Counter(
+            "pagedjax_step_failures",
+            "Engine steps that raised (every request in flight failed).",
+            registry=reg,
+        )
+        self.requests_finished = Counter(
+            "pagedjax_request_success",
+            "Finished sequences by finish reason.",
+            ["finished_reason"],
+            registry=reg,
+        )
+        self.ttft = Histogram(
+            "pagedjax_time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=_TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.tpot = Histogram(
+            "pagedjax_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            buckets=_TPOT_BUCKETS,
+            registry=reg,
+        )
+        self._lock = threading.Lock()
+        self._engine_stats: EngineStats | None = None
+        reg.register(_EngineCollector(self))
+
+    @property
+    def engine_stats(self) -> EngineStats | None:
+        with self._lock:
+            return self._engine_stats
+
+    def publish(self, stats: EngineStats) -> None:
+        """Called by the engine thread with a fresh ``engine.get_stats()``."""
+        with self._lock:
+            self._engine_stats = stats
+
+    def finished(self, reason: str, count: int = 1) -> None:
+        self.requests_finished.labels(finished_reason=reason).inc(count)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
