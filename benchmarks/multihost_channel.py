@@ -36,7 +36,7 @@ def measure(process_id: int, port: int) -> None:
     distributed.initialize(f"127.0.0.1:{port}", 2, process_id)
     channel = distributed.Channel()
     for name, size in MESSAGES.items():
-        message = ("_run_step", (np.zeros(size, np.int32),))
+        message = ("run_step", (np.zeros(size, np.int32),))
         for _ in range(3):  # the first broadcasts of a size compile
             channel.send(message) if channel.is_driver else channel.recv()
         start = time.perf_counter()

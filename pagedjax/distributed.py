@@ -17,6 +17,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from pagedjax.utils import next_pow2
+
 ENV_VARS = {
     "coordinator_address": "PAGEDJAX_COORDINATOR_ADDRESS",
     "num_processes": "PAGEDJAX_NUM_PROCESSES",
@@ -114,7 +116,7 @@ class Channel:
         out = first[_HEADER : _HEADER + size].tobytes()
         rest = size - len(out)
         if rest > 0:
-            tail = np.zeros(1 << (rest - 1).bit_length(), np.uint8)
+            tail = np.zeros(next_pow2(rest), np.uint8)
             tail[: len(data) - len(head)] = np.frombuffer(data[len(head) :], np.uint8)
             out += np.asarray(multihost_utils.broadcast_one_to_all(tail))[:rest].tobytes()
         return out

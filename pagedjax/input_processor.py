@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
+from pagedjax.utils import cdiv
 
 Prompt = str | list[int]
 Params = SamplingParams | BeamSearchParams
@@ -74,7 +75,7 @@ def peak_blocks(prompt_len: int, total_len: int, width: int, block_size: int) ->
     are shared, every sequence owns the rest of its table. A running sequence never has a slot
     for its final token (it finishes once that token is sampled), so it stops at total_len - 1."""
     shared = prompt_len // block_size
-    own = -(-(total_len - 1) // block_size) - shared
+    own = cdiv(total_len - 1, block_size) - shared
     return shared + width * max(own, 0)
 
 

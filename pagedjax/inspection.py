@@ -282,13 +282,6 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
-def _pool_layer_ids(engine: LLMEngine, blocks: np.ndarray) -> np.ndarray:
-    """Blocks -> their index in the pool array in every layer (layer l's block b at
-    l * num_blocks + b), layer-major: i32[num_layers * len(blocks)]."""
-    layers = np.arange(engine.model_config.num_layers)[:, None] * engine.block_manager.num_blocks
-    return (layers + blocks[None, :]).reshape(-1).astype(np.int32)
-
-
 def snapshot(engine: LLMEngine) -> Snapshot:
     """Capture the engine's state between steps (see the module doc)."""
     import jax
@@ -304,17 +297,17 @@ def snapshot(engine: LLMEngine) -> Snapshot:
     )
     kv, runner = None, engine.runner
     if len(blocks):
-        ids = _pool_layer_ids(engine, blocks)
+        ids = runner.kv_cache.layer_ids(blocks)
         kv = tuple(
             np.asarray(jax.device_get(pages[:, ids])).reshape(
                 pages.shape[0], -1, len(blocks), *pages.shape[2:]
             )
-            for pages in runner.kv_pool
+            for pages in runner.kv_cache.pages
         )
     host_ids = np.nonzero(engine.block_manager.host_ref_counts)[0]
     host_kv = {
         heads: (k[:, :, host_ids].copy(), v[:, :, host_ids].copy())
-        for heads, (k, v) in runner.host_pool.items()
+        for heads, (k, v) in runner.kv_cache.host_pool.items()
     }
     return Snapshot(
         step=view.step,
@@ -342,17 +335,17 @@ def restore(engine: LLMEngine, snap: Snapshot) -> None:
     engine.block_manager = sched.bm
     runner = engine.runner
     if snap.kv is not None:
-        ids = _pool_layer_ids(engine, np.asarray(snap.device_blocks, np.int32))
-        runner.kv_pool = tuple(
+        ids = runner.kv_cache.layer_ids(np.asarray(snap.device_blocks, np.int32))
+        runner.kv_cache.pages = tuple(
             jax.device_put(
                 pages.at[:, ids].set(data.reshape(data.shape[0], -1, *data.shape[3:])),
                 pages.sharding,
             )
-            for pages, data in zip(runner.kv_pool, snap.kv, strict=True)
+            for pages, data in zip(runner.kv_cache.pages, snap.kv, strict=True)
         )
     host_ids = np.asarray(snap.host_blocks, np.int64)
     for heads, (k, v) in snap.host_kv.items():
-        host_k, host_v = runner._host_blocks(heads)
+        host_k, host_v = runner.kv_cache.host_blocks(heads)
         host_k[:, :, host_ids] = k
         host_v[:, :, host_ids] = v
 

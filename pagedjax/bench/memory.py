@@ -248,12 +248,12 @@ def swap_vs_recompute(model: str, num_tokens: int, repeats: int) -> dict:
 
         def timed(fn, runner=runner):
             fn()
-            jax.block_until_ready(runner.kv_pool)  # warm: compile once
+            jax.block_until_ready(runner.kv_cache.pages)  # warm: compile once
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
                 fn()
-                jax.block_until_ready(runner.kv_pool)
+                jax.block_until_ready(runner.kv_cache.pages)
                 times.append(time.perf_counter() - start)
             return statistics.median(times)
 

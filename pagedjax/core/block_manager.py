@@ -21,6 +21,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 
 from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedjax.utils import cdiv
 
 # hash_fn(parent_hash, token_ids, extra_key) -> hash of a full block, chained over its prefix.
 HashFn = Callable[[int | None, tuple[int, ...], Hashable], int]
@@ -202,7 +203,7 @@ class BlockManager:
         return table
 
     def _num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def has_blocks(self, seq: Sequence) -> bool:
         """Whether seq holds blocks (on the device or, swapped out, on the host)."""

@@ -9,6 +9,8 @@ import enum
 from collections.abc import Hashable, Iterable
 from typing import Any
 
+from pagedjax.utils import cdiv
+
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
@@ -99,7 +101,7 @@ class Sequence:
     @property
     def num_blocks(self) -> int:
         """Logical blocks needed to hold every token."""
-        return -(-self.get_len() // self.block_size)
+        return cdiv(self.get_len(), self.block_size)
 
     def is_finished(self) -> bool:
         return self.status.is_finished()

@@ -1,10 +1,15 @@
-"""How many KV blocks the device pool and the host swap space hold (the pool's sizing)."""
+"""The KV cache's home: how many blocks the device pool and the host swap space hold, and
+``KVCache``, which owns the pool's arrays, their host mirror and the block moves (copy, swap)."""
 
 from __future__ import annotations
 
 import jax
+import numpy as np
 
+from pagedjax import pallas_kernels
 from pagedjax.config import DEFAULT_CPU_KV_SPACE_GIB, CacheConfig
+from pagedjax.models.config import ModelConfig
+from pagedjax.models.llama import init_kv_pool
 
 
 def num_device_blocks(cache: CacheConfig, block_bytes: int, tensor_parallel_size: int) -> int:
@@ -23,3 +28,115 @@ def num_device_blocks(cache: CacheConfig, block_bytes: int, tensor_parallel_size
 
 def num_host_blocks(cache: CacheConfig, block_bytes: int) -> int:
     return int(cache.swap_space_gib * 2**30 // block_bytes)
+
+
+class KVCache:
+    """The device KV pool, its host mirror for swapping, and the block moves between them.
+
+    The pool (models/llama.py) holds every layer: layer ``l``'s block ``b`` is pool block
+    ``l * num_blocks + b``, so a block move names that block in every layer. With a mesh the pool
+    is split by kv heads; each process mirrors only its own devices' slices on the host.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int,
+        dtype,
+        sharding,
+    ):
+        self.config = config
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_host_blocks = num_host_blocks
+        self.dtype = dtype
+        self.pages: tuple[jax.Array, ...] = init_kv_pool(
+            config, num_blocks, block_size, dtype, sharding
+        )
+        # Swapped-out blocks, per slice of the kv heads held on this process's devices:
+        # (first head, end head) -> (k, v), numpy [heads, num_layers, num_host_blocks, bs, hd].
+        self.host_pool: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def layer_ids(self, blocks: np.ndarray) -> np.ndarray:
+        """Block ids (-1 = padding) -> the same blocks in every layer, layer-major."""
+        layers = np.arange(self.config.num_layers, dtype=np.int32)[:, None] * self.num_blocks
+        return np.where(blocks < 0, -1, layers + blocks[None, :]).reshape(-1).astype(np.int32)
+
+    def copy(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy-on-write: block src -> block dst in every layer (-1 pads both)."""
+        self.pages = pallas_kernels.copy_blocks(
+            self.pages, self.layer_ids(src), self.layer_ids(dst)
+        )
+
+    def swap_out(self, dev: np.ndarray, host: np.ndarray) -> None:
+        """Device blocks -> host blocks, every layer (-1 pads ``dev``)."""
+        if not self.num_host_blocks:
+            raise ValueError("no host swap space: set swap_space_gib > 0 to swap")
+        # Each process keeps its own devices' slices of the kv heads (the only ones it can read);
+        # a slice held by several devices is kept once.
+        blocks = pallas_kernels.gather_blocks(self.pages, self.layer_ids(dev))
+        n = int((dev >= 0).sum())
+        moves = {  # (k or v, head slice) -> device array [heads, num_layers * n_b, bs, hd]
+            (kv, _heads(shard)): shard.data
+            for kv, gathered in enumerate(blocks)
+            for shard in gathered.addressable_shards
+        }
+        fetched = jax.device_get(list(moves.values()))  # all transfers at once
+        for (kv, heads), data in zip(moves, fetched, strict=True):
+            data = data.reshape(data.shape[0], self.config.num_layers, -1, *data.shape[2:])
+            self.host_blocks(heads)[kv][:, :, host[:n]] = data[:, :, :n]
+
+    def swap_in(self, host: np.ndarray, dev: np.ndarray) -> None:
+        """Host blocks -> device blocks, every layer (-1 pads ``dev``)."""
+        host = np.where(host < 0, 0, host)  # padding rows carry host block 0; dev -1 drops them
+
+        def load(pages: jax.Array, kv: int) -> jax.Array:
+            # This process's slices of the blocks, assembled into one array sharded like the pool.
+            shards = []
+            for s in pages.addressable_shards:
+                blocks = self.host_blocks(_heads(s))[kv][:, :, host]  # [h, L, n_b, bs, hd]
+                blocks = blocks.reshape(blocks.shape[0], -1, *blocks.shape[3:])
+                shards.append(jax.device_put(blocks, s.device))
+            shape = (pages.shape[0], self.config.num_layers * len(host), *pages.shape[2:])
+            return jax.make_array_from_single_device_arrays(shape, pages.sharding, shards)
+
+        blocks = tuple(load(pages, kv) for kv, pages in enumerate(self.pages))
+        self.pages = pallas_kernels.scatter_blocks(self.pages, self.layer_ids(dev), blocks)
+
+    def host_blocks(self, heads: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """The host mirror of kv heads ``[heads[0], heads[1])``, allocated on first use."""
+        if heads not in self.host_pool:
+            shape = (heads[1] - heads[0], self.config.num_layers, self.num_host_blocks)
+            shape += (self.block_size, self.config.head_dim)
+            dtype = np.dtype(self.dtype)
+            self.host_pool[heads] = (np.zeros(shape, dtype), np.zeros(shape, dtype))
+        return self.host_pool[heads]
+
+    def lower_block_op(self, op: str, ids: np.ndarray):
+        """The program a block move of ``len(ids)`` blocks runs, lowered (for warm-up)."""
+        layer_ids = self.layer_ids(ids)
+        if op == "copy":
+            return pallas_kernels.copy_blocks.lower(self.pages, layer_ids, layer_ids)
+        if op == "gather":
+            return pallas_kernels.gather_blocks.lower(self.pages, layer_ids)
+        blocks = jax.eval_shape(pallas_kernels.gather_blocks, self.pages, layer_ids)
+        blocks = jax.tree.map(
+            lambda b, p: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=p.sharding),
+            blocks,
+            self.pages,
+        )
+        return pallas_kernels.scatter_blocks.lower(self.pages, layer_ids, blocks)
+
+    def free(self) -> None:
+        for pages in self.pages:
+            pages.delete()
+        self.pages = ()
+
+
+def _heads(shard) -> tuple[int, int]:
+    """The kv heads ``[start, end)`` that a shard of a pool-shaped array holds."""
+    start = shard.index[0].start or 0
+    return start, start + shard.data.shape[0]

@@ -31,6 +31,7 @@ import numpy as np
 from flax import struct
 
 from pagedjax.sampling_params import MAX_LOGPROBS
+from pagedjax.utils import next_pow2
 
 _BASE_SEED = 0
 _NUM_CANDIDATES = 256  # logits per row that top-k / top-p look at before falling back to a sort
@@ -58,7 +59,7 @@ class SamplingRow:
 
 
 def _bucket(n: int) -> int:
-    return 1 << (max(n, _MIN_TOKENS_BUCKET) - 1).bit_length()
+    return next_pow2(n, _MIN_TOKENS_BUCKET)
 
 
 @struct.dataclass

@@ -1,0 +1,186 @@
+"""Host lists -> one padded ``StepInput``, and the set of shapes those can take.
+
+Every size a model program depends on is padded to a bucket (tokens, sequences, block-table
+width, longest query), so a long run compiles a bounded set of programs and ``warmup`` can
+compile them all up front (``step_shapes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+
+from pagedjax.models.step_input import StepInput
+from pagedjax.utils import cdiv, next_pow2, powers_of_two
+from pagedjax.worker.sampler import SamplingRow
+
+# Smallest buckets: below these, padding is cheaper than another compiled program.
+MIN_TOKENS_BUCKET = 32
+MIN_SEQS_BUCKET = 8
+MIN_CONTEXT_BUCKET = 256  # tokens of context covered by the smallest block-table bucket
+MIN_QUERY_BUCKET = 16
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    """One sequence's share of a step."""
+
+    token_ids: list[int]  # tokens whose K/V this step computes and writes
+    start_pos: int  # position of token_ids[0] (= tokens already in the pool)
+    block_table: list[int]  # physical blocks covering positions 0 .. start_pos + len(token_ids)
+    # Tokens to sample from this chunk's last logits: none for a prompt chunk that does not
+    # finish the prompt, n for the first tokens of a parallel-sampling request.
+    samples: list[SamplingRow] = dataclasses.field(default_factory=list)
+
+
+def query_bucket(n: int) -> int:
+    """Coarser buckets (powers of four from 16) for the longest query of a prefill step."""
+    b = MIN_QUERY_BUCKET
+    while b < n:
+        b *= 4
+    return b
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """What picks a model program: the padded sizes of a ``StepInput``."""
+
+    num_tokens: int
+    num_seqs: int
+    max_blocks: int
+    max_query_len: int  # 1: a decode step (num_tokens == num_seqs)
+
+    def __str__(self) -> str:
+        kind = "decode" if self.max_query_len == 1 else f"prefill q{self.max_query_len}"
+        return f"{kind} t{self.num_tokens} s{self.num_seqs} b{self.max_blocks}"
+
+
+class InputBatcher:
+    """Builds step inputs for one pool geometry (block size, longest sequence)."""
+
+    def __init__(self, block_size: int, max_model_len: int):
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = cdiv(max_model_len, block_size)
+        self.min_blocks_bucket = min(self.max_blocks_per_seq, cdiv(MIN_CONTEXT_BUCKET, block_size))
+
+    def blocks_bucket(self, max_blocks: int) -> int:
+        b = next_pow2(max_blocks, self.min_blocks_bucket)
+        return max(min(b, self.max_blocks_per_seq), max_blocks)
+
+    def build(self, seqs: list[ScheduledSeq]) -> StepInput:
+        """Pack the sequences' tokens (numpy), padded to buckets. Row i of ``logits_indices`` is
+        sequence i's last token; there are at least as many sequence slots as sample rows."""
+        bs = self.block_size
+        num_tokens = sum(len(s.token_ids) for s in seqs)
+        max_q = max(len(s.token_ids) for s in seqs)
+        num_rows = sum(len(s.samples) for s in seqs)
+        num_seqs_b = next_pow2(max(len(seqs), num_rows), MIN_SEQS_BUCKET)
+        decode = max_q == 1
+        num_tokens_b = num_seqs_b if decode else next_pow2(num_tokens, MIN_TOKENS_BUCKET)
+        max_blocks_b = self.blocks_bucket(max(len(s.block_table) for s in seqs))
+
+        token_ids = np.zeros(num_tokens_b, np.int32)
+        positions = np.zeros(num_tokens_b, np.int32)
+        slots = np.full(num_tokens_b, -1, np.int32)
+        tables = np.zeros((num_seqs_b, max_blocks_b), np.int32)
+        context_lens = np.zeros(num_seqs_b, np.int32)
+        # Decode layout keeps row i = sequence i, so padding sequences own the padding rows.
+        qsl = (
+            np.arange(num_seqs_b + 1, dtype=np.int32)
+            if decode
+            else np.full(num_seqs_b + 1, num_tokens, np.int32)
+        )
+        logits_indices = np.zeros(num_seqs_b, np.int32)
+        row = 0
+        for i, s in enumerate(seqs):
+            n = len(s.token_ids)
+            pos = np.arange(s.start_pos, s.start_pos + n)
+            table = np.asarray(s.block_table, np.int32)
+            token_ids[row : row + n] = s.token_ids
+            positions[row : row + n] = pos
+            slots[row : row + n] = table[pos // bs] * bs + pos % bs
+            tables[i, : len(table)] = table
+            context_lens[i] = s.start_pos + n
+            qsl[i] = row
+            row += n
+            logits_indices[i] = row - 1
+        if not decode:
+            qsl[len(seqs) :] = row
+        return StepInput(
+            token_ids=token_ids,
+            positions=positions,
+            slot_mapping=slots,
+            block_tables=tables,
+            context_lens=context_lens,
+            query_start_loc=qsl,
+            logits_indices=logits_indices,
+            max_query_len=1 if decode else min(query_bucket(max_q), num_tokens_b),
+        )
+
+    def step_shapes(self, max_num_seqs: int, max_num_batched_tokens: int) -> list[StepShape]:
+        """Every shape ``build`` can produce for batches of at most ``max_num_seqs`` sequences
+        (and sample rows) and ``max_num_batched_tokens`` tokens."""
+        seq_buckets = powers_of_two(MIN_SEQS_BUCKET, next_pow2(max_num_seqs, MIN_SEQS_BUCKET))
+        tables: dict[int, list[int]] = {}  # block bucket -> longest tables padded to it
+        for m in range(1, self.max_blocks_per_seq + 1):
+            tables.setdefault(self.blocks_bucket(m), []).append(m)
+        shapes = [StepShape(s, s, b, 1) for s in seq_buckets for b in tables]  # decode
+        token_buckets = powers_of_two(
+            MIN_TOKENS_BUCKET, next_pow2(max_num_batched_tokens, MIN_TOKENS_BUCKET)
+        )
+        max_q = min(max_num_batched_tokens, self.max_model_len - 1)  # a query needs a token
+        for t, s, (b, m) in itertools.product(token_buckets, seq_buckets, tables.items()):
+            lo = 1 if t == MIN_TOKENS_BUCKET else t // 2 + 1
+            tokens = (lo, min(t, max_num_batched_tokens))
+            # The longest query q (2 .. max_q) picks min(query_bucket(q), t).
+            queries: dict[int, list[int]] = {}
+            edge, prev = MIN_QUERY_BUCKET, 1
+            while prev < max_q:
+                span = (prev + 1, min(edge, max_q))
+                queries.setdefault(min(edge, t), []).append(span)
+                prev, edge = edge, edge * 4
+            for q, spans in sorted(queries.items()):
+                if any(
+                    _packable(tokens, min(s, max_num_seqs), span, max(m) * self.block_size)
+                    for span in spans
+                ):
+                    shapes.append(StepShape(t, s, b, q))
+        return shapes
+
+    @staticmethod
+    def empty(shape: StepShape) -> StepInput:
+        """An all-padding step input of ``shape`` (for lowering)."""
+        t, s, b = shape.num_tokens, shape.num_seqs, shape.max_blocks
+        return StepInput(
+            token_ids=np.zeros(t, np.int32),
+            positions=np.zeros(t, np.int32),
+            slot_mapping=np.full(t, -1, np.int32),
+            block_tables=np.zeros((s, b), np.int32),
+            context_lens=np.zeros(s, np.int32),
+            query_start_loc=np.zeros(s + 1, np.int32),
+            logits_indices=np.zeros(s, np.int32),
+            max_query_len=shape.max_query_len,
+        )
+
+
+def _packable(tokens, max_seqs: int, queries, max_context: int) -> bool:
+    """Whether some batch has a token count in ``tokens`` (lo, hi), at most ``max_seqs``
+    sequences, a longest query in ``queries`` (lo, hi) and contexts of at most ``max_context``:
+    n sequences whose longest query is q hold q + n - 1 .. n * q tokens."""
+    for n in range(1, max_seqs + 1):
+        lo = max(queries[0], cdiv(tokens[0], n))
+        hi = min(queries[1], tokens[1] - n + 1, max_context)
+        if lo <= hi:
+            return True
+    return False
+
+
+def padded_ids(pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Two id columns padded with -1 to a power of two (bounded programs)."""
+    ids = np.full((2, next_pow2(len(pairs), 8)), -1, np.int32)
+    if pairs:
+        ids[:, : len(pairs)] = np.asarray(pairs, np.int32).T
+    return ids[0], ids[1]
