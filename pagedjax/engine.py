@@ -189,7 +189,7 @@ class LLMEngine(DriverOrFollower):
             if pairs:
                 start = time.perf_counter()
                 move(pairs)
-                jax.block_until_ready(self.runner.kv_cache.pages)
+                self.runner.synchronize()
                 self.scheduler.cost_model.observe_swap(time.perf_counter() - start, len(pairs))
         if out.blocks_to_copy:
             self.runner.copy_blocks(out.blocks_to_copy)

@@ -15,63 +15,24 @@ Invariants (tests/pagedjax/test_block_manager_state_machine.py checks them after
 from __future__ import annotations
 
 import collections
-import dataclasses
-import enum
-from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable
 
+from pagedjax.core.block_pool import (
+    AllocStatus,
+    Block,
+    BlockManagerStats,
+    BlockPool,
+    HashFn,
+    hash_block_tokens,
+)
 from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedjax.utils import cdiv
 
-# hash_fn(parent_hash, token_ids, extra_key) -> hash of a full block, chained over its prefix.
-HashFn = Callable[[int | None, tuple[int, ...], Hashable], int]
+__all__ = ["AllocStatus", "BlockManager", "BlockManagerStats", "hash_block_tokens"]
 
 
-def hash_block_tokens(
-    parent_hash: int | None, token_ids: tuple[int, ...], extra_key: Hashable
-) -> int:
-    return hash((parent_hash, token_ids, extra_key))
+class BlockManager(BlockPool):
+    """Block tables over a BlockPool: admission, growth, copy-on-write, prefix matching, swap."""
 
-
-class AllocStatus(enum.Enum):
-    OK = enum.auto()  # fits now
-    LATER = enum.auto()  # fits once running sequences free blocks
-    NEVER = enum.auto()  # larger than the pool (less the watermark): reject the request
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockManagerStats:
-    num_blocks_total: int  # allocatable device blocks (the null block excluded)
-    num_blocks_used: int  # referenced now; cached blocks nobody references count as free
-    num_blocks_peak: int
-    kv_slots_allocated_peak: int  # num_blocks_peak * block_size
-    kv_tokens_stored_peak: int  # a block shared by several sequences counts its tokens once
-    kv_utilization: float  # tokens stored / slots allocated, summed over record_usage() samples
-    prefix_cache_queries: int  # full prompt blocks looked up in the prefix cache
-    prefix_cache_hits: int  # of those, found cached (computed, same prefix and tokens)
-    prefix_cache_hit_rate: float
-    num_swapped_out: int  # blocks copied device -> host
-    num_swapped_in: int  # blocks copied host -> device
-
-
-class _Block:
-    __slots__ = ("block_id", "ref_count", "num_tokens", "generation", "hash", "key")
-
-    def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_count = 0
-        self.num_tokens = 0  # slots holding a token; equal for all holders of a shared block
-        self.generation = 0  # bumped on every fresh allocation: tells a reused block apart
-        # Set once the block is full and its KV computed (prefix caching only). key is what a
-        # cache hit must match exactly: (parent identity, token ids, extra key).
-        self.hash: int | None = None
-        self.key: tuple | None = None
-
-    def identity(self) -> tuple[int, int]:
-        return self.block_id, self.generation
-
-
-class BlockManager:
     def __init__(
         self,
         num_blocks: int,
@@ -89,90 +50,17 @@ class BlockManager:
             raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.num_host_blocks = num_host_blocks
         self.watermark_blocks = int(watermark * num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn
-
-        self.blocks = [_Block(i) for i in range(num_blocks)]
-        self.free_block_ids: deque[int] = deque(range(1, num_blocks))
-        self.evictable: OrderedDict[int, None] = OrderedDict()
-        self.hash_to_block_id: dict[int, int] = {}
+        super().__init__(num_blocks, block_size, num_host_blocks)
         self.block_tables: dict[int, list[int]] = {}
-        self._num_hashed_blocks: dict[int, int] = {}
-
-        self.host_ref_counts = [0] * num_host_blocks
-        self.host_num_tokens = [0] * num_host_blocks
-        self.free_host_block_ids: deque[int] = deque(range(num_host_blocks))
         self.host_block_tables: dict[int, list[int]] = {}
-
-        self._num_used = 0
-        self._num_tokens_stored = 0
-        self._num_used_peak = 0
-        self._num_tokens_stored_peak = 0
-        self._usage_tokens = 0
-        self._usage_slots = 0
+        self._num_hashed_blocks: dict[int, int] = {}
         self._cache_queries = 0
         self._cache_hits = 0
-        self._num_swapped_out = 0
-        self._num_swapped_in = 0
 
     # ---- device blocks -------------------------------------------------------------------------
-
-    def get_num_free_blocks(self) -> int:
-        return len(self.free_block_ids) + len(self.evictable)
-
-    def get_num_free_host_blocks(self) -> int:
-        return len(self.free_host_block_ids)
-
-    def _take_free_block(self) -> _Block:
-        # Pristine blocks first; evicting a cached prefix only when none is left.
-        if self.free_block_ids:
-            block = self.blocks[self.free_block_ids.popleft()]
-        else:
-            block = self.blocks[self.evictable.popitem(last=False)[0]]
-            self._uncache(block)
-        block.generation += 1
-        block.ref_count = 1
-        block.num_tokens = 0
-        self._num_used += 1
-        self._num_used_peak = max(self._num_used_peak, self._num_used)
-        return block
-
-    def _uncache(self, block: _Block) -> None:
-        if self.hash_to_block_id.get(block.hash) == block.block_id:
-            del self.hash_to_block_id[block.hash]
-        block.hash = block.key = None
-
-    def _incref(self, block: _Block) -> None:
-        if block.ref_count == 0:  # a cached block brought back by a prefix hit
-            del self.evictable[block.block_id]
-            self._num_used += 1
-            self._num_used_peak = max(self._num_used_peak, self._num_used)
-            self._add_tokens(block.num_tokens)
-        block.ref_count += 1
-
-    def _decref(self, block: _Block) -> None:
-        block.ref_count -= 1
-        if block.ref_count:
-            return
-        self._num_used -= 1
-        self._add_tokens(-block.num_tokens)
-        # A computed full block stays cached (unless another block holds its hash) until evicted.
-        registered = block.hash is not None and (
-            self.hash_to_block_id.setdefault(block.hash, block.block_id) == block.block_id
-        )
-        if registered:
-            self.evictable[block.block_id] = None  # most recently used last
-        else:
-            self._uncache(block)
-            self.free_block_ids.append(block.block_id)
-
-    def _add_tokens(self, n: int) -> None:
-        self._num_tokens_stored += n
-        self._num_tokens_stored_peak = max(self._num_tokens_stored_peak, self._num_tokens_stored)
 
     def _num_table_tokens(self, table: list[int]) -> int:
         if not table:
@@ -231,15 +119,15 @@ class BlockManager:
                 )
         return seqs
 
-    def _match_prefix(self, seq: Sequence) -> list[_Block]:
+    def _match_prefix(self, seq: Sequence) -> list[Block]:
         """Cached blocks holding seq's leading full blocks; never its last token, which must be
         computed to yield logits."""
-        hits: list[_Block] = []
+        hits: list[Block] = []
         if not self.enable_prefix_caching:
             return hits
         tokens = seq.get_token_ids()
         bs = self.block_size
-        parent: _Block | None = None
+        parent: Block | None = None
         for i in range((seq.get_len() - 1) // bs):
             block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
             parent_hash = parent.hash if parent else None
@@ -257,7 +145,7 @@ class BlockManager:
             parent = block
         return hits
 
-    def _num_free_blocks_taken(self, seq: Sequence, hits: list[_Block]) -> int:
+    def _num_free_blocks_taken(self, seq: Sequence, hits: list[Block]) -> int:
         """Free blocks that allocating seq consumes: new ones, and cached hits nobody holds."""
         num_new = self._num_blocks_for(seq.get_len()) - len(hits)
         return num_new + sum(block.ref_count == 0 for block in hits)
@@ -425,11 +313,6 @@ class BlockManager:
 
     # ---- swapping ------------------------------------------------------------------------------
 
-    def _host_decref(self, host_id: int) -> None:
-        self.host_ref_counts[host_id] -= 1
-        if not self.host_ref_counts[host_id]:
-            self.free_host_block_ids.append(host_id)
-
     def _distinct_blocks(self, group: SequenceGroup, tables: dict[int, list[int]]) -> set[int]:
         return {b for seq in group.get_seqs() for b in tables.get(seq.seq_id, ())}
 
@@ -512,11 +395,6 @@ class BlockManager:
         return list(mapping.items())
 
     # ---- accounting ----------------------------------------------------------------------------
-
-    def record_usage(self) -> None:
-        """Sample tokens stored vs slots allocated; the engine calls this once per step."""
-        self._usage_tokens += self._num_tokens_stored
-        self._usage_slots += self._num_used * self.block_size
 
     def get_stats(self) -> BlockManagerStats:
         return BlockManagerStats(

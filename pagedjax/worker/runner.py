@@ -339,5 +339,9 @@ class Runner:
             except Exception:  # the driver meets the same failure; its next message says more
                 logger.exception("device operation %s failed on this follower", op)
 
+    def synchronize(self) -> None:
+        """Wait for the device operations issued so far (the pool is the last thing they write)."""
+        jax.block_until_ready(self.kv_cache.pages)
+
     def free_device_memory(self) -> None:
         self.kv_cache.free()

@@ -68,7 +68,6 @@ class FakeRunner:
         self.pool = np.full(num_blocks * block_size, -1, np.int64)
         self.host = np.full(max(num_host_blocks, 1) * block_size, -1, np.int64)
         self.num_host_blocks = num_host_blocks
-        self.kv_pool = None
         self.channel = None
         self.num_compilations = 0
         self.compile_seconds = 0.0
@@ -124,6 +123,9 @@ class FakeRunner:
 
     def swap_in(self, pairs):
         self._move(self.host, self.pool, pairs)
+
+    def synchronize(self):
+        pass
 
     def free_device_memory(self):
         pass
