@@ -3,12 +3,12 @@
     python -m pagedjax.bench.block_utilization [--num-requests N] [--block-size B]
         [--max-model-len L] [--seed S] [--num-blocks K]
 
-Simulates a seeded ShareGPT-like workload without a model: requests are admitted first come,
-first served while memory allows, every running request gains one token per step and leaves when
-its output is complete. Paged: the BlockManager gives each request blocks as it grows (on a dry
-pool the latest-arrived request is preempted by recompute, as vLLM does). Contiguous: each request
-reserves max_model_len slots up front, as Orca-style systems do. Utilisation is tokens stored /
-slots allocated, summed over every step. Pure Python; imports no jax.
+Simulates a seeded ShareGPT-like workload without a model. Paged: the engine's own Scheduler and
+BlockManager admit requests first come, first served while memory allows, give each request
+blocks as it grows, preempt the latest-arrived by recompute on a dry pool (as vLLM does); every
+running request gains one token per step and leaves when its output is complete. Contiguous: each
+request reserves max_model_len slots up front, as Orca-style systems do. Utilisation is tokens
+stored / slots allocated, summed over every step. Pure Python; imports no jax.
 """
 
 from __future__ import annotations
@@ -17,9 +17,14 @@ import argparse
 import dataclasses
 from collections import deque
 
+import numpy as np
+
 from pagedjax.bench.workload import RequestLengths, sharegpt_like
-from pagedjax.core.block_manager import AllocStatus, BlockManager
-from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedjax.core.block_manager import BlockManager
+from pagedjax.core.scheduler import Scheduler
+from pagedjax.core.sequence import Sequence, SequenceGroup
+from pagedjax.sampling_params import SamplingParams
+from pagedjax.utils import cdiv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,66 +36,58 @@ class SimResult:
     num_preemptions: int
 
 
+class _Picks:
+    """What the scheduler reads from a step's sampler: token 0 for every row."""
+
+    def __init__(self, num_rows: int):
+        self.tokens = np.zeros(num_rows, np.int32)
+        self.logprobs = np.zeros(num_rows, np.float32)
+        self.top_token_ids = np.zeros((num_rows, 1), np.int32)
+        self.top_logprobs = np.zeros((num_rows, 1), np.float32)
+
+
 def simulate_paged(
-    workload: list[RequestLengths], *, block_size: int, num_blocks: int, watermark: float = 0.01
+    workload: list[RequestLengths],
+    *,
+    block_size: int,
+    num_blocks: int,
+    watermark: float = 0.01,
+    max_num_seqs: int = 1024,
+    max_num_batched_tokens: int = 1 << 16,
 ) -> SimResult:
+    """The engine's own Scheduler and BlockManager, run without a model: every step's chunks are
+    taken as computed and every sample is token 0, so only the memory behaviour is simulated."""
     bm = BlockManager(num_blocks, block_size, watermark=watermark)
-    waiting = deque(
-        SequenceGroup(str(i), [Sequence(i, [0] * r.prompt_len, block_size)], arrival_time=i)
-        for i, r in enumerate(workload)
+    sched = Scheduler(
+        bm,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        preemption_mode="recompute",
     )
-    running: list[SequenceGroup] = []
-    steps = concurrent = preemptions = max_concurrent = 0
-    while waiting or running:
-        while waiting:
-            status = bm.can_allocate(waiting[0])
-            if status is AllocStatus.NEVER:
-                raise ValueError(f"request {waiting[0].request_id} never fits {num_blocks} blocks")
-            if status is AllocStatus.LATER:
-                break
-            group = waiting.popleft()
-            bm.allocate(group)
-            group.get_seqs()[0].status = SequenceStatus.RUNNING
-            running.append(group)
-        running.sort(key=lambda g: g.arrival_time)  # preempted requests rejoin in arrival order
-        max_concurrent = max(max_concurrent, len(running))
-        concurrent += len(running)
+    for i, r in enumerate(workload):
+        if cdiv(r.prompt_len + r.output_len - 1, block_size) > num_blocks - 1 - bm.watermark_blocks:
+            raise ValueError(f"request {i} never fits {num_blocks} blocks")
+        params = SamplingParams(max_tokens=r.output_len, ignore_eos=True)
+        seq = Sequence(sched.new_seq_id(), [0] * r.prompt_len, block_size)
+        sched.add(SequenceGroup(str(i), [seq], arrival_time=i, sampling_params=params))
+    steps = concurrent = max_concurrent = 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        if out.aborted:
+            raise ValueError(f"the scheduler aborted {out.aborted[0].abort_reason}")
+        num_running = len(sched.running)
+        max_concurrent = max(max_concurrent, num_running)
+        concurrent += num_running
         steps += 1
-
-        # The step computes every running token and samples one more per request.
-        still_running = []
-        for group in running:
-            seq = group.get_seqs()[0]
-            seq.num_computed_tokens = seq.get_len()
-            seq.append_token_id(0)
-            if seq.get_output_len() == workload[seq.seq_id].output_len:
-                seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-                bm.free(seq)
-            else:
-                still_running.append(group)
-        running = still_running
-
-        # The next schedule gives each new token a slot, oldest first, preempting the youngest.
-        i = 0
-        while i < len(running):
-            if bm.can_append_slots(running[i]):
-                bm.append_slots(running[i].get_seqs()[0])
-                i += 1
-                continue
-            victim = running.pop()
-            seq = victim.get_seqs()[0]
-            bm.free(seq)
-            seq.status = SequenceStatus.WAITING
-            seq.num_computed_tokens = 0
-            waiting.appendleft(victim)
-            preemptions += 1
+        sched.update_from_output(out.chunks, _Picks(sum(c.num_samples for c in out.chunks)))
         bm.record_usage()
+        sched.drop_finished()
     return SimResult(
         kv_utilization=bm.get_stats().kv_utilization,
         max_concurrent=max_concurrent,
         mean_concurrent=concurrent / max(steps, 1),
         num_steps=steps,
-        num_preemptions=preemptions,
+        num_preemptions=sched.num_preemptions,
     )
 
 
