@@ -7,6 +7,13 @@ import dataclasses
 DTYPES = ("float32", "bfloat16")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DEFAULT_CPU_KV_SPACE_GIB = 1.0
+MAX_MODEL_LEN_CAP = 8192  # without an explicit max_model_len: the model's context, at most this
+
+
+def resolve_max_model_len(max_model_len: int | None, model_context_len: int) -> int:
+    """The engine's max_model_len: as given, else the model's context capped at
+    MAX_MODEL_LEN_CAP (the one place this default is decided: LLM, the CLI and the server)."""
+    return max_model_len or min(model_context_len, MAX_MODEL_LEN_CAP)
 
 
 def _require(ok: bool, name: str, value, why: str) -> None:

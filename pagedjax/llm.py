@@ -9,7 +9,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from pagedjax import compilation
-from pagedjax.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedjax.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
 from pagedjax.engine import LLMEngine
 from pagedjax.models.loader import default_model_path, load_model
 from pagedjax.models.sharding import tensor_parallel_mesh
@@ -62,7 +62,7 @@ class LLM:
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs,
-                max_model_len or min(mc.max_context_len, 8192),
+                resolve_max_model_len(max_model_len, mc.max_context_len),
                 max_num_batched_tokens,
                 enable_chunked_prefill,
                 preemption_mode,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagedjax.config import DTYPES, MAX_MODEL_LEN_CAP, CacheConfig, SchedulerConfig
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -13,10 +15,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="HF checkpoint directory, hub id or .gguf file "
         "(default: the embedded SmolLM2-135M-Instruct GGUF)",
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default=DTYPES[0], choices=DTYPES)
+    p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help=f"longest prompt + output (default: the model's context, at most {MAX_MODEL_LEN_CAP})",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--tensor-parallel-size",
@@ -42,6 +50,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
     )
@@ -111,7 +120,6 @@ def _serve(args: argparse.Namespace) -> int:
         limits=limits,
         public_metrics=args.public_metrics,
         public_docs=args.public_docs,
-        max_num_seqs=args.max_num_seqs,
         warmup=args.warmup,
         **_engine_kwargs(args),
     )
@@ -147,7 +155,6 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=_generate)
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     _add_engine_args(srv)
-    srv.set_defaults(max_model_len=None)  # the model's own limit (at most 8192), as LLM() takes
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument(
@@ -177,7 +184,6 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="compile every step program before serving (default: on)",
     )
-    srv.add_argument("--max-num-seqs", type=int, default=256)
     srv.add_argument(
         "--max-queue",
         type=int,
