@@ -137,7 +137,6 @@ class Scheduler:
         self.running: list[SequenceGroup] = []
         self.swapped: collections.deque[SequenceGroup] = collections.deque()
         self.num_preemptions = 0
-        self.num_recomputed = 0
         self.num_swapped = 0
         self.num_aborted = 0  # groups the scheduler gave up on (with a reason)
         self.max_model_len = max_model_len
@@ -422,7 +421,6 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING
             seq.num_computed_tokens = 0
         self.waiting.appendleft(group)
-        self.num_recomputed += 1
 
 
 def _max_seqs(group: SequenceGroup) -> int:
