@@ -127,14 +127,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _add_bench_parser(sub) -> None:
-    from pagedjax.bench import latency, memory, throughput
+    from pagedjax.bench import latency, memory, serve, throughput
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, memory")
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, memory, serve")
     kinds = bench.add_subparsers(dest="bench", required=True)
     for name, module, text in (
         ("throughput", throughput, "offline throughput vs Hugging Face transformers"),
         ("latency", latency, "TTFT / TPOT / inter-token latency at a Poisson request rate"),
         ("memory", memory, "KV utilisation, sharing savings, swap vs recompute"),
+        ("serve", serve, "online serving over HTTP against any OpenAI-compatible server"),
     ):
         p = kinds.add_parser(name, help=text)
         module.build_parser(p)

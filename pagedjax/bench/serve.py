@@ -1,0 +1,420 @@
+"""Online serving benchmark over HTTP, like `vllm bench serve`: any OpenAI-compatible server.
+
+    pagedjax bench serve [--base-url URL] [--endpoint /v1/completions|/v1/chat/completions]
+        [--model NAME] [--dataset-name sharegpt-like|random|json] [--num-prompts N]
+        [--request-rate R] [--burstiness B] [--max-concurrency C] [--slo ttft=MS,tpot=MS] [--json]
+    pagedjax bench serve --compare transformers [--disable-eos-copy DIR]
+        [--sweep-concurrency 1,4,16]
+
+Requests stream (temperature 0 unless --temperature) at arrival times drawn from a gamma process
+of mean rate R (shape B; B=1 is Poisson; R=inf sends all at once), at most C in flight. Exact
+output lengths: ``ignore_eos`` (and ``min_tokens``) are sent to servers that take them (pagedjax,
+vLLM, SGLang); a probe request finds out, and a server that refuses them (transformers serve) is
+named, with the way round it: --disable-eos-copy DIR writes a copy of the model without EOS.
+Output tokens come from the server's usage, else from the tokenizer. Warm-up requests
+(--num-warmups, the workload's first ones, one at a time) are excluded and reported apart.
+
+--compare NAMES starts ``pagedjax serve`` and each named peer (transformers, vllm, sglang; or
+--peer NAME=COMMAND) on the same weights on this machine, one at a time (each stopped before the
+next starts), runs the identical workload against each and prints them side by side with ratios.
+--sweep-rates / --sweep-concurrency repeat the run per value: one table and a PNG (--plot) of
+throughput against latency per server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import re
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+from pagedjax.bench import serve_metrics as metrics
+from pagedjax.bench.serve_client import ENDPOINTS, Target, probe_and_warm, run_requests
+from pagedjax.bench.serve_peers import (
+    KNOWN_PEERS,
+    RunningServer,
+    ServerSettings,
+    StartError,
+    custom_spec,
+    known_spec,
+    parse_server_args,
+    write_eos_free_copy,
+)
+from pagedjax.bench.serve_workload import (
+    DATASETS,
+    arrival_times,
+    count_tokens,
+    json_requests,
+    load_tokenizer,
+    random_requests,
+    sharegpt_like_requests,
+)
+
+
+def _embedded_model() -> str:
+    from pagedjax.models.loader import default_model_path
+
+    return default_model_path()
+
+
+def _model_from_server(target: Target) -> str:
+    """The first id of GET /v1/models: the name to send when --model is not given."""
+    import urllib.request
+
+    req = urllib.request.Request(target.base_url + "/v1/models", headers=target.headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return json.loads(resp.read())["data"][0]["id"]
+    except Exception as e:
+        raise ValueError(
+            f"--model not given and {target.base_url}/v1/models did not name one "
+            f"({type(e).__name__}: {e})"
+        ) from None
+
+
+def _tokenizer_source(args, model: str) -> str:
+    if args.tokenizer:
+        return args.tokenizer
+    if Path(model).expanduser().exists() or re.fullmatch(r"[\w.-]+/[\w.-]+", model):
+        return model
+    default = _embedded_model()
+    if model in (Path(default).stem, Path(default).name):  # `pagedjax serve` with no --model
+        return default
+    raise ValueError(f"no tokenizer for the model name {model!r}: pass --tokenizer PATH")
+
+
+def build_workload(args, tokenizer):
+    if args.dataset_name == "random":
+        return random_requests(
+            tokenizer,
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.seed,
+        )
+    if args.dataset_name == "json":
+        if not args.dataset_path:
+            raise ValueError("--dataset-name json needs --dataset-path FILE")
+        return json_requests(
+            args.dataset_path, tokenizer, args.num_prompts, args.max_prompt_len, args.max_output_len
+        )
+    return sharegpt_like_requests(
+        tokenizer, args.num_prompts, args.max_prompt_len, args.max_output_len, args.seed
+    )
+
+
+def _sweep(args) -> tuple[str | None, list]:
+    if args.sweep_rates and args.sweep_concurrency:
+        raise ValueError("give --sweep-rates or --sweep-concurrency, not both")
+    if args.sweep_rates:
+        return "request_rate", _numbers(args.sweep_rates, "--sweep-rates", float)
+    if args.sweep_concurrency:
+        return "max_concurrency", _numbers(args.sweep_concurrency, "--sweep-concurrency", int)
+    return None, [None]
+
+
+def _numbers(text: str, flag: str, kind) -> list:
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes a comma-separated list of numbers, got {text!r}") from None
+    if not values or not all(v > 0 for v in values):
+        raise ValueError(f"{flag} values must be > 0, got {text!r}")
+    return values
+
+
+def bench_server(name: str, target: Target, requests, tokenizer, args, slo, knob, values) -> dict:
+    """Probe, warm up, then the timed runs (one per sweep value) against one server."""
+    from tqdm import tqdm
+
+    found, warm = asyncio.run(
+        probe_and_warm(target, requests, args.num_warmups, args.request_timeout)
+    )
+    _note_probe(name, found)
+    rows = []
+    for value in values:
+        rate = value if knob == "request_rate" else args.request_rate
+        conc = value if knob == "max_concurrency" else args.max_concurrency
+        arrivals = arrival_times(len(requests), rate, args.burstiness, args.seed)
+        label = name + (f" {knob}={value}" if knob else "")
+        bar = tqdm(total=len(requests), desc=label, disable=args.disable_tqdm, file=sys.stderr)
+        results, duration = asyncio.run(
+            run_requests(
+                target,
+                requests,
+                arrivals,
+                max_concurrency=conc,
+                timeout_s=args.request_timeout,
+                progress=bar,
+            )
+        )
+        bar.close()
+        _count_output_tokens(results, tokenizer)
+        row = metrics.summarize(results, duration, slo)
+        row.update(server=name, request_rate=rate, max_concurrency=conc, burstiness=args.burstiness)
+        rows.append(row)
+    _count_output_tokens(warm, tokenizer)
+    return {
+        "server": name,
+        "base_url": target.base_url,
+        "model": target.model,
+        "fields_sent": list(found.fields),
+        "fields_refused": found.refused,
+        "probe_note": found.note,
+        "warmup": metrics.warmup_summary(warm),
+        "rows": rows,
+    }
+
+
+def _count_output_tokens(results, tokenizer) -> None:
+    for r in results:
+        if r.success and r.output_tokens is None:
+            r.output_tokens = count_tokens(tokenizer, r.text)
+
+
+def _note_probe(name: str, found) -> None:
+    if found.note:
+        print(f"{name}: {found.note}", file=sys.stderr)
+    if "ignore_eos" in found.refused:
+        print(
+            f"{name} refuses ignore_eos ({found.refused['ignore_eos']}): its outputs may stop at "
+            "EOS before max_tokens, so output lengths are not exact. For exact lengths, serve a "
+            "copy of the model without EOS: `pagedjax bench serve --disable-eos-copy DIR --model "
+            "SRC` writes one (with --compare, every started server serves that copy).",
+            file=sys.stderr,
+        )
+
+
+def run_single(args, slo, knob, values) -> dict:
+    target = Target(
+        args.base_url,
+        args.endpoint,
+        args.model or "",
+        args.api_key,
+        args.temperature,
+        _extra_body(args),
+    )
+    if not target.model:
+        target.model = _model_from_server(target)
+    tokenizer = load_tokenizer(_tokenizer_source(args, target.model))
+    requests = build_workload(args, tokenizer)
+    server = bench_server(args.server_name, target, requests, tokenizer, args, slo, knob, values)
+    return {"servers": [server]}
+
+
+def server_specs(args, settings: ServerSettings) -> list:
+    extra = parse_server_args(args.server_args)
+    names = [] if args.no_pagedjax else ["pagedjax"]
+    names += [n.strip() for n in (args.compare or "").split(",") if n.strip()]
+    specs = [known_spec(n, settings, extra.get(n, [])) for n in names]
+    specs += [custom_spec(text, settings) for text in args.peer or ()]
+    seen = [s.name for s in specs]
+    if len(set(seen)) != len(seen):
+        raise ValueError(f"each server once: got {seen}")
+    if not specs:
+        raise ValueError("no server to start: --no-pagedjax needs --compare or --peer")
+    return specs
+
+
+def run_compare(args, slo, knob, values) -> dict:
+    model = args.model or _embedded_model()
+    peers = [n.strip() for n in (args.compare or "").split(",") if n.strip()]
+    if args.disable_eos_copy:
+        model, made = write_eos_free_copy(model, args.disable_eos_copy)
+        verb = "wrote" if made else "reusing"
+        print(f"{verb} the EOS-free copy {model}; every server serves it", file=sys.stderr)
+    elif "transformers" in peers and model.endswith(".gguf"):
+        raise ValueError(
+            "transformers serve cannot start from a GGUF file (its config names no "
+            "architectures); pass --disable-eos-copy DIR: an HF copy without EOS, which every "
+            "server then serves"
+        )
+    settings = ServerSettings(model, "127.0.0.1", args.dtype, args.seed, args.max_model_len)
+    specs = server_specs(args, settings)
+    tokenizer = load_tokenizer(args.tokenizer or model)
+    requests = build_workload(args, tokenizer)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pagedjax-bench-serve-"))
+    servers = []
+    for spec in specs:  # one at a time: each is stopped before the next starts
+        load = os.getloadavg()[0]
+        with RunningServer(spec, settings, log_dir) as srv:
+            print(f"starting {spec.name}: {shlex.join(srv.argv)}", file=sys.stderr)
+            base = {"server": spec.name, "command": shlex.join(srv.argv), "log": str(srv.log_path)}
+            try:
+                ready_s = srv.wait_ready(args.server_timeout)
+            except StartError as e:
+                print(str(e), file=sys.stderr)
+                servers.append({**base, "start_error": str(e), "rows": []})
+                continue
+            target = Target(
+                srv.base_url,
+                args.endpoint,
+                spec.request_model,
+                None,
+                args.temperature,
+                _extra_body(args),
+            )
+            res = bench_server(spec.name, target, requests, tokenizer, args, slo, knob, values)
+            servers.append({**base, **res, "ready_s": ready_s, "load_avg_before": load})
+    return {"model": model, "log_dir": str(log_dir), "servers": servers}
+
+
+def _extra_body(args) -> dict:
+    if not args.extra_body:
+        return {}
+    try:
+        body = json.loads(args.extra_body)
+    except ValueError as e:
+        raise ValueError(f"--extra-body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ValueError("--extra-body must be a JSON object")
+    return body
+
+
+def _jsonable(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def report(result: dict, knob: str | None, args) -> None:
+    rows = [row for s in result["servers"] for row in s["rows"]]
+    plotted = metrics.plot_sweep(rows, knob, args.plot) if knob and rows else None
+    if args.json:
+        print(json.dumps(_jsonable({**result, "rows": rows, "plot": plotted}), indent=2))
+        return
+    for s in result["servers"]:
+        if "start_error" in s:
+            print(f"{s['server']}: did not start; see {s['log']}")
+            continue
+        w = s["warmup"]
+        sent = ", ".join(s["fields_sent"]) or "none"
+        print(f"{s['server']} ({s['base_url']}, model {s['model']}): extra fields sent: {sent}")
+        if w["num"]:
+            ttft = ", ".join(metrics._fmt(t, 1) for t in w["ttft_ms"])
+            e2el = ", ".join(metrics._fmt(t, 1) for t in w["e2el_ms"])
+            print(f"  warm-up (excluded): {w['num']} requests, TTFT ms [{ttft}], E2E ms [{e2el}]")
+    if knob:
+        metrics.print_sweep(rows, knob)
+    elif len(rows) > 1:
+        metrics.print_side_by_side([(r["server"], r) for r in rows])
+    elif rows:
+        metrics.print_single(rows[0])
+    if knob and rows:
+        print(f"plot: {plotted}" if plotted else "plot: skipped (matplotlib is not installed)")
+    load = os.getloadavg()
+    print(f"load average now: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} CPUs)")
+    if load[1] > (os.cpu_count() or 1):
+        print("the machine was busy: timings taken under this load are not trustworthy")
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = parser or argparse.ArgumentParser(prog="pagedjax bench serve")
+    p.description = __doc__.split("\n")[0]
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server to measure")
+    p.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
+    p.add_argument(
+        "--model",
+        default=None,
+        help="request model name (default: the server's "
+        "first); with --compare, the weights to serve (default: embedded SmolLM2)",
+    )
+    p.add_argument("--tokenizer", default=None, help="directory, hub id or .gguf (default: model)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--server-name", default="server", help="the name in tables (single server)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--dataset-name", default="sharegpt-like", choices=DATASETS)
+    w.add_argument("--dataset-path", default=None, help="JSON requests (--dataset-name json)")
+    w.add_argument("--num-prompts", type=int, default=32)
+    w.add_argument("--random-input-len", type=int, default=128)
+    w.add_argument("--random-output-len", type=int, default=64)
+    w.add_argument("--random-range-ratio", type=float, default=0.0)
+    w.add_argument("--max-prompt-len", type=int, default=256, help="sharegpt-like and json")
+    w.add_argument("--max-output-len", type=int, default=128, help="sharegpt-like and json")
+    w.add_argument("--seed", type=int, default=0)
+    t = p.add_argument_group("traffic")
+    t.add_argument("--request-rate", type=float, default=math.inf, help="req/s (default inf)")
+    t.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 is Poisson")
+    t.add_argument("--max-concurrency", type=int, default=None, help="requests in flight")
+    t.add_argument("--sweep-rates", default=None, help="e.g. 1,2,4: one run per request rate")
+    t.add_argument("--sweep-concurrency", default=None, help="e.g. 1,4,16: one run per limit")
+    t.add_argument("--temperature", type=float, default=0.0)
+    t.add_argument("--extra-body", default=None, help="JSON merged into every request body")
+    t.add_argument("--num-warmups", type=int, default=2, help="excluded, reported apart")
+    t.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    r = p.add_argument_group("report")
+    r.add_argument("--slo", default=None, help="goodput SLO in ms, e.g. ttft=500,tpot=50,e2el=5000")
+    r.add_argument("--json", action="store_true", help="print the results as JSON")
+    r.add_argument("--plot", default="bench_serve_sweep.png", help="the sweep's PNG")
+    r.add_argument("--disable-tqdm", action="store_true")
+    c = p.add_argument_group("started servers (--compare)")
+    c.add_argument("--compare", default=None, help=f"peers to start: {','.join(KNOWN_PEERS)}")
+    c.add_argument("--peer", action="append", help="NAME=COMMAND with {port} ({host}, {model})")
+    c.add_argument("--no-pagedjax", action="store_true", help="start only the peers")
+    c.add_argument("--server-args", action="append", help="NAME=ARGS: extra flags for NAME")
+    c.add_argument(
+        "--disable-eos-copy",
+        metavar="DIR",
+        default=None,
+        help="write a copy of --model without EOS into DIR (reused if there); with "
+        "--compare every server serves it",
+    )
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    c.add_argument("--max-model-len", type=int, default=None)
+    c.add_argument("--server-timeout", type=float, default=600.0, help="seconds to get healthy")
+    c.add_argument("--log-dir", default=None, help="server logs (default: a new temp dir)")
+    return p
+
+
+def _validate(args) -> None:
+    for flag, value, low in (
+        ("--num-prompts", args.num_prompts, 1),
+        ("--num-warmups", args.num_warmups, 0),
+        ("--random-input-len", args.random_input_len, 1),
+        ("--random-output-len", args.random_output_len, 1),
+        ("--max-prompt-len", args.max_prompt_len, 1),
+        ("--max-output-len", args.max_output_len, 1),
+    ):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if not args.request_timeout > 0:
+        raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
+
+
+def run(args) -> int:
+    _validate(args)
+    slo = metrics.parse_slo(args.slo)
+    knob, values = _sweep(args)
+    arrival_times(1, args.request_rate, args.burstiness, 0)  # validates rate and burstiness
+    if args.compare or args.peer:
+        result = run_compare(args, slo, knob, values)
+    elif args.disable_eos_copy:
+        path, made = write_eos_free_copy(args.model or _embedded_model(), args.disable_eos_copy)
+        print(f"{'wrote' if made else 'already there:'} {path}")
+        print(f"serve it, e.g. `transformers serve --continuous-batching {path}`")
+        return 0
+    else:
+        result = run_single(args, slo, knob, values)
+    report(result, knob, args)
+    return 1 if any("start_error" in s for s in result["servers"]) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
