@@ -205,9 +205,9 @@ class LLMEngine(DriverOrFollower):
                 self._fail(req, e)
                 continue
             num_top = max(num_top, req.num_top_logprobs if rows else 0)
-            start = c.seq.num_computed_tokens
+            start, table = c.seq.num_computed_tokens, self.block_manager.get_block_table(c.seq)
             ids = c.seq.get_token_ids()[start : start + c.num_tokens]
-            sched.append(ScheduledSeq(ids, start, self.block_manager.get_block_table(c.seq), rows))
+            sched.append(ScheduledSeq(ids, start, table, rows, req.prompt_rows(c)))
             ran.append(c)
         keep = [i for i, c in enumerate(ran) if self.requests[c.group.request_id].error is None]
         if not keep:

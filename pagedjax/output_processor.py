@@ -11,7 +11,7 @@ from collections.abc import Collection
 
 from pagedjax import beam_search
 from pagedjax.core.sequence import Sequence
-from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedjax.request import Request
 from pagedjax.sampling_params import SamplingParams
 
@@ -78,8 +78,42 @@ class OutputProcessor:
         ]
         finished = req.group.is_finished()  # before its first token a request has one seq
         return RequestOutput(
-            req.request_id, req.prompt, req.prompt_token_ids, completions, finished, req.error
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            completions,
+            finished,
+            req.error,
+            self.prompt_logprobs(req),
         )
+
+    def prompt_logprobs(self, req: Request) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's prompt_logprobs, built once the whole prompt is scored."""
+        state = req.prompt_logprobs
+        if state is None or not state.done:
+            return None
+        if state.output is None:
+            text = self._token_texts()
+            out: list[dict[int, Logprob] | None] = [None]
+            for j in range(1, len(state.prompt)):
+                token = state.prompt[j]
+                entry = {token: Logprob(float(state.logprobs[j]), int(state.ranks[j]), text(token))}
+                ids, lps = state.top_token_ids[j].tolist(), state.top_logprobs[j].tolist()
+                for rank, (t, lp) in enumerate(zip(ids, lps, strict=True), 1):
+                    entry.setdefault(t, Logprob(lp, rank, text(t)))
+                out.append(entry)
+            state.output = out
+        return state.output
+
+    def _token_texts(self):
+        cache: dict[int, str | None] = {}
+
+        def text(token: int) -> str | None:
+            if token not in cache:
+                cache[token] = None if self.tokenizer is None else self.decode([token], False)
+            return cache[token]
+
+        return text
 
     def _beam_output(self, req: Request) -> RequestOutput:
         p = req.params

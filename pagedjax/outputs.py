@@ -6,6 +6,16 @@ import dataclasses
 
 
 @dataclasses.dataclass
+class Logprob:
+    """A token's log-probability, its rank among the vocabulary (1 = most likely) and its text
+    (vLLM's shape)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -25,6 +35,9 @@ class RequestOutput:
     # Set when the engine ended the request itself (it could not run it, or it failed on its
     # own): its completions then finish with "abort" and keep what was generated so far.
     error: str | None = None
+    # SamplingParams(prompt_logprobs=k): one entry per prompt token, None for the first; each the
+    # token's own Logprob and the k most likely. Set once the whole prompt is scored.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclasses.dataclass

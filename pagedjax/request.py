@@ -7,6 +7,7 @@ import dataclasses
 from pagedjax.core.scheduler import SeqChunk
 from pagedjax.core.sequence import SequenceGroup
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
+from pagedjax.worker.prompt_logprobs import PromptLogprobs, PromptRows
 from pagedjax.worker.sampler import SamplingRow
 
 GOLDEN = 0x9E3779B9  # spreads the per-sample seeds of one request
@@ -22,6 +23,15 @@ class Request:
     group: SequenceGroup  # its sequences: one, then n samples or beam_width beams
     seed: int  # 32-bit; sample i draws with (seed + i * golden) mod 2**32
     error: str | None = None  # why the engine ended it, if it did (its output carries this)
+    prompt_logprobs: PromptLogprobs | None = None  # set when its params ask for them
+
+    def __post_init__(self):
+        k = getattr(self.params, "prompt_logprobs", None)
+        if k is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = PromptLogprobs(self.prompt_token_ids, k)
+            # A cached prefix has no logits: read no block but its own (see prompt_logprobs.py).
+            for seq in self.group.get_seqs():
+                seq.extra_hash_key = (seq.extra_hash_key, self.prompt_logprobs.cache_key)
 
     @property
     def is_beam_search(self) -> bool:
@@ -32,6 +42,12 @@ class Request:
         """Most likely tokens its sampled rows need: its logprobs, or 2 * beam_width."""
         p = self.params
         return 2 * p.beam_width if self.is_beam_search else p.logprobs or 0
+
+    def prompt_rows(self, chunk: SeqChunk) -> PromptRows | None:
+        """The chunk's rows whose prompt logprobs are still to compute (None: none)."""
+        if self.prompt_logprobs is None or self.prompt_logprobs.done:
+            return None
+        return self.prompt_logprobs.rows(chunk.seq.num_computed_tokens, chunk.num_tokens)
 
     def sampling_rows(self, chunk: SeqChunk, vocab_size: int) -> list[SamplingRow]:
         """The chunk's rows for the on-device sampler (one per token it samples)."""

@@ -35,6 +35,9 @@ class SamplingParams:
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # also return this many most likely tokens per position
+    # Score the prompt too: each prompt token's logprob (None for the first) and the top k. Such
+    # a request computes its whole prompt (it does not read the shared prefix cache).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self):
@@ -75,6 +78,10 @@ class SamplingParams:
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             _bad(self, "logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            _bad(self, "prompt_logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:

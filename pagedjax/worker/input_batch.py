@@ -14,6 +14,7 @@ import numpy as np
 
 from pagedjax.models.step_input import StepInput
 from pagedjax.utils import cdiv, next_pow2, powers_of_two
+from pagedjax.worker.prompt_logprobs import PromptRows
 from pagedjax.worker.sampler import SamplingRow
 
 # Smallest buckets: below these, padding is cheaper than another compiled program.
@@ -33,6 +34,7 @@ class ScheduledSeq:
     # Tokens to sample from this chunk's last logits: none for a prompt chunk that does not
     # finish the prompt, n for the first tokens of a parallel-sampling request.
     samples: list[SamplingRow] = dataclasses.field(default_factory=list)
+    prompt_rows: PromptRows | None = None  # rows whose prompt logprobs a request asked for
 
 
 def query_bucket(n: int) -> int:

@@ -36,8 +36,10 @@ from pagedjax.models.llama import forward
 from pagedjax.models.sharding import pool_sharding, shard_params
 from pagedjax.models.step_input import StepInput
 from pagedjax.utils import next_pow2, powers_of_two
+from pagedjax.worker import prompt_logprobs
 from pagedjax.worker.input_batch import InputBatcher, ScheduledSeq, StepShape, padded_ids
 from pagedjax.worker.kv_cache import KVCache
+from pagedjax.worker.prompt_logprobs import PromptLogprobsOutput
 from pagedjax.worker.sampler import SamplerOutput, SamplingInput, SamplingRow, sample
 
 __all__ = ["Runner", "ScheduledSeq", "StepShape", "WarmupReport"]
@@ -141,7 +143,10 @@ class Runner:
         logit_rows = np.zeros(len(step_input.logits_indices), np.int32)
         logit_rows[: len(rows)] = [i for i, s in enumerate(seqs) for _ in s.samples]
         sampling = self._sampling_input(rows, len(logit_rows), num_top_logprobs)
-        out = self._call("run_step", step_input, logit_rows, sampling)
+        step_input, targets = prompt_logprobs.extend_logits_rows(step_input, seqs)
+        out, scored = self._call("run_step", step_input, logit_rows, sampling, targets)
+        if scored is not None:
+            prompt_logprobs.deliver(seqs, jax.device_get(scored))
         out = jax.tree.map(lambda x: np.asarray(x)[: len(rows)], out)
         k = min(num_top_logprobs, out.top_token_ids.shape[1])
         return out.replace(
@@ -158,8 +163,12 @@ class Runner:
         )
 
     def _run_step(
-        self, step_input: StepInput, logit_rows: np.ndarray, sampling: SamplingInput
-    ) -> SamplerOutput:
+        self,
+        step_input: StepInput,
+        logit_rows: np.ndarray,
+        sampling: SamplingInput,
+        targets: np.ndarray | None = None,
+    ) -> tuple[SamplerOutput, PromptLogprobsOutput | None]:
         logits, self.kv_cache.pages = _step(
             self.params,
             self.kv_cache.pages,
@@ -168,9 +177,13 @@ class Runner:
             self.backend,
             self.mesh,
         )
-        return _sample(
+        scored = None
+        if targets is not None:  # a step that scores prompt rows (worker/prompt_logprobs.py)
+            logits, scored = prompt_logprobs.score(logits, jax.device_put(targets, self._inputs))
+        sampled = _sample(
             logits, jax.device_put(logit_rows, self._inputs), jax.device_put(sampling, self._inputs)
         )
+        return sampled, scored
 
     # ---- warm-up ---------------------------------------------------------------------------
 

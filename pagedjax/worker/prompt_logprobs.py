@@ -1,0 +1,131 @@
+"""Prompt logprobs: the log-probability of every prompt token under the model, and the top k.
+
+Prompt token ``j`` (``j >= 1``) is scored by the logits at position ``j - 1``, which the step that
+computes that position produces: a prefill chunk, whether or not it finishes the prompt. Only the
+steps that hold such rows pay for them: there the model step also returns the logits of those
+rows (``logits_indices`` grows by a bucketed block of rows, so these steps run model programs of
+their own, compiled the first time a request asks), and ``prompt_logprobs`` (a small jitted
+program) scores them and hands the usual per-sequence logits on to the sampler. Steps without
+such rows run the usual programs, unchanged.
+
+A cached prefix has no logits, so a request that asks for prompt logprobs does not read the shared
+prefix cache (``PromptLogprobs.cache_key``): it computes its whole prompt. After a preemption by
+recompute it may hit its own cached blocks, whose rows it has already scored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from pagedjax.utils import next_pow2
+from pagedjax.worker.sampler import TOP_LOGPROBS_WIDTH
+
+MIN_ROWS_BUCKET = 32  # smallest block of extra logits rows (bounded programs)
+_nonce = itertools.count()
+
+
+@struct.dataclass
+class PromptLogprobsOutput:
+    logprobs: jax.Array  # f32[P], log-probability of each row's target token
+    ranks: jax.Array  # i32[P], 1 + tokens strictly more likely than the target
+    top_token_ids: jax.Array  # i32[P, K], most likely tokens, descending
+    top_logprobs: jax.Array  # f32[P, K]
+
+
+@dataclasses.dataclass
+class PromptRows:
+    """One chunk's rows to score: chunk rows ``first_row ..`` predict ``targets`` (the prompt
+    tokens at positions ``first_target ..``); results go to ``state``."""
+
+    first_row: int
+    first_target: int
+    targets: list[int]
+    state: PromptLogprobs
+
+
+class PromptLogprobs:
+    """One request's prompt logprobs as its chunks are computed (host arrays, by position)."""
+
+    def __init__(self, prompt_token_ids: list[int], k: int):
+        n = len(prompt_token_ids)
+        self.prompt = list(prompt_token_ids)
+        self.k = k
+        self.logprobs = np.zeros(n, np.float32)
+        self.ranks = np.zeros(n, np.int32)
+        self.top_token_ids = np.zeros((n, k), np.int32)
+        self.top_logprobs = np.zeros((n, k), np.float32)
+        self.next_target = 1  # positions below this are scored (position 0 never is)
+        self.cache_key = ("prompt_logprobs", next(_nonce))  # this request's own prefix cache
+        self.output = None  # the output processor's list, built once (when done)
+
+    @property
+    def done(self) -> bool:
+        return self.next_target >= len(self.prompt)
+
+    def rows(self, start: int, num_tokens: int) -> PromptRows | None:
+        """The rows still to score in a chunk of ``num_tokens`` tokens from position ``start``."""
+        first = max(start, self.next_target - 1)  # positions whose logits score position + 1
+        end = min(start + num_tokens, len(self.prompt) - 1)
+        if first >= end:
+            return None
+        return PromptRows(first - start, first + 1, self.prompt[first + 1 : end + 1], self)
+
+    def store(self, first_target: int, out: PromptLogprobsOutput) -> None:
+        """Keep the scores of targets ``first_target ..`` (host arrays, one row each)."""
+        stop = first_target + len(out.logprobs)
+        self.logprobs[first_target:stop] = out.logprobs
+        self.ranks[first_target:stop] = out.ranks
+        self.top_token_ids[first_target:stop] = out.top_token_ids[:, : self.k]
+        self.top_logprobs[first_target:stop] = out.top_logprobs[:, : self.k]
+        self.next_target = max(self.next_target, stop)
+
+
+def extend_logits_rows(step_input, seqs) -> tuple[object, np.ndarray | None]:
+    """The step input with the rows to score appended to ``logits_indices`` (padded to a power
+    of two), and their targets (i32[P], padding 0); (step_input, None) when no row is asked."""
+    rows, targets, row = [], [], 0
+    for s in seqs:
+        p = s.prompt_rows
+        if p is not None:
+            rows.extend(range(row + p.first_row, row + p.first_row + len(p.targets)))
+            targets.extend(p.targets)
+        row += len(s.token_ids)
+    if not rows:
+        return step_input, None
+    size = next_pow2(len(rows), MIN_ROWS_BUCKET)
+    padded = np.zeros((2, size), np.int32)
+    padded[0, : len(rows)], padded[1, : len(rows)] = rows, targets
+    indices = np.concatenate([np.asarray(step_input.logits_indices, np.int32), padded[0]])
+    return step_input.replace(logits_indices=indices), padded[1]
+
+
+def deliver(seqs, out: PromptLogprobsOutput) -> None:
+    """Hand each chunk its rows of ``out`` (host arrays, rows in ``extend_logits_rows`` order)."""
+    i = 0
+    for s in seqs:
+        p = s.prompt_rows
+        if p is not None:
+            n = len(p.targets)
+            p.state.store(p.first_target, jax.tree.map(lambda x, i=i, n=n: x[i : i + n], out))
+            i += n
+
+
+@jax.jit
+def score(logits: jax.Array, targets: jax.Array):
+    """logits f32[num_seqs + P, vocab] (the sequences' last rows, then the rows to score);
+    targets i32[P] -> (logits of the sequences f32[num_seqs, vocab], PromptLogprobsOutput)."""
+    num_seqs = logits.shape[0] - targets.shape[0]
+    x = logits[num_seqs:].astype(jnp.float32)  # [P, vocab]
+    lse = jax.nn.logsumexp(x, axis=-1)
+    target = jnp.take_along_axis(x, targets[:, None], axis=-1)[:, 0]
+    ranks = 1 + jnp.sum(x > target[:, None], axis=-1, dtype=jnp.int32)
+    width = min(TOP_LOGPROBS_WIDTH, x.shape[1])
+    top, ids = jax.lax.top_k(x, width)
+    out = PromptLogprobsOutput(target - lse, ranks, ids.astype(jnp.int32), top - lse[:, None])
+    return logits[:num_seqs], out
