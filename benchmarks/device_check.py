@@ -848,7 +848,7 @@ def big_hf_config(ctx: Context):
 
 
 def big_workload(ctx: Context, vocab_size: int, seed: int):
-    from pagedjax.bench.throughput import synthetic_requests
+    from pagedjax.bench.throughput_sides import synthetic_requests
 
     s = ctx.sizes
     return synthetic_requests(
@@ -897,7 +897,7 @@ def stage_engine_8b(ctx: Context, budget: Budget, data: dict):
     from pagedjax.models.llama import kv_pool_bytes_per_block
     from pagedjax.models.loader import LoadedModel
 
-    from pagedjax.bench.throughput import Request, run_pagedjax
+    from pagedjax.bench.throughput_sides import Request, generate_pagedjax
 
     s = ctx.sizes
     hf_config = big_hf_config(ctx)
@@ -946,13 +946,13 @@ def stage_engine_8b(ctx: Context, budget: Budget, data: dict):
         )
         say(f"  workload: {data['workload']}")
         with compile_events() as cold_events:
-            cold = run_pagedjax(llm, warm, warmup=False)
+            cold = generate_pagedjax(llm, warm)
         data["cold"] = dataclasses.asdict(cold)
         data["cold_compiles"] = summarize_compiles(cold_events)
         say(f"  cold run (compiles included): {cold.elapsed_s:.1f} s, {data['cold_compiles']}")
         budget.check("the timed (warm) run")
         with compile_events() as warm_events:
-            timed = run_pagedjax(llm, requests, warmup=False)
+            timed = generate_pagedjax(llm, requests)
         data["warm"] = dataclasses.asdict(timed)
         data["warm_compiles"] = summarize_compiles(warm_events)
         stats = llm.get_stats()
@@ -1024,7 +1024,7 @@ def stage_peer(ctx: Context, budget: Budget, data: dict):
     import torch
     import transformers
 
-    from pagedjax.bench.throughput import Request, run_hf
+    from pagedjax.bench.throughput_sides import Request, generate_hf
 
     device = ctx.torch_device
     if ctx.platform == "tpu":
@@ -1045,7 +1045,7 @@ def stage_peer(ctx: Context, budget: Budget, data: dict):
     requests = sorted(requests, key=lambda r: len(r.prompt_token_ids))
     data["model"] = f"transformers LlamaForCausalLM, {hf_config.num_hidden_layers} layers, bf16"
     data["device"] = device
-    run_hf(model, [Request(requests[0].prompt_token_ids[:16], 4)] * 2, 2, device)  # warm-up
+    generate_hf(model, [Request(requests[0].prompt_token_ids[:16], 4)] * 2, 2, device)  # warm-up
     sweep = data.setdefault("sweep", [])
     for bs in ctx.sizes.hf_batch_sizes:
         if budget.left() <= 0:
@@ -1053,8 +1053,8 @@ def stage_peer(ctx: Context, budget: Budget, data: dict):
             break
         if device == "cuda":
             torch.cuda.synchronize()
-        side = run_hf(model, requests, bs, device)
-        sweep.append(dataclasses.asdict(side))
+        side = generate_hf(model, requests, bs, device)
+        sweep.append({"batch_size": bs, **dataclasses.asdict(side)})
         say(
             f"  transformers batch {bs}: {side.elapsed_s:.1f} s, "
             f"{side.output_tokens_per_s:.0f} output tok/s"

@@ -1,239 +1,121 @@
-"""Offline throughput: pagedjax vs Hugging Face transformers on PyTorch, same run, same requests.
+"""Offline throughput: pagedjax vs Hugging Face transformers on PyTorch, each in its own process.
 
     pagedjax bench throughput [--model M] [--num-requests N] [--dataset FILE.json]
-        [--max-prompt-len P] [--max-output-len O] [--hf-batch-sizes 8,16,32] [--json]
+        [--max-prompt-len P] [--max-output-len O] [--hf-batch-sizes 8,16,32,64]
+        [--repeats R] [--json]
 
 Both sides get the same prompts (token ids) and output lengths, greedy, EOS ignored so each
-request produces exactly its output length. pagedjax runs them through ``LLM.generate`` (continuous
-batching over the paged pool). transformers runs its own batched ``generate`` the way vLLM's
-``benchmark_throughput --backend hf`` does: requests in order, batches of a fixed size, left
-padding, ``max_new_tokens`` = the longest output in the batch (shorter requests' extra tokens are
-wasted work, as in any static batch); only requested output tokens are counted. Its batch size
-is the best of a small sweep: each size generates one batch of the workload's first requests with
-outputs clipped to --hf-sweep-output-len tokens (cheap on a CPU), and the fastest in output
-tokens/s runs the whole workload. Each side is warmed once
-(pagedjax: the whole workload, so that every bucketed program is compiled; transformers: one small
-batch) and the timed figures are the warm runs. On a GPU both sides use it.
+request produces exactly its output length. Each side runs in a fresh process of its own, one
+after the other (never both at once), so neither disturbs the other:
+
+- prepare: builds the requests, counts their useful FLOPs (every token through the layers once,
+  attention over its real context, one LM-head row per output token; bench/roofline.py) and
+  measures this machine's matmul FLOP/s at the model's own layer shapes (jax and torch, best of
+  repeated runs): the roofline both sides are measured against.
+- pagedjax: ``LLM.generate`` over the whole workload (continuous batching over the paged pool).
+  The first call is the cold run (compilation included; the persistent compilation cache is off
+  for it unless --keep-compile-cache), then --repeats warm runs.
+- transformers: its own batched ``generate``, as vLLM's ``benchmark_throughput --backend hf`` does:
+  static batches, left padding, ``max_new_tokens`` = the batch's longest output; only requested
+  tokens are counted. Its batch size is chosen on the real workload, not a clipped sample: one
+  full pass per candidate size with length-sorted batches (the peer's best case; also arrival
+  order with --hf-unsorted too), after a first pass that is its cold run; then --repeats warm runs
+  at the best size in all (the sweep's pass included).
+
+Reported per side: min and median of the warm runs, the cold run, output tok/s, and the useful
+FLOP/s as a fraction of the measured matmul roofline; the ratios warm (min vs min) and cold.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import time
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
-import numpy as np
-
 from pagedjax.bench import emit
-from pagedjax.bench.workload import sharegpt_like
+from pagedjax.bench.throughput_sides import Request, synthetic_requests  # noqa: F401 (re-export)
 
 
-@dataclasses.dataclass(frozen=True)
-class Request:
-    prompt_token_ids: list[int]
-    output_len: int
-
-
-@dataclasses.dataclass
-class SideResult:
-    name: str
-    elapsed_s: float
-    requests_per_s: float
-    output_tokens_per_s: float
-    total_tokens_per_s: float
-    batch_size: int | None = None  # transformers: the chosen batch size
-    cold_elapsed_s: float | None = None  # first run, compilation included (pagedjax)
-
-
-def synthetic_requests(
-    num_requests: int,
-    *,
-    vocab_size: int,
-    max_prompt_len: int,
-    max_output_len: int,
-    seed: int = 0,
-    low_token: int = 3,
-) -> list[Request]:
-    """ShareGPT-like lengths clipped to (max_prompt_len, max_output_len); random token ids."""
-    lengths = sharegpt_like(num_requests, max_model_len=4096, seed=seed)
-    rng = np.random.default_rng(seed + 1)
-    return [
-        Request(
-            rng.integers(low_token, vocab_size, min(r.prompt_len, max_prompt_len)).tolist(),
-            min(r.output_len, max_output_len),
+def _run_side(side: str, spec: dict, env: dict | None = None) -> dict:
+    """One side in a fresh process; its JSON result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "spec.json"
+        path.write_text(json.dumps(spec))
+        proc = subprocess.run(
+            [sys.executable, "-m", "pagedjax.bench.throughput_sides", side, str(path)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **(env or {})},
         )
-        for r in lengths
-    ]
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {side} side failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def load_dataset(path: str, tokenizer, max_prompt_len: int, max_output_len: int) -> list[Request]:
-    """A JSON list of {"prompt": text or token ids, "output_len": int}."""
-    items = json.loads(Path(path).read_text())
-    if not isinstance(items, list) or not items:
-        raise ValueError(f"{path}: expected a non-empty JSON list of requests")
-    out = []
-    for i, item in enumerate(items):
-        if not isinstance(item, dict) or "prompt" not in item or "output_len" not in item:
-            raise ValueError(f"{path}: request {i} needs 'prompt' and 'output_len'")
-        prompt = item["prompt"]
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise ValueError(f"{path}: text prompts need a model with a tokenizer")
-            prompt = tokenizer(prompt)["input_ids"]
-        if not prompt or int(item["output_len"]) < 1:
-            raise ValueError(f"{path}: request {i} has an empty prompt or output_len < 1")
-        out.append(
-            Request(list(prompt)[:max_prompt_len], min(int(item["output_len"]), max_output_len))
-        )
-    return out
-
-
-def _side(name, requests, elapsed, **extra) -> SideResult:
-    out_tokens = sum(r.output_len for r in requests)
-    all_tokens = out_tokens + sum(len(r.prompt_token_ids) for r in requests)
-    return SideResult(
-        name, elapsed, len(requests) / elapsed, out_tokens / elapsed, all_tokens / elapsed, **extra
-    )
-
-
-def run_pagedjax(llm, requests: list[Request], warmup: bool = True) -> SideResult:
-    from pagedjax import SamplingParams
-
-    prompts = [r.prompt_token_ids for r in requests]
-    params = [
-        SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests
-    ]
-    cold = None
-    if warmup:
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        cold = time.perf_counter() - start
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    for o, r in zip(outs, requests, strict=True):
-        if len(o.outputs[0].token_ids) != r.output_len:
-            raise RuntimeError(
-                f"pagedjax produced {len(o.outputs[0].token_ids)} tokens, not {r.output_len}"
-            )
-    return _side("pagedjax", requests, elapsed, cold_elapsed_s=cold)
-
-
-def _hf_generate(model, batch: list[Request], device) -> None:
-    import torch
-
-    width = max(len(r.prompt_token_ids) for r in batch)
-    ids = torch.zeros((len(batch), width), dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for i, r in enumerate(batch):  # left padding, as decoder-only batched generation needs
-        n = len(r.prompt_token_ids)
-        ids[i, width - n :] = torch.tensor(r.prompt_token_ids)
-        mask[i, width - n :] = 1
-    new = max(r.output_len for r in batch)
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            max_new_tokens=new,
-            min_new_tokens=new,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    if out.shape[1] != width + new:
-        raise RuntimeError(f"transformers generated {out.shape[1] - width} tokens, not {new}")
-
-
-def run_hf(model, requests: list[Request], batch_size: int, device) -> SideResult:
-    start = time.perf_counter()
-    for i in range(0, len(requests), batch_size):
-        _hf_generate(model, requests[i : i + batch_size], device)
-    return _side("transformers", requests, time.perf_counter() - start, batch_size=batch_size)
-
-
-def load_hf_model(source: str, device):
-    """The same weights in transformers: a .gguf file (dequantized) or an HF checkpoint dir."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    path = Path(source)
-    if path.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
-        )
-    else:
-        model = AutoModelForCausalLM.from_pretrained(source, torch_dtype=torch.float32)
-    model.generation_config.eos_token_id = None  # ignore EOS, like the pagedjax side
-    return model.to(device).eval()
+def _rates(side: dict, out_tokens: int, flops: float, roof: float) -> dict:
+    best, cold = side["warm"]["min_s"], side["cold_s"]
+    return {
+        "output_tokens_per_s": out_tokens / best,
+        "output_tokens_per_s_median": out_tokens / side["warm"]["median_s"],
+        "cold_output_tokens_per_s": out_tokens / cold,
+        "useful_flops_per_s": flops / best,
+        "roofline_fraction": flops / best / roof,
+        "cold_roofline_fraction": flops / cold / roof,
+    }
 
 
 def benchmark(args) -> dict:
-    import jax
-    import torch
-
-    from pagedjax import LLM
     from pagedjax.models.loader import default_model_path
 
-    source = args.model or default_model_path()
-    on_gpu = jax.devices()[0].platform == "gpu" and torch.cuda.is_available()
-    device = "cuda" if on_gpu else "cpu"
-    max_model_len = args.max_prompt_len + args.max_output_len
-    llm = LLM(
-        source,
-        dtype="float32",
-        block_size=args.block_size,
-        max_model_len=max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        kv_cache_space_gib=args.kv_cache_space_gib,
-        seed=args.seed,
-    )
-    if args.dataset:
-        requests = load_dataset(
-            args.dataset, llm.tokenizer, args.max_prompt_len, args.max_output_len
-        )
-    else:
-        requests = synthetic_requests(
-            args.num_requests,
-            vocab_size=llm.model_config.vocab_size,
-            max_prompt_len=args.max_prompt_len,
-            max_output_len=args.max_output_len,
-            seed=args.seed,
-        )
-    ours = run_pagedjax(llm, requests, warmup=not args.no_warmup)
-    stats = llm.get_stats()
-    llm.close()
-
-    hf_sweep, theirs = [], None
-    if not args.skip_hf:
-        model = load_hf_model(source, device)
-        _hf_generate(model, requests[:2], device)  # warm-up
-        for bs in args.hf_batch_sizes:
-            sample = [
-                Request(r.prompt_token_ids, min(r.output_len, args.hf_sweep_output_len))
-                for r in requests[:bs]
-            ]
-            hf_sweep.append(run_hf(model, sample, bs, device))
-        best = max(hf_sweep, key=lambda r: r.output_tokens_per_s).batch_size
-        theirs = run_hf(model, requests, best, device)
-    return {
-        "model": source,
-        "device": device,
-        "torch_threads": torch.get_num_threads(),
-        "num_requests": len(requests),
-        "mean_prompt_len": float(np.mean([len(r.prompt_token_ids) for r in requests])),
-        "mean_output_len": float(np.mean([r.output_len for r in requests])),
+    spec = {
+        "model": args.model or default_model_path(),
+        "dataset": args.dataset,
+        "num_requests": args.num_requests,
         "max_prompt_len": args.max_prompt_len,
         "max_output_len": args.max_output_len,
-        "pagedjax": dataclasses.asdict(ours),
-        "pagedjax_compilations": stats.num_compilations,
-        "pagedjax_preemptions": stats.num_preemptions,
-        "transformers": dataclasses.asdict(theirs) if theirs else None,
-        "hf_sweep_output_len": args.hf_sweep_output_len,
-        "transformers_sweep": [dataclasses.asdict(r) for r in hf_sweep],
-        "output_tokens_per_s_ratio": (
-            ours.output_tokens_per_s / theirs.output_tokens_per_s if theirs else None
-        ),
+        "seed": args.seed,
+        "block_size": args.block_size,
+        "max_num_seqs": args.max_num_seqs,
+        "kv_cache_space_gib": args.kv_cache_space_gib,
+        "repeats": args.repeats,
+        "roofline_seconds": args.roofline_seconds,
+        "hf_batch_sizes": args.hf_batch_sizes,
+        "hf_sort": [True, False] if args.hf_unsorted else [True],
+        "device": args.device,
+    }
+    prep = _run_side("prepare", spec)
+    requests = [Request(**r) for r in prep["requests"]]
+    spec["requests"] = prep["requests"]
+    roof = max(prep["matmul_flops_per_s"].values())
+    out_tokens = sum(r.output_len for r in requests)
+    flops = prep["workload_flops"]
+    cache_env = {} if args.keep_compile_cache else {"PAGEDJAX_COMPILATION_CACHE": "0"}
+    ours = _run_side("pagedjax", spec, cache_env)
+    ours.update(_rates(ours, out_tokens, flops, roof))
+    theirs = None
+    if not args.skip_hf:
+        theirs = _run_side("transformers", spec)
+        theirs.update(_rates(theirs, out_tokens, flops, roof))
+    ratio = (lambda k: ours[k] / theirs[k]) if theirs else (lambda k: None)
+    return {
+        "model": spec["model"],
+        "num_requests": len(requests),
+        "mean_prompt_len": sum(len(r.prompt_token_ids) for r in requests) / len(requests),
+        "mean_output_len": out_tokens / len(requests),
+        "max_prompt_len": args.max_prompt_len,
+        "max_output_len": args.max_output_len,
+        "output_tokens": out_tokens,
+        "workload_gflop": flops / 1e9,
+        "matmul_gflops_per_s": {k: v / 1e9 for k, v in prep["matmul_flops_per_s"].items()},
+        "repeats": args.repeats,
+        "pagedjax": ours,
+        "transformers": theirs,
+        "warm_ratio": ratio("output_tokens_per_s"),
+        "cold_ratio": ratio("cold_output_tokens_per_s"),
     }
 
 
@@ -241,32 +123,42 @@ def print_report(res: dict) -> None:
     print(
         f"workload: {res['num_requests']} requests, mean prompt {res['mean_prompt_len']:.1f} "
         f"tokens (clipped to {res['max_prompt_len']}), mean output {res['mean_output_len']:.1f} "
-        f"tokens (clipped to {res['max_output_len']}), greedy, EOS ignored"
+        f"tokens (clipped to {res['max_output_len']}), greedy, EOS ignored; "
+        f"{res['workload_gflop']:.0f} GFLOP of useful work"
     )
-    print(f"model: {res['model']}  device: {res['device']}  torch threads: {res['torch_threads']}")
-    for r in res["transformers_sweep"]:
+    roof = ", ".join(f"{k} {v:.1f}" for k, v in res["matmul_gflops_per_s"].items())
+    print(f"model: {res['model']}\nmatmul roofline at the model's shapes (GFLOP/s): {roof}")
+    theirs = res["transformers"]
+    for r in theirs["sweep"] if theirs else ():
+        order = "length-sorted" if r["sorted"] else "arrival order"
         print(
-            f"  sweep: transformers batch {r['batch_size']:>3} (one batch, outputs <= "
-            f"{res['hf_sweep_output_len']}): {r['output_tokens_per_s']:8.1f} output tok/s"
+            f"  sweep: transformers batch {r['batch_size']:>3} ({order}, whole workload): "
+            f"{r['elapsed_s']:8.2f} s"
         )
-    print(f"{'':28}{'elapsed s':>10}{'requests/s':>12}{'output tok/s':>14}{'total tok/s':>13}")
-    rows = [res["pagedjax"]] + ([res["transformers"]] if res["transformers"] else [])
-    for r in rows:
-        label = r["name"] + (f" (batch {r['batch_size']})" if r["batch_size"] else "")
+    print(
+        f"{'':30}{'warm min s':>11}{'median s':>10}{'out tok/s':>11}{'of roof':>9}"
+        f"{'cold s':>9}{'cold tok/s':>12}"
+    )
+    sides = [("pagedjax", res["pagedjax"])]
+    if theirs:
+        order = "sorted" if theirs["sorted"] else "unsorted"
+        sides.append((f"transformers (batch {theirs['batch_size']}, {order})", theirs))
+    for label, r in sides:
         print(
-            f"{label:28}{r['elapsed_s']:10.2f}{r['requests_per_s']:12.3f}"
-            f"{r['output_tokens_per_s']:14.1f}{r['total_tokens_per_s']:13.1f}"
+            f"{label:30}{r['warm']['min_s']:11.2f}{r['warm']['median_s']:10.2f}"
+            f"{r['output_tokens_per_s']:11.1f}{r['roofline_fraction']:9.2f}"
+            f"{r['cold_s']:9.2f}{r['cold_output_tokens_per_s']:12.1f}"
         )
-    cold = res["pagedjax"]["cold_elapsed_s"]
-    if cold is not None:
+    p = res["pagedjax"]
+    print(
+        f"pagedjax cold run: {p['programs_compiled_cold']} programs compiled "
+        f"(compilation cache {'on' if p['compilation_cache'] != '0' else 'off'}), "
+        f"{p['programs_compiled_warm']} while warm; model load {p['load_s']:.1f} s"
+    )
+    if res["warm_ratio"] is not None:
         print(
-            f"pagedjax first (cold) run, compilation included: {cold:.2f} s "
-            f"({res['pagedjax_compilations']} programs compiled)"
-        )
-    if res["output_tokens_per_s_ratio"] is not None:
-        print(
-            "ratio pagedjax / transformers, output tokens/s: "
-            f"{res['output_tokens_per_s_ratio']:.2f}x"
+            f"ratio pagedjax / transformers, output tok/s: warm {res['warm_ratio']:.2f}x, "
+            f"cold {res['cold_ratio']:.2f}x"
         )
 
 
@@ -289,10 +181,19 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--kv-cache-space-gib", type=float, default=None)
-    parser.add_argument("--hf-batch-sizes", type=_batch_sizes, default=[8, 16, 32])
-    parser.add_argument("--hf-sweep-output-len", type=int, default=16)
+    parser.add_argument("--hf-batch-sizes", type=_batch_sizes, default=[8, 16, 32, 64])
+    parser.add_argument(
+        "--hf-unsorted", action="store_true", help="also try arrival-order batches for the peer"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="warm runs per side (min, median)")
+    parser.add_argument("--roofline-seconds", type=float, default=2.0)
+    parser.add_argument(
+        "--keep-compile-cache",
+        action="store_true",
+        help="let pagedjax's cold run load programs from the persistent compilation cache",
+    )
+    parser.add_argument("--device", default="cpu", choices=["cpu", "gpu"], help="for the peer")
     parser.add_argument("--skip-hf", action="store_true", help="pagedjax only")
-    parser.add_argument("--no-warmup", action="store_true", help="time pagedjax's first run")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -305,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(args) -> int:
     if args.num_requests < 1:
         raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     res = benchmark(args)
     return emit(res, args.json, print_report)
 

@@ -22,7 +22,7 @@ def _run_json(capsys, argv):
     return json.loads(capsys.readouterr().out)
 
 
-def test_throughput_runs_both_sides(tiny, capsys):
+def test_throughput_runs_both_sides_in_their_own_processes(tiny, capsys):
     res = _run_json(
         capsys,
         [
@@ -38,18 +38,72 @@ def test_throughput_runs_both_sides(tiny, capsys):
             "6",
             "--hf-batch-sizes",
             "2,4",
-            "--hf-sweep-output-len",
-            "3",
+            "--hf-unsorted",
+            "--repeats",
+            "2",
+            "--roofline-seconds",
+            "0.2",
             "--json",
         ],
     )
     assert res["num_requests"] == 4 and res["max_output_len"] == 6
-    assert [r["batch_size"] for r in res["transformers_sweep"]] == [2, 4]
-    assert res["transformers"]["batch_size"] in (2, 4)
-    assert res["pagedjax"]["output_tokens_per_s"] > 0
-    assert res["output_tokens_per_s_ratio"] == pytest.approx(
-        res["pagedjax"]["output_tokens_per_s"] / res["transformers"]["output_tokens_per_s"]
+    theirs, ours = res["transformers"], res["pagedjax"]
+    # the peer's batch size is chosen over whole-workload passes, sorted and unsorted
+    assert [(r["batch_size"], r["sorted"]) for r in theirs["sweep"]] == [
+        (2, True),
+        (4, True),
+        (2, False),
+        (4, False),
+    ]
+    best = min(theirs["sweep"], key=lambda r: r["elapsed_s"])
+    assert (theirs["batch_size"], theirs["sorted"]) == (best["batch_size"], best["sorted"])
+    for side in (ours, theirs):
+        assert len(side["warm"]["runs_s"]) == 2
+        assert side["warm"]["min_s"] == min(side["warm"]["runs_s"])
+        assert side["output_tokens_per_s"] == pytest.approx(
+            res["output_tokens"] / side["warm"]["min_s"]
+        )
+        assert (
+            0
+            < side["roofline_fraction"]
+            == pytest.approx(
+                res["workload_gflop"]
+                * 1e9
+                / side["warm"]["min_s"]
+                / max(res["matmul_gflops_per_s"].values())
+                / 1e9
+            )
+        )
+    assert ours["compilation_cache"] == "0"  # the cold run compiles for real
+    assert ours["programs_compiled_cold"] > 0 and ours["programs_compiled_warm"] == 0
+    assert res["warm_ratio"] == pytest.approx(
+        ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
     )
+    assert res["cold_ratio"] == pytest.approx(theirs["cold_s"] / ours["cold_s"])
+
+
+def test_workload_flops_count_tokens_attention_and_head():
+    from types import SimpleNamespace
+
+    from pagedjax.bench.roofline import flops_per_token, workload_flops
+    from pagedjax.bench.throughput_sides import Request
+
+    config = SimpleNamespace(
+        vocab_size=100,
+        hidden_size=8,
+        intermediate_size=16,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+    )
+    layers, head = flops_per_token(config)
+    # per layer: q 8x8, k+v 8x8, o 8x8, gate+up 8x32, down 16x8 -> 2 * (64+64+64+256+128)
+    assert layers == 2 * 2 * (64 + 64 + 64 + 256 + 128) and head == 2 * 8 * 100
+    # prompt 3, output 2: tokens 0..3 go through the layers (4), 2 head rows, and attention
+    # over 1 + 2 + 3 + 4 = 10 keys at 4 * heads * head_dim * layers FLOPs per key
+    got = workload_flops(config, [Request([1, 2, 3], 2)])
+    assert got == 4 * layers + 2 * head + 10 * 4 * 2 * 4 * 2
 
 
 def test_throughput_reads_a_dataset_and_prints_a_table(tiny, tmp_path, capsys):
@@ -65,11 +119,15 @@ def test_throughput_reads_a_dataset_and_prints_a_table(tiny, tmp_path, capsys):
         "--dataset",
         str(data),
         "--skip-hf",
-        "--no-warmup",
+        "--keep-compile-cache",
+        "--repeats",
+        "1",
+        "--roofline-seconds",
+        "0.1",
     ]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "workload: 2 requests" in out and "pagedjax" in out
+    assert "workload: 2 requests" in out and "pagedjax" in out and "roofline" in out
 
 
 def test_latency_reports_percentiles(tiny, capsys):
