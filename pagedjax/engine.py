@@ -16,14 +16,12 @@ import numpy as np
 from pagedjax import inspection
 from pagedjax.config import EngineConfig
 from pagedjax.core.block_manager import BlockManager
-from pagedjax.core.scheduler import Scheduler, SchedulerOutput, SeqChunk
+from pagedjax.core.scheduler import Scheduler, SeqChunk
 from pagedjax.core.sequence import Sequence, SequenceGroup
 from pagedjax.distributed import Channel, DriverOrFollower
 from pagedjax.input_processor import Capacity, InputProcessor, check_capacity, eos_token_ids
-from pagedjax.models.llama import kv_pool_bytes_per_block
 from pagedjax.models.loader import LoadedModel, load_model, load_tokenizer
 from pagedjax.models.sharding import (
-    min_over_processes,
     replicate_kv_heads,
     sharded_config,
     tensor_parallel_mesh,
@@ -32,6 +30,7 @@ from pagedjax.output_processor import OutputProcessor
 from pagedjax.outputs import EngineStats, RequestOutput
 from pagedjax.request import Request
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
+from pagedjax.step_profile import StepProfile
 from pagedjax.worker import kv_cache
 from pagedjax.worker.runner import Runner, ScheduledSeq
 
@@ -63,11 +62,7 @@ class LLMEngine(DriverOrFollower):
             )
         self.tokenizer = load_tokenizer(loaded)
         device_config = sharded_config(mc, tp)  # KV heads replicated when tp > num_kv_heads
-        block_bytes = kv_pool_bytes_per_block(device_config, cache.block_size, config.dtype)
-        num_blocks = cache.num_blocks or min_over_processes(
-            kv_cache.num_device_blocks(cache, block_bytes, tp)
-        )
-        num_host_blocks = kv_cache.num_host_blocks(cache, block_bytes)
+        num_blocks, num_host_blocks = kv_cache.pool_size(cache, device_config, config.dtype, tp)
         self.block_manager = bm = BlockManager(
             num_blocks,
             cache.block_size,
@@ -88,6 +83,7 @@ class LLMEngine(DriverOrFollower):
             max_model_len=sched.max_model_len,
             eos_token_ids=self.eos_token_ids,
         )
+        self.profile = StepProfile()  # padding counts; phase times while profile.enabled
         self.runner = (runner_factory or Runner)(
             config=device_config,
             params=replicate_kv_heads(loaded.params, mc, tp),
@@ -97,6 +93,7 @@ class LLMEngine(DriverOrFollower):
             num_host_blocks=num_host_blocks,
             mesh=mesh,
             channel=Channel() if jax.process_count() > 1 else None,
+            profile=self.profile,
         )
         self._stopped = False  # multi-process: the driver has told the followers to stop
         self.requests: dict[str, Request] = {}
@@ -157,42 +154,32 @@ class LLMEngine(DriverOrFollower):
         A request that fails on its own (sampling rows, detokenisation, stops, beams, output)
         ends alone, with ``finish_reason="abort"`` and ``error`` set; the others go on."""
         self._require_driver("step")
-        out = self.history.record(self, self.scheduler.schedule())
-        for group in out.aborted:
-            req = self.requests.get(group.request_id)
-            if req is not None and req.error is None:
-                req.error = f"the engine aborted the request: {group.abort_reason}"
-                logger.warning("request %r: %s", req.request_id, req.error)
-        self._move_blocks(out)
+        prof = self.profile
+        with prof.phase("schedule"):
+            out = self.history.record(self, self.scheduler.schedule())
+            for group in out.aborted:
+                req = self.requests.get(group.request_id)
+                if req is not None and req.error is None:
+                    req.error = f"the engine aborted the request: {group.abort_reason}"
+                    logger.warning("request %r: %s", req.request_id, req.error)
+            kv_cache.apply_block_moves(self.runner, out, self.scheduler.cost_model)
         chunks, result = self._execute(out.chunks)
-        update = self.scheduler.update_from_output(chunks, result) if chunks else None
-        for request_id, error in update.failed.items() if update else ():
-            self._fail(self.requests[request_id], error)
-        for group, seq in update.new_tokens if update else ():
-            req = self.requests[group.request_id]
-            try:
-                if req.error is None and self.output_processor.stop_string_hit(seq, req.params):
-                    self.scheduler.finish_seq(seq, "stop")
-            except Exception as e:
-                self._fail(req, e)
-        self.block_manager.record_usage()
-        self.scheduler.drop_finished()
+        with prof.phase("update"):
+            update = self.scheduler.update_from_output(chunks, result) if chunks else None
+            for request_id, error in update.failed.items() if update else ():
+                self._fail(self.requests[request_id], error)
+            for group, seq in update.new_tokens if update else ():
+                req = self.requests[group.request_id]
+                try:
+                    if req.error is None and self.output_processor.stop_string_hit(seq, req.params):
+                        self.scheduler.finish_seq(seq, "stop")
+                except Exception as e:
+                    self._fail(req, e)
+            self.block_manager.record_usage()
+            self.scheduler.drop_finished()
         touched = {g.request_id for g in out.aborted} | {c.group.request_id for c in out.chunks}
-        return [o for r in sorted(touched) if (o := self._output(r)) is not None]
-
-    def _move_blocks(self, out: SchedulerOutput) -> None:
-        """Swaps (timed, for the scheduler's swap-or-recompute costs), then copy-on-write."""
-        for pairs, move in (
-            (out.blocks_to_swap_out, self.runner.swap_out),
-            (out.blocks_to_swap_in, self.runner.swap_in),
-        ):
-            if pairs:
-                start = time.perf_counter()
-                move(pairs)
-                self.runner.synchronize()
-                self.scheduler.cost_model.observe_swap(time.perf_counter() - start, len(pairs))
-        if out.blocks_to_copy:
-            self.runner.copy_blocks(out.blocks_to_copy)
+        with prof.phase("output"):
+            return [o for r in sorted(touched) if (o := self._output(r)) is not None]
 
     def _execute(self, chunks: list[SeqChunk]):
         """Run the chunks of requests whose sampling rows build; (chunks run, sampler output)."""
@@ -246,4 +233,5 @@ class LLMEngine(DriverOrFollower):
     inspect, snapshot, restore = inspection.inspect, inspection.snapshot, inspection.restore
 
     def get_stats(self) -> EngineStats:
-        return EngineStats.of(self.block_manager.get_stats(), self.scheduler, self.runner)
+        bm = self.block_manager.get_stats()
+        return EngineStats.of(bm, self.scheduler, self.runner, self.profile)

@@ -60,10 +60,14 @@ class EngineStats:
     num_requests_waiting: int = 0  # queued, or preempted for recompute
     num_requests_running: int = 0
     num_requests_swapped: int = 0
+    # Padded token rows (and attention work) computed per real one, over every step so far.
+    token_padding_ratio: float = 1.0
+    attention_padding_ratio: float = 1.0
 
     @classmethod
-    def of(cls, bm, scheduler, runner) -> EngineStats:
-        """From the block manager's stats, the scheduler's and the runner's counters."""
+    def of(cls, bm, scheduler, runner, profile) -> EngineStats:
+        """From the block manager's stats, the scheduler's and the runner's counters and the
+        step profile's padding counts."""
         return cls(
             num_blocks_total=bm.num_blocks_total,
             num_blocks_used=bm.num_blocks_used,
@@ -83,4 +87,6 @@ class EngineStats:
             num_requests_waiting=len(scheduler.waiting),
             num_requests_running=len(scheduler.running),
             num_requests_swapped=len(scheduler.swapped),
+            token_padding_ratio=profile.token_padding_ratio,
+            attention_padding_ratio=profile.attention_padding_ratio,
         )

@@ -168,6 +168,27 @@ class InputBatcher:
         )
 
 
+def count_padding(profile, seqs: list[ScheduledSeq], step_input: StepInput, block_size: int):
+    """Record a step's real and padded work in ``profile`` (a StepProfile). Attention work is
+    query rows x keys: real, each row's causal context; padded, what the reference attention
+    computes for the bucketed shape (every sequence slot x its query bucket x the table width)."""
+    q_lens = [len(s.token_ids) for s in seqs]
+    real_attn = 0
+    for s, q in zip(seqs, q_lens, strict=True):
+        ctx = s.start_pos + q
+        real_attn += q * ctx - q * (q - 1) // 2
+    num_slots, width = step_input.block_tables.shape
+    max_q = step_input.max_query_len
+    kind = "decode" if max_q == 1 else "prefill" if min(q_lens) > 1 else "mixed"
+    profile.count(
+        kind,
+        sum(q_lens),
+        len(step_input.token_ids),
+        real_attn,
+        num_slots * max_q * width * block_size,
+    )
+
+
 def _packable(tokens, max_seqs: int, queries, max_context: int) -> bool:
     """Whether some batch has a token count in ``tokens`` (lo, hi), at most ``max_seqs``
     sequences, a longest query in ``queries`` (lo, hi) and contexts of at most ``max_context``:

@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 
 from pagedjax import pallas_kernels
 from pagedjax.config import DEFAULT_CPU_KV_SPACE_GIB, CacheConfig
 from pagedjax.models.config import ModelConfig
-from pagedjax.models.llama import init_kv_pool
+from pagedjax.models.llama import init_kv_pool, kv_pool_bytes_per_block
+from pagedjax.models.sharding import min_over_processes
 
 
 def num_device_blocks(cache: CacheConfig, block_bytes: int, tensor_parallel_size: int) -> int:
@@ -28,6 +31,30 @@ def num_device_blocks(cache: CacheConfig, block_bytes: int, tensor_parallel_size
 
 def num_host_blocks(cache: CacheConfig, block_bytes: int) -> int:
     return int(cache.swap_space_gib * 2**30 // block_bytes)
+
+
+def pool_size(cache: CacheConfig, device_config: ModelConfig, dtype: str, tp: int):
+    """(device blocks, host blocks): an explicit num_blocks, else sized from memory and agreed
+    by every process (the smallest)."""
+    block_bytes = kv_pool_bytes_per_block(device_config, cache.block_size, dtype)
+    num_blocks = cache.num_blocks or min_over_processes(num_device_blocks(cache, block_bytes, tp))
+    return num_blocks, num_host_blocks(cache, block_bytes)
+
+
+def apply_block_moves(runner, out, cost_model) -> None:
+    """A SchedulerOutput's block moves, before its step: swaps (timed, for the scheduler's
+    swap-or-recompute costs), then copy-on-write."""
+    for pairs, move in (
+        (out.blocks_to_swap_out, runner.swap_out),
+        (out.blocks_to_swap_in, runner.swap_in),
+    ):
+        if pairs:
+            start = time.perf_counter()
+            move(pairs)
+            runner.synchronize()
+            cost_model.observe_swap(time.perf_counter() - start, len(pairs))
+    if out.blocks_to_copy:
+        runner.copy_blocks(out.blocks_to_copy)
 
 
 class KVCache:

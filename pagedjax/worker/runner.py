@@ -35,9 +35,16 @@ from pagedjax.models.config import ModelConfig
 from pagedjax.models.llama import forward
 from pagedjax.models.sharding import pool_sharding, shard_params
 from pagedjax.models.step_input import StepInput
+from pagedjax.step_profile import StepProfile
 from pagedjax.utils import next_pow2, powers_of_two
 from pagedjax.worker import prompt_logprobs
-from pagedjax.worker.input_batch import InputBatcher, ScheduledSeq, StepShape, padded_ids
+from pagedjax.worker.input_batch import (
+    InputBatcher,
+    ScheduledSeq,
+    StepShape,
+    count_padding,
+    padded_ids,
+)
 from pagedjax.worker.kv_cache import KVCache
 from pagedjax.worker.prompt_logprobs import PromptLogprobsOutput
 from pagedjax.worker.sampler import SamplerOutput, SamplingInput, SamplingRow, sample
@@ -96,6 +103,7 @@ class Runner:
         backend: str = "auto",
         mesh: Mesh | None = None,
         channel: Channel | None = None,
+        profile: StepProfile | None = None,
     ):
         compilation.enable_persistent_cache()
         self.config = config
@@ -131,6 +139,7 @@ class Runner:
         self.num_compilations = 0  # programs compiled because of this runner's device operations
         self.compile_seconds = 0.0  # time spent tracing, lowering and compiling them
         self.channel = channel  # set in a multi-process run
+        self.profile = profile or StepProfile()
 
     def build_step_input(self, seqs: list[ScheduledSeq]) -> StepInput:
         return self.batcher.build(seqs)
@@ -138,16 +147,23 @@ class Runner:
     def execute(self, seqs: list[ScheduledSeq], num_top_logprobs: int = 0) -> SamplerOutput:
         """Run one step. Returns the sampler's output as host arrays, one row per requested sample
         (sequence by sequence, in order); ``num_top_logprobs`` most likely tokens per row."""
-        step_input = self.build_step_input(seqs)
-        rows = [row for s in seqs for row in s.samples]
-        logit_rows = np.zeros(len(step_input.logits_indices), np.int32)
-        logit_rows[: len(rows)] = [i for i, s in enumerate(seqs) for _ in s.samples]
-        sampling = self._sampling_input(rows, len(logit_rows), num_top_logprobs)
-        step_input, targets = prompt_logprobs.extend_logits_rows(step_input, seqs)
-        out, scored = self._call("run_step", step_input, logit_rows, sampling, targets)
-        if scored is not None:
-            prompt_logprobs.deliver(seqs, jax.device_get(scored))
-        out = jax.tree.map(lambda x: np.asarray(x)[: len(rows)], out)
+        prof = self.profile
+        with prof.phase("build"):
+            step_input = self.build_step_input(seqs)
+            rows = [row for s in seqs for row in s.samples]
+            logit_rows = np.zeros(len(step_input.logits_indices), np.int32)
+            logit_rows[: len(rows)] = [i for i, s in enumerate(seqs) for _ in s.samples]
+            sampling = self._sampling_input(rows, len(logit_rows), num_top_logprobs)
+            step_input, targets = prompt_logprobs.extend_logits_rows(step_input, seqs)
+        count_padding(prof, seqs, step_input, self.block_size)
+        with prof.phase("device"):
+            out, scored = self._call("run_step", step_input, logit_rows, sampling, targets)
+            if prof.enabled:
+                jax.block_until_ready((out, scored))
+        with prof.phase("fetch"):
+            if scored is not None:
+                prompt_logprobs.deliver(seqs, jax.device_get(scored))
+            out = jax.tree.map(lambda x: np.asarray(x)[: len(rows)], out)
         k = min(num_top_logprobs, out.top_token_ids.shape[1])
         return out.replace(
             top_token_ids=out.top_token_ids[:, :k], top_logprobs=out.top_logprobs[:, :k]
