@@ -126,6 +126,12 @@ class InputProcessor:
                 raise ValueError(
                     f"stop_token_ids {bad} are outside the vocabulary [0, {cap.vocab_size})"
                 )
+            bad = sorted(t for t in params.logit_bias or () if t >= cap.vocab_size)
+            if bad:
+                raise ValueError(
+                    f"logit_bias: token ids {bad[:8]} are outside the vocabulary "
+                    f"[0, {cap.vocab_size})"
+                )
             width_name = "n"
         else:
             width_name = "beam_width"

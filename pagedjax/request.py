@@ -69,6 +69,7 @@ class Request:
                 repetition_penalty=float(p.repetition_penalty),
                 prompt_token_ids=seq.prompt_token_ids if penalties else (),
                 output_token_ids=seq.output_token_ids if penalties else (),
+                logit_bias=tuple((p.logit_bias or {}).items()),
             )
             for i in (indices if chunk.num_samples else ())
         ]

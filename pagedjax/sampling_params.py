@@ -6,6 +6,8 @@ import dataclasses
 import math
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (the sampler's fixed-width bias input)
+MAX_BIAS_VALUE = 100.0  # |bias| at most this, as OpenAI's API
 MAX_INT32 = 2**31 - 1  # what the on-device sampler's integer fields hold
 MIN_REPETITION_PENALTY = 0.01  # below this, dividing logits by it can overflow to inf
 MAX_REPETITION_PENALTY = 100.0
@@ -38,6 +40,7 @@ class SamplingParams:
     # Score the prompt too: each prompt token's logprob (None for the first) and the top k. Such
     # a request computes its whole prompt (it does not read the shared prefix cache).
     prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     skip_special_tokens: bool = True
 
     def __post_init__(self):
@@ -82,6 +85,17 @@ class SamplingParams:
             not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
         ):
             _bad(self, "prompt_logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                _bad(self, "logit_bias", f"must be a dict of at most {MAX_LOGIT_BIAS} entries")
+            for t, v in self.logit_bias.items():
+                if not _is_int(t) or not 0 <= t <= MAX_INT32:
+                    raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {t!r}")
+                if not _is_number(v) or not -MAX_BIAS_VALUE <= v <= MAX_BIAS_VALUE:
+                    raise ValueError(
+                        f"logit_bias values must be in [-100, 100], got {v!r} for token {t}"
+                    )
+            self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}
 
     @property
     def greedy(self) -> bool:

@@ -215,7 +215,8 @@ class Runner:
         progress: bool = True,
     ) -> WarmupReport:
         """Compile every program a workload within these limits can need: each model-step
-        shape, the sampler for each sequence bucket with and without penalties, and the block
+        shape, the sampler for each sequence bucket with and without penalties and logit bias or
+        allowed-token masks, and the block
         copy / swap programs. Compilation runs on a thread pool (XLA compiles outside the GIL);
         returns the seconds each program took (compiled, or loaded from the persistent cache)."""
         start = time.perf_counter()
@@ -225,9 +226,10 @@ class Runner:
         for shape in shapes:
             jobs.append((f"model {shape}", lambda shape=shape: self._lower_step(shape)))
         for s in sorted({shape.num_seqs for shape in shapes}):
-            for penalties in (False, True):
-                name = f"sampler s{s}" + (" penalties" if penalties else "")
-                jobs.append((name, lambda s=s, p=penalties: self._lower_sample(s, p)))
+            for pen in (False, True):
+                for con in (False, True):  # con: logit bias or a grammar's allowed tokens
+                    name = f"sampler s{s}" + " penalties" * pen + " constrained" * con
+                    jobs.append((name, lambda s=s, p=pen, c=con: self._lower_sample(s, p, c)))
         swap = self.num_host_blocks > 0 if swap is None else swap
         max_moves = next_pow2(min(self.num_blocks, max_num_seqs * self.max_blocks_per_seq), 8)
         lower_move = self.kv_cache.lower_block_op
@@ -284,8 +286,9 @@ class Runner:
             np.zeros((num_seqs, self.config.vocab_size), np.float32), self._inputs
         )
 
-    def _lower_sample(self, num_seqs: int, penalties: bool):
-        rows = [SamplingRow(repetition_penalty=1.5)] if penalties else []
+    def _lower_sample(self, num_seqs: int, penalties: bool, constrained: bool = False):
+        bias = ((0, 1.0),) if constrained else ()
+        rows = [SamplingRow(repetition_penalty=1.5 if penalties else 1.0, logit_bias=bias)]
         sampling = self._sampling_input(rows, num_seqs, 0)
         return _sample.lower(
             self._logits_like(num_seqs),

@@ -1,10 +1,11 @@
 """On-device sampling with vLLM's semantics: penalties, temperature, min-p / top-k / top-p, seeds.
 
-Order: repetition penalty (tokens seen in the prompt or the output), frequency and presence
-penalties (output tokens), temperature, then min-p, top-k and top-p, each filter renormalising what
-the one before it left (top-p's mass is measured over the survivors of min-p and top-k, as in
-vLLM). Greedy rows (temperature 0) take the argmax of the penalised logits. Logprobs, of the sampled
-token and of the top K, are the raw model's (log_softmax of the unprocessed logits).
+Order: logit bias and the allowed-token bitmask (structured output) first, then repetition penalty
+(tokens seen in the prompt or the output), frequency and presence penalties (output tokens),
+temperature, then min-p, top-k and top-p, each filter renormalising what the one before it left
+(top-p's mass is measured over the survivors of min-p and top-k, as in vLLM). Greedy rows
+(temperature 0) take the argmax of the penalised logits. Logprobs, of the sampled token and of the
+top K, are the raw model's (log_softmax of the unprocessed logits).
 
 A request's random key is ``fold_in(fold_in(BASE_KEY, seed), position)``: its tokens depend only on
 its seed, its logits and the position being sampled, never on which requests share the batch.
@@ -17,7 +18,8 @@ computation whatever shares its batch, so the fallback cannot change another row
 
 The runner compiles sampling as its own program, apart from the model step, and every input here
 has a shape set by the batch's row count alone (plus one token-history width when some row uses
-penalties), so sampling options never multiply the model's programs.
+penalties, and one bias width and bitmask width when some row has a logit bias or a grammar),
+so sampling options never multiply the model's programs, and a new request never compiles.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pagedjax.sampling_params import MAX_LOGPROBS
+from pagedjax.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from pagedjax.utils import next_pow2
 
 _BASE_SEED = 0
@@ -56,6 +58,12 @@ class SamplingRow:
     repetition_penalty: float = 1.0  # 1 = off
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    logit_bias: Sequence[tuple[int, float]] = ()  # (token id, added to its logit)
+    token_bitmask: np.ndarray | None = None  # i32[ceil(vocab / 32)], bit t: token t allowed
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
 
 
 def _bucket(n: int) -> int:
@@ -78,6 +86,11 @@ class SamplingInput:
     token_history: jax.Array  # i32[num_seqs, W]
     prompt_lens: jax.Array  # i32[num_seqs]
     num_top_logprobs: jax.Array  # i32[], top logprobs wanted by some row (0 = skip them)
+    # Logit bias and allowed tokens: MAX_LOGIT_BIAS and ceil(vocab / 32) columns when some row
+    # has either (bias ids padded with vocab_size, masks with -1: all allowed), else 0 columns.
+    bias_ids: jax.Array  # i32[num_seqs, B]
+    bias_values: jax.Array  # f32[num_seqs, B]
+    token_bitmask: jax.Array  # i32[num_seqs, W], packed: bit t % 32 of word t // 32 = token t
 
     @classmethod
     def build(
@@ -138,6 +151,20 @@ class SamplingInput:
             history[i, : prompt.size] = prompt
             history[i, prompt.size : prompt.size + output.size] = output
             prompt_lens[i] = prompt.size
+        constrained = any(r.logit_bias or r.token_bitmask is not None for r in rows)
+        bias_width = MAX_LOGIT_BIAS if constrained else 0
+        bias_ids = np.full((size, bias_width), vocab_size, np.int32)
+        bias_values = np.zeros((size, bias_width), np.float32)
+        bitmask = np.full((size, bitmask_width(vocab_size) if constrained else 0), -1, np.int32)
+        for i, r in enumerate(rows):
+            if len(r.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"row {i}: at most {MAX_LOGIT_BIAS} logit biases")
+            if r.logit_bias:
+                ids, values = zip(*r.logit_bias, strict=True)
+                bias_ids[i, : len(ids)] = checked("logit_bias", i, ids)
+                bias_values[i, : len(ids)] = values
+            if r.token_bitmask is not None:
+                bitmask[i] = r.token_bitmask
         return cls(
             temperature=col("temperature", np.float32, 0.0),
             top_k=col("top_k", np.int32, 0),
@@ -151,6 +178,9 @@ class SamplingInput:
             token_history=history,
             prompt_lens=prompt_lens,
             num_top_logprobs=np.asarray(num_top_logprobs, np.int32),
+            bias_ids=bias_ids,
+            bias_values=bias_values,
+            token_bitmask=bitmask,
         )
 
 
@@ -182,6 +212,18 @@ def _apply_penalties(logits: jax.Array, s: SamplingInput) -> jax.Array:
     )
     logits -= s.frequency_penalty[:, None] * counts
     return logits - s.presence_penalty[:, None] * in_output
+
+
+def _constrain(logits: jax.Array, s: SamplingInput) -> jax.Array:
+    """Add the logit biases and set disallowed tokens to -inf (a no-op without columns)."""
+    if s.token_bitmask.shape[1] == 0:  # static: no row has a bias or a grammar
+        return logits
+    num_seqs, vocab = logits.shape
+    rows = jnp.arange(num_seqs)[:, None]
+    logits = logits.at[rows, s.bias_ids].add(s.bias_values, mode="drop")  # padding ids drop
+    token = jnp.arange(vocab)
+    words = s.token_bitmask[:, token // 32]  # [num_seqs, vocab]
+    return jnp.where((words >> (token % 32)) & 1 == 1, logits, -jnp.inf)
 
 
 def _penalise(logits: jax.Array, s: SamplingInput) -> jax.Array:
@@ -273,14 +315,14 @@ def _filter(x: jax.Array, s: SamplingInput, active: jax.Array) -> jax.Array:
 def process_logits(logits: jax.Array, s: SamplingInput) -> jax.Array:
     """f32[num_seqs, vocab]: penalised, temperature-scaled (greedy rows unscaled) and filtered
     logits (-inf outside min-p / top-k / top-p): what a sampled row draws from."""
-    x = _scale(_penalise(logits.astype(jnp.float32), s), s)
+    x = _scale(_penalise(_constrain(logits.astype(jnp.float32), s), s), s)
     return _filter(x, s, jnp.ones(x.shape[0], jnp.bool_))
 
 
 def sample(logits: jax.Array, s: SamplingInput) -> SamplerOutput:
     """logits f32[num_seqs, vocab] -> one token per row, with raw logprobs (pure, jittable)."""
     logits = logits.astype(jnp.float32)
-    penalised = _penalise(logits, s)
+    penalised = _penalise(_constrain(logits, s), s)
     greedy = jnp.argmax(penalised, axis=-1)
     random = s.temperature > 0
 
@@ -315,6 +357,7 @@ def sample(logits: jax.Array, s: SamplingInput) -> SamplerOutput:
 
 __all__ = [
     "TOP_LOGPROBS_WIDTH",
+    "bitmask_width",
     "SamplerOutput",
     "SamplingInput",
     "SamplingRow",

@@ -105,13 +105,23 @@ class TextOffsets:
         return offsets
 
 
+def _by_text(strings: TokenStrings, pairs) -> dict[str, float]:
+    """OpenAI's legacy top_logprobs, keyed by token text: tokens that decode alike (bytes of a
+    split character all read U+FFFD) share one key, which keeps the highest logprob."""
+    out: dict[str, float] = {}
+    for t, v in pairs:
+        key = strings.text(t)
+        out[key] = max(v, out.get(key, v))
+    return out
+
+
 def completion_logprobs(strings: TokenStrings, token_ids, logprobs, k: int, offsets) -> dict:
     tokens, token_lps, tops = [], [], []
     for tid, lp in zip(token_ids, logprobs, strict=False):
         tokens.append(strings.text(tid))
         token_lps.append(lp.get(tid))
         top = sorted(lp.items(), key=lambda kv: -kv[1])[:k]
-        tops.append({strings.text(t): v for t, v in top} if k else None)
+        tops.append(_by_text(strings, top) if k else None)
     return {
         "tokens": tokens,
         "token_logprobs": token_lps,
@@ -136,3 +146,40 @@ def chat_logprobs(strings: TokenStrings, token_ids, logprobs, k: int) -> dict:
             }
         )
     return {"content": content}
+
+
+def prompt_completion_logprobs(strings: TokenStrings, prompt_ids, prompt_logprobs, k: int) -> dict:
+    """The echoed prompt's part of a completion's logprobs (OpenAI's legacy shape, as vLLM):
+    the first token has no logprob; each other token's top_logprobs holds it and the k most
+    likely. ``prompt_logprobs`` is RequestOutput.prompt_logprobs."""
+    tokens, token_lps, tops = [], [], []
+    for tid, entry in zip(prompt_ids, prompt_logprobs, strict=True):
+        tokens.append(strings.text(tid))
+        if entry is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(max(entry[tid].logprob, -9999.0))
+        top = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
+        ranked = [(t, lp) for t, lp in top if t != tid and (lp.rank or 0) <= k]
+        pairs = [(t, max(lp.logprob, -9999.0)) for t, lp in [(tid, entry[tid]), *ranked]]
+        tops.append(_by_text(strings, pairs))
+    offsets = TextOffsets(strings.tokenizer, []).feed(list(prompt_ids))
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def join_logprobs(first: dict, second: dict | None, shift: int) -> dict:
+    """``first`` then ``second`` (whose text offsets move by ``shift`` characters)."""
+    if second is None:
+        return first
+    return {
+        "tokens": first["tokens"] + second["tokens"],
+        "token_logprobs": first["token_logprobs"] + second["token_logprobs"],
+        "top_logprobs": first["top_logprobs"] + second["top_logprobs"],
+        "text_offset": first["text_offset"] + [o + shift for o in second["text_offset"]],
+    }

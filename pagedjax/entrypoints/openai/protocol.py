@@ -157,16 +157,15 @@ class _Common(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[Int] | None = None
     user: str | None = None
-    # OpenAI fields accepted only at the value that asks for nothing (see _refuse_unsupported).
-    best_of: Int | None = None
-    logit_bias: dict[str, Float] | None = None
+    best_of: Int | None = None  # generate best_of, return the n of highest cumulative logprob
+    logit_bias: dict[str, Float] | None = None  # token id (as a string) -> bias in [-100, 100]
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[Int] | list[list[Int]]
-    max_tokens: Int | None = 16
+    max_tokens: Int | None = 16  # 0 only with echo (the prompt alone, e.g. to score it)
     logprobs: Int | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt comes back before the completion (with logprobs: its too)
     suffix: str | None = None
 
 
@@ -193,8 +192,6 @@ class ChatRequest(_Common):
 
 # field -> the values that ask for nothing this server lacks
 _NEUTRAL: dict[str, tuple] = {
-    "logit_bias": ({},),
-    "echo": (False,),
     "suffix": ("",),
     "tools": ([],),
     "tool_choice": ("none",),
@@ -225,8 +222,10 @@ def _refuse_unsupported(req: _Common) -> None:
         value = getattr(req, name, None)
         if value is not None and not any(value == v for v in neutral):
             raise bad_request(f"{name} is not supported by this server", name)
-    if req.best_of is not None and req.best_of not in (1, req.n):
-        raise bad_request("best_of other than n is not supported by this server", "best_of")
+    if req.best_of is not None and req.best_of < req.n:
+        raise bad_request(f"best_of must be at least n={req.n}, got {req.best_of}", "best_of")
+    if req.stream and (req.best_of or req.n) > req.n:
+        raise bad_request("best_of greater than n cannot be streamed", "best_of")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options needs stream: true", "stream_options")
     if isinstance(req, ChatRequest) and req.parallel_tool_calls and req.tools:
@@ -270,14 +269,34 @@ def _text_part(part: Any, loc: str) -> str:
 # ---- to SamplingParams ----------------------------------------------------------------------
 
 
+def logit_bias(req: _Common, vocab_size: int) -> dict[int, float] | None:
+    """The request's logit_bias with integer keys, each a token id of the vocabulary."""
+    if not req.logit_bias:
+        return None
+    out = {}
+    for key, value in req.logit_bias.items():
+        if not key.strip().lstrip("-").isdigit():
+            raise bad_request(f"logit_bias: keys are token ids, got {key!r}", "logit_bias")
+        token = int(key)
+        if not 0 <= token < vocab_size:
+            raise bad_request(
+                f"logit_bias: token id {token} is outside the vocabulary [0, {vocab_size})",
+                "logit_bias",
+            )
+        out[token] = value
+    return out
+
+
 def sampling_params(
     req: _Common,
     max_tokens: int,
     max_tokens_field: str,
     logprobs: int | None,
     limits: ServerLimits,
+    **extra,
 ) -> SamplingParams:
-    """SamplingParams for ``req``; its ValueErrors become 400s naming the field."""
+    """SamplingParams for ``req`` (``extra``: more SamplingParams fields); its ValueErrors become
+    400s naming the field."""
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > limits.max_stop_strings:
         raise bad_request(
@@ -302,7 +321,7 @@ def sampling_params(
             f"{max_tokens_field} must be at least 1, got {max_tokens}", max_tokens_field
         )
     kwargs = dict(
-        n=req.n,
+        n=req.best_of or req.n,
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -316,6 +335,7 @@ def sampling_params(
         stop_token_ids=list(stop_ids),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        **extra,
     )
     try:
         return SamplingParams(**kwargs)
@@ -325,6 +345,10 @@ def sampling_params(
         field = first if first in kwargs else None
         if field == "max_tokens":
             field = max_tokens_field
+        elif field == "n" and req.best_of:
+            field = "best_of"
+        elif field == "prompt_logprobs":
+            field = "logprobs"
         elif field == "logprobs" and isinstance(req, ChatRequest):
             field = "top_logprobs"
         raise bad_request(message, field) from None

@@ -31,11 +31,12 @@ from pagedjax.entrypoints.openai.protocol import (
     bad_request,
     chat_messages,
     error_response,
+    logit_bias,
     parse_json,
     parse_request,
     sampling_params,
 )
-from pagedjax.entrypoints.openai.serving_engine import OpenAIServing
+from pagedjax.entrypoints.openai.serving_engine import Echo, OpenAIServing
 
 logger = logging.getLogger("pagedjax.api_server")
 
@@ -244,9 +245,20 @@ def build_app(
         max_tokens = req.max_tokens
         if max_tokens is None:
             max_tokens = max(max_model_len - max(len(x) for x in prompts), 1)
-        params = sampling_params(req, max_tokens, "max_tokens", req.logprobs, limits)
+        echo_only = req.echo and max_tokens == 0  # the engine makes one token, never shown
+        extra = {"logit_bias": logit_bias(req, serving.vocab)}
+        if req.echo and req.logprobs is not None:
+            extra["prompt_logprobs"] = req.logprobs
+        params = sampling_params(
+            req, 1 if echo_only else max_tokens, "max_tokens", req.logprobs, limits, **extra
+        )
         serving.admit(prompts, params, "prompt")
-        return await serving.run(request, req, prompts, params, chat=False, k_logprobs=req.logprobs)
+        echo = None
+        if req.echo:
+            echo = Echo(texts or [serving.detokenize(ids) for ids in prompts], echo_only)
+        return await serving.run(
+            request, req, prompts, params, chat=False, k_logprobs=req.logprobs, echo=echo
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -273,7 +285,9 @@ def build_app(
             k = req.top_logprobs or 0
         elif req.top_logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        params = sampling_params(req, max_tokens, field, k, limits)
+        params = sampling_params(
+            req, max_tokens, field, k, limits, logit_bias=logit_bias(req, serving.vocab)
+        )
         serving.admit([ids], params, "messages")
         return await serving.run(request, req, [ids], params, chat=True, k_logprobs=k)
 

@@ -8,6 +8,7 @@ are out, with an error event and ``[DONE]``; it never takes another request with
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -23,6 +24,8 @@ from pagedjax.entrypoints.openai.logprobs import (
     TokenStrings,
     chat_logprobs,
     completion_logprobs,
+    join_logprobs,
+    prompt_completion_logprobs,
 )
 from pagedjax.entrypoints.openai.protocol import APIError, bad_request
 from pagedjax.outputs import RequestOutput
@@ -31,6 +34,14 @@ from pagedjax.sampling_params import SamplingParams
 logger = logging.getLogger("pagedjax.api_server")
 
 _POLL_S = 0.25  # how often a waiting handler checks that its client is still there
+
+
+@dataclasses.dataclass
+class Echo:
+    """Completions' echo: each prompt's text comes back before its completion."""
+
+    texts: list[str]  # one per prompt
+    only: bool  # max_tokens=0: the prompt alone (the engine's one token is not shown)
 
 
 class _Job:
@@ -72,6 +83,10 @@ class OpenAIServing:
         except Exception as e:  # the tokenizer refuses some text; that is the client's input
             raise bad_request(f"the tokenizer failed on this text: {e}", param) from None
 
+    def detokenize(self, ids: list[int]) -> str:
+        tok = self.tokenizer
+        return "" if tok is None else tok.decode(ids, skip_special_tokens=True)
+
     def check_token_ids(self, ids: list[int]) -> None:
         for t in ids:
             if not 0 <= t < self.vocab:
@@ -86,6 +101,9 @@ class OpenAIServing:
                 self.engine.check_request(ids, params)
             except ValueError as e:
                 code = "context_length_exceeded" if len(ids) >= self.max_model_len else None
+                field = str(e).split(":", 1)[0]
+                if field in ("logit_bias", "stop_token_ids"):
+                    param = field
                 raise bad_request(str(e), param, code) from None
 
     def check_engine_thread(self) -> None:
@@ -158,14 +176,32 @@ class OpenAIServing:
 
     # -- the shared generation driver: final choices or streamed deltas --
 
-    async def run(self, request, req, prompts, params, chat: bool, k_logprobs: int | None):
+    def _completion_logprobs(self, echo, i, prompt_ids, out, c, k, shown_text):
+        """A completion choice's logprobs: the echoed prompt's, then its generated tokens'."""
+        gen = None
+        if c is not None and c.logprobs is not None:
+            offsets = TextOffsets(self.tokenizer, prompt_ids).feed(c.token_ids)
+            gen = completion_logprobs(
+                self.strings, c.token_ids, c.logprobs, k, self.clamp(offsets, shown_text)
+            )
+        if echo is None:
+            return gen
+        if out.prompt_logprobs is None:  # no logprobs asked: the prompt's text alone
+            return gen
+        head = prompt_completion_logprobs(self.strings, prompt_ids, out.prompt_logprobs, k)
+        head["text_offset"] = self.clamp(head["text_offset"], echo.texts[i])
+        return join_logprobs(head, gen, len(echo.texts[i]))
+
+    async def run(
+        self, request, req, prompts, params, chat: bool, k_logprobs: int | None, echo=None
+    ):
         job = await self.start(prompts, params)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         now = int(time.time())
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             gen = self.stream(
-                request, job, rid, now, prompts, params, chat, k_logprobs, include_usage
+                request, job, rid, now, prompts, params, chat, k_logprobs, include_usage, echo
             )
             return StreamingResponse(gen, media_type="text/event-stream")
         finals: dict[str, RequestOutput] = {}
@@ -178,32 +214,32 @@ class OpenAIServing:
                     finals[out.request_id] = out
         finally:
             self.abort_unfinished(job)
-        choices, generated, n = [], 0, params.n
+        choices, generated, n = [], 0, req.n
         for i, r in enumerate(job.request_ids):
-            for c in finals[r].outputs:
-                generated += len(c.token_ids)
-                lp = None
-                if k_logprobs is not None and c.logprobs is not None:
-                    if chat:
-                        lp = chat_logprobs(self.strings, c.token_ids, c.logprobs, k_logprobs)
-                    else:
-                        offsets = TextOffsets(self.tokenizer, prompts[i]).feed(c.token_ids)
-                        lp = completion_logprobs(
-                            self.strings,
-                            c.token_ids,
-                            c.logprobs,
-                            k_logprobs,
-                            self.clamp(offsets, c.text),
-                        )
-                choice = {
-                    "index": i * n + c.index,
-                    "logprobs": lp,
-                    "finish_reason": c.finish_reason,
-                }
+            outs = finals[r].outputs
+            if echo is None or not echo.only:
+                generated += sum(len(c.token_ids) for c in outs)
+            if len(outs) > n:  # best_of: the n of highest cumulative logprob, best first
+                outs = sorted(outs, key=lambda c: -(c.cumulative_logprob or 0.0))[:n]
+            for rank, c in enumerate(outs):
+                index = i * n + (rank if params.n > n else c.index)
+                lp, finish = None, c.finish_reason
                 if chat:
+                    if k_logprobs is not None and c.logprobs is not None:
+                        lp = chat_logprobs(self.strings, c.token_ids, c.logprobs, k_logprobs)
+                    choice = {"index": index, "logprobs": lp, "finish_reason": finish}
                     choice["message"] = {"role": "assistant", "content": c.text}
                 else:
-                    choice["text"] = c.text
+                    shown = None if echo is not None and echo.only else c
+                    if shown is None:
+                        finish = "length"
+                    text = (echo.texts[i] if echo else "") + (shown.text if shown else "")
+                    if k_logprobs is not None:
+                        lp = self._completion_logprobs(
+                            echo, i, prompts[i], finals[r], shown, k_logprobs, c.text
+                        )
+                    choice = {"index": index, "logprobs": lp, "finish_reason": finish}
+                    choice["text"] = text
                 choices.append(choice)
         choices.sort(key=lambda ch: ch["index"])
         body = {
@@ -217,9 +253,10 @@ class OpenAIServing:
         return JSONResponse(body)
 
     async def stream(
-        self, request, job, rid, now, prompts, params, chat, k_logprobs, include_usage
+        self, request, job, rid, now, prompts, params, chat, k_logprobs, include_usage, echo=None
     ):
         kind = "chat.completion.chunk" if chat else "text_completion"
+        echoed: set[int] = set()  # choices whose echoed prompt is sent
         index_of = {r: i for i, r in enumerate(job.request_ids)}
         n = params.n
         hold = max((len(s) for s in params.stop), default=1) - 1  # a stop string may be forming
@@ -264,6 +301,23 @@ class OpenAIServing:
                     if index in done:
                         continue
                     finish = c.finish_reason
+                    head, head_lp = "", None
+                    if echo is not None and index not in echoed:
+                        if k_logprobs is not None and out.prompt_logprobs is None and not finish:
+                            continue  # the prompt's logprobs come once it is all scored
+                        echoed.add(index)
+                        head = echo.texts[p]
+                        if k_logprobs is not None and out.prompt_logprobs is not None:
+                            head_lp = prompt_completion_logprobs(
+                                self.strings, prompts[p], out.prompt_logprobs, k_logprobs
+                            )
+                            head_lp["text_offset"] = self.clamp(head_lp["text_offset"], head)
+                    if echo is not None and echo.only:  # the prompt alone
+                        if finish:
+                            done.add(index)
+                        if head or head_lp or finish:
+                            yield chunk(index, head, "length" if finish else None, head_lp)
+                        continue
                     start_t, start_k = sent_text.get(index, 0), sent_tokens.get(index, 0)
                     end_t = len(c.text) if finish else max(len(c.text) - hold, start_t)
                     new_ids = c.token_ids[start_k:]
@@ -281,6 +335,12 @@ class OpenAIServing:
                                 self.strings, new_ids, new_lps, k_logprobs, offs
                             )
                     text = c.text[start_t:end_t]
+                    if echo is not None:
+                        if lp is not None:
+                            shift = len(echo.texts[p])
+                            lp["text_offset"] = [o + shift for o in lp["text_offset"]]
+                        lp = join_logprobs(head_lp, lp, 0) if head_lp is not None else lp
+                        text = head + text
                     sent_text[index], sent_tokens[index] = end_t, len(c.token_ids)
                     job.generated += len(new_ids)
                     if finish:
