@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -454,12 +455,37 @@ def load_tokenizer(loaded: LoadedModel):
     from transformers import AutoTokenizer
 
     if loaded.gguf_file:
-        path = str(Path(loaded.tokenizer_dir) / loaded.gguf_file)
+        path = Path(loaded.tokenizer_dir) / loaded.gguf_file
         try:
-            return gguf_tokenizer(path)
+            return _cached_gguf_tokenizer(path)
         except ImportError:  # a transformers without the GGUF tokenizer mapping used below
             return AutoTokenizer.from_pretrained(loaded.tokenizer_dir, gguf_file=loaded.gguf_file)
     return AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+
+
+def _cached_gguf_tokenizer(path: Path):
+    """``gguf_tokenizer(path)``, converted once and kept as a saved fast tokenizer under
+    ``$PAGEDJAX_CACHE_DIR/tokenizers`` (keyed like the parameter cache): the conversion of a
+    large vocabulary takes seconds, loading the saved one a fraction of that."""
+    from transformers import AutoTokenizer
+
+    root = Path(os.environ.get("PAGEDJAX_CACHE_DIR") or Path.home() / ".cache" / "pagedjax")
+    saved = root / "tokenizers" / _cache_key([path], "tokenizer")
+    if (saved / "tokenizer.json").exists():
+        try:
+            return AutoTokenizer.from_pretrained(str(saved))
+        except Exception:  # a damaged entry: convert again below
+            pass
+    tokenizer = gguf_tokenizer(str(path))
+    try:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=saved.parent) as tmp:
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, saved)  # whole or not at all, if several processes race
+            Path(tmp).mkdir()  # for TemporaryDirectory's cleanup
+    except OSError:  # a read-only or full cache: the tokenizer works all the same
+        pass
+    return tokenizer
 
 
 def gguf_tokenizer(path: str):

@@ -48,3 +48,24 @@ def test_needs_no_torch(gguf_path):
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_converted_once_then_loaded_from_the_cache(gguf_path, tmp_path, monkeypatch):
+    from pagedjax.models import loader
+
+    monkeypatch.setenv("PAGEDJAX_CACHE_DIR", str(tmp_path))
+    conversions = []
+    real = loader.gguf_tokenizer
+    monkeypatch.setattr(loader, "gguf_tokenizer", lambda p: conversions.append(p) or real(p))
+    first = loader._cached_gguf_tokenizer(Path(gguf_path))
+    again = loader._cached_gguf_tokenizer(Path(gguf_path))
+    assert len(conversions) == 1  # the second came from the saved copy
+    assert list((tmp_path / "tokenizers").iterdir())
+    for text in TEXTS:
+        assert again(text)["input_ids"] == first(text)["input_ids"], text
+    messages = [{"role": "user", "content": "Hi"}]
+    kwargs = dict(add_generation_prompt=True, tokenize=False)
+    assert again.apply_chat_template(messages, **kwargs) == first.apply_chat_template(
+        messages, **kwargs
+    )
+    assert (again.bos_token_id, again.eos_token_id) == (first.bos_token_id, first.eos_token_id)
