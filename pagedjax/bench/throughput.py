@@ -86,6 +86,7 @@ def benchmark(args) -> dict:
         "hf_batch_sizes": args.hf_batch_sizes,
         "hf_sort": [True, False] if args.hf_unsorted else [True],
         "device": args.device,
+        "profile": args.profile,
     }
     prep = _run_side("prepare", spec)
     requests = [Request(**r) for r in prep["requests"]]
@@ -155,10 +156,26 @@ def print_report(res: dict) -> None:
         f"(compilation cache {'on' if p['compilation_cache'] != '0' else 'off'}), "
         f"{p['programs_compiled_warm']} while warm; model load {p['load_s']:.1f} s"
     )
+    if p.get("profile"):
+        print_profile(p["profile"])
     if res["warm_ratio"] is not None:
         print(
             f"ratio pagedjax / transformers, output tok/s: warm {res['warm_ratio']:.2f}x, "
             f"cold {res['cold_ratio']:.2f}x"
+        )
+
+
+def print_profile(prof: dict) -> None:
+    print(f"profiled run (phases timed, so no host/device overlap): {prof['elapsed_s']:.2f} s")
+    shares = prof["phases_share"]
+    print("  " + "  ".join(f"{k} {v:.0%} ({prof['phases_s'][k]:.2f} s)" for k, v in shares.items()))
+    head = ("steps", 7), ("real tok", 10), ("padded tok", 12), ("tok pad", 9), ("attn pad", 10)
+    print(f"  {'step kind':10}" + "".join(f"{name:>{w}}" for name, w in head))
+    for kind, k in prof["kinds"].items():
+        print(
+            f"  {kind:10}{k['steps']:7d}{k['real_tokens']:10d}{k['padded_tokens']:12d}"
+            f"{k['padded_tokens'] / max(k['real_tokens'], 1):9.2f}"
+            f"{k['padded_attention'] / max(k['real_attention'], 1):10.2f}"
         )
 
 
@@ -194,6 +211,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     parser.add_argument("--device", default="cpu", choices=["cpu", "gpu"], help="for the peer")
     parser.add_argument("--skip-hf", action="store_true", help="pagedjax only")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more pagedjax run with its wall time split by phase and padding per step kind",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 

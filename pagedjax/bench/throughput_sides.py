@@ -160,6 +160,14 @@ def run_pagedjax(spec: dict, requests: list[Request]) -> dict:
     compiled = llm.get_stats().num_compilations
     warm = [once() for _ in range(spec["repeats"])]
     stats = llm.get_stats()
+    profile = None
+    if spec.get("profile"):  # one more run with the phases timed (slower: no overlap)
+        prof = llm.engine.profile
+        prof.reset()
+        prof.enabled = True
+        profiled_s = once()
+        prof.enabled = False
+        profile = {"elapsed_s": profiled_s, **prof.report()}
     llm.close()
     return {
         "load_s": load_s,
@@ -170,6 +178,9 @@ def run_pagedjax(spec: dict, requests: list[Request]) -> dict:
         "compile_seconds": stats.compile_seconds,
         "preemptions": stats.num_preemptions,
         "compilation_cache": os.environ.get("PAGEDJAX_COMPILATION_CACHE", "1"),
+        "token_padding_ratio": stats.token_padding_ratio,
+        "attention_padding_ratio": stats.attention_padding_ratio,
+        "profile": profile,
     }
 
 
