@@ -130,14 +130,16 @@ def _numbers(text: str, flag: str, kind) -> list:
     return values
 
 
-def bench_server(name: str, target: Target, requests, tokenizer, args, slo, knob, values) -> dict:
+def bench_server(
+    name: str, target: Target, requests, tokenizer, args, slo, knob, values, eos_free=False
+) -> dict:
     """Probe, warm up, then the timed runs (one per sweep value) against one server."""
     from tqdm import tqdm
 
     found, warm = asyncio.run(
         probe_and_warm(target, requests, args.num_warmups, args.request_timeout)
     )
-    _note_probe(name, found)
+    _note_probe(name, found, eos_free)
     rows = []
     for value in values:
         rate = value if knob == "request_rate" else args.request_rate
@@ -179,10 +181,16 @@ def _count_output_tokens(results, tokenizer) -> None:
             r.output_tokens = count_tokens(tokenizer, r.text)
 
 
-def _note_probe(name: str, found) -> None:
+def _note_probe(name: str, found, eos_free: bool) -> None:
     if found.note:
         print(f"{name}: {found.note}", file=sys.stderr)
-    if "ignore_eos" in found.refused:
+    if "ignore_eos" in found.refused and eos_free:
+        print(
+            f"{name} refuses ignore_eos; it serves the EOS-free copy, so its lengths are exact "
+            "all the same (the 'exact' figures say so)",
+            file=sys.stderr,
+        )
+    elif "ignore_eos" in found.refused:
         print(
             f"{name} refuses ignore_eos ({found.refused['ignore_eos']}): its outputs may stop at "
             "EOS before max_tokens, so output lengths are not exact. For exact lengths, serve a "
@@ -261,7 +269,17 @@ def run_compare(args, slo, knob, values) -> dict:
                 args.temperature,
                 _extra_body(args),
             )
-            res = bench_server(spec.name, target, requests, tokenizer, args, slo, knob, values)
+            res = bench_server(
+                spec.name,
+                target,
+                requests,
+                tokenizer,
+                args,
+                slo,
+                knob,
+                values,
+                eos_free=bool(args.disable_eos_copy),
+            )
             servers.append({**base, **res, "ready_s": ready_s, "load_avg_before": load})
     return {"model": model, "log_dir": str(log_dir), "servers": servers}
 
@@ -300,7 +318,8 @@ def report(result: dict, knob: str | None, args) -> None:
             continue
         w = s["warmup"]
         sent = ", ".join(s["fields_sent"]) or "none"
-        print(f"{s['server']} ({s['base_url']}, model {s['model']}): extra fields sent: {sent}")
+        ready = f", ready in {s['ready_s']:.1f} s" if "ready_s" in s else ""
+        print(f"{s['server']} ({s['base_url']}, model {s['model']}{ready}): extra fields: {sent}")
         if w["num"]:
             ttft = ", ".join(metrics._fmt(t, 1) for t in w["ttft_ms"])
             e2el = ", ".join(metrics._fmt(t, 1) for t in w["e2el_ms"])
@@ -408,6 +427,7 @@ def run(args) -> int:
         return 0
     else:
         result = run_single(args, slo, knob, values)
+    result["args"] = {k: v for k, v in vars(args).items() if k != "func"}
     report(result, knob, args)
     return 1 if any("start_error" in s for s in result["servers"]) else 0
 

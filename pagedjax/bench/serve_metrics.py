@@ -204,12 +204,12 @@ def _get(row: dict, key):
 def print_sweep(rows: list[dict], knob: str) -> None:
     """One line per (server, rate or concurrency); latencies in ms."""
     cols = [(h, k) for h, k in SWEEP_COLS if k != "goodput" or any("goodput" in r for r in rows)]
-    head = f"{'server':<14}{knob:>12}{'ok':>6}{'fail':>6}" + "".join(f"{h:>11}" for h, _ in cols)
-    print(head + "   (latencies in ms)")
+    head = f"{'server':<14}{knob:>16}{'ok':>6}{'fail':>6}{'exact':>7}"
+    print(head + "".join(f"{h:>11}" for h, _ in cols) + "   (latencies in ms)")
     for r in rows:
         print(
-            f"{r['server']:<14}{_fmt(r[knob], 1):>12}{r['completed']:>6}{r['failed']:>6}"
-            + "".join(f"{_fmt(_get(r, k)):>11}" for _, k in cols)
+            f"{r['server']:<14}{_fmt(r[knob], 1):>16}{r['completed']:>6}{r['failed']:>6}"
+            f"{r['exact_lengths']:>7}" + "".join(f"{_fmt(_get(r, k)):>11}" for _, k in cols)
         )
     for r in rows:
         print_errors(r, f"{r['server']} {knob}={r[knob]}")

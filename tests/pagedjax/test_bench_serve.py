@@ -315,6 +315,21 @@ def test_compare_prints_side_by_side_and_survives_a_peer_that_dies(
     assert "dead: did not start" in captured.out
 
 
+@pytest.mark.slow  # starts `pagedjax serve` as a process (load, warm-up compilation)
+def test_compare_starts_pagedjax_serve_and_a_peer(stub_script, tiny_dir, tmp_path, capsys):
+    res = bench_json(
+        capsys,
+        *("--model", tiny_dir, "--max-model-len", "128", "--log-dir", str(tmp_path)),
+        *("--server-args", "pagedjax=--max-num-seqs 4 --num-blocks 64"),
+        *("--peer", "stub=" + stub_command(stub_script, "--usage")),
+        *("--dataset-name", "random", "--random-input-len", "8", "--random-output-len", "5"),
+        *("--num-prompts", "4", "--max-concurrency", "2"),
+    )
+    assert [s["server"] for s in res["servers"]] == ["pagedjax", "stub"]
+    assert "--max-num-seqs 4" in res["servers"][0]["command"]
+    assert all(r["completed"] == 4 and r["exact_lengths"] == 4 for r in res["rows"])
+
+
 def test_server_specs_and_their_flags(tiny_dir):
     s = serve_peers.ServerSettings(tiny_dir, max_model_len=512, seed=3)
     spec = serve_peers.known_spec("pagedjax", s, ["--max-num-seqs", "8"])
