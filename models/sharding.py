@@ -1,13 +1,15 @@
 """Tensor parallelism by attention heads (Megatron-style) on a one-axis ``"tp"`` mesh.
 
 q/k/v projections are split by heads (columns), the output projection by rows; MLP gate/up by
-columns and down by rows; the embedding and the LM head by vocabulary (vLLM's VocabParallelEmbedding
-and ParallelLMHead: a lookup becomes a masked lookup plus one all-reduce, and the sampler gathers
-its rows of logits); norms are replicated. A dimension that the degree does not divide stays
-replicated. The KV pool is split on its kv-head axis, so each device holds its heads' slice of
-every block. When the degree exceeds num_kv_heads, KV heads are replicated (as vLLM does) so each
-device has one. Per-layer parameters are stacked (``layers/...``, leading layer axis): their specs
-gain an unsplit leading dimension.
+columns and down by rows (a MoE's experts alike: each expert's intermediate dimension is split;
+the router is replicated); the embedding and the LM head by vocabulary (vLLM's
+VocabParallelEmbedding and ParallelLMHead: a lookup becomes a masked lookup plus one all-reduce,
+and the sampler gathers its rows of logits); norms are replicated. A dimension that the degree
+does not divide stays replicated. The KV pool is split on its kv-head axis, so each device holds
+its heads' slice of every block. When the degree exceeds num_kv_heads, KV heads are replicated
+(as vLLM does) so each device has one. Per-layer parameters are stacked (``layers/...``, and a
+MoE family's ``moe/...`` and ``dense_mlp/...``, leading layer axis): their specs gain an unsplit
+leading dimension.
 """
 
 from __future__ import annotations
@@ -27,23 +29,30 @@ AXIS = "tp"
 # [num_kv_heads, num_layers * num_blocks, block_size, head_dim]
 POOL_SPEC = P(AXIS, None, None, None)
 
-# Parameter path suffix -> partition spec of one layer's array (Dense kernels are [in, out]).
+# Parameter path suffix -> partition spec of one layer's array (Dense kernels are [in, out];
+# experts [experts, in, out]).
 _RULES = {
-    ("embed_tokens", "embedding"): P(AXIS, None),  # [vocab, hidden]; tied: also the LM head
-    ("lm_head", "kernel"): P(None, AXIS),  # [hidden, vocab]
-    ("self_attn", "q_proj", "kernel"): P(None, AXIS),
-    ("self_attn", "k_proj", "kernel"): P(None, AXIS),
-    ("self_attn", "v_proj", "kernel"): P(None, AXIS),
-    ("self_attn", "q_proj", "bias"): P(AXIS),
-    ("self_attn", "k_proj", "bias"): P(AXIS),
-    ("self_attn", "v_proj", "bias"): P(AXIS),
-    ("self_attn", "o_proj", "kernel"): P(AXIS, None),
-    ("mlp", "gate_proj", "kernel"): P(None, AXIS),
-    ("mlp", "up_proj", "kernel"): P(None, AXIS),
-    ("mlp", "gate_proj", "bias"): P(AXIS),
-    ("mlp", "up_proj", "bias"): P(AXIS),
-    ("mlp", "down_proj", "kernel"): P(AXIS, None),
+    ("embed_tokens", "embedding"): P(AXIS, None),  # [vocab, embed]; tied: also the LM head
+    ("lm_head", "kernel"): P(None, AXIS),  # [embed, vocab]
+    ("q_proj", "kernel"): P(None, AXIS),
+    ("k_proj", "kernel"): P(None, AXIS),
+    ("v_proj", "kernel"): P(None, AXIS),
+    ("q_proj", "bias"): P(AXIS),
+    ("k_proj", "bias"): P(AXIS),
+    ("v_proj", "bias"): P(AXIS),
+    ("o_proj", "kernel"): P(AXIS, None),
+    ("gate_proj", "kernel"): P(None, AXIS),  # the MLP, a MoE's shared expert, dense_mlp
+    ("up_proj", "kernel"): P(None, AXIS),
+    ("gate_proj", "bias"): P(AXIS),
+    ("up_proj", "bias"): P(AXIS),
+    ("down_proj", "kernel"): P(AXIS, None),
+    # Experts: each expert's intermediate dimension is split (models/moe.py says why).
+    ("experts", "gate_proj"): P(None, None, AXIS),
+    ("experts", "up_proj"): P(None, None, AXIS),
+    ("experts", "down_proj"): P(None, AXIS, None),
 }
+# Top-level parameter trees stacked over layers (leading axis unsplit).
+STACKED = ("layers", "moe", "dense_mlp")
 
 
 def make_mesh(tensor_parallel_size: int) -> Mesh:
@@ -81,10 +90,13 @@ def sharded_config(config: ModelConfig, tp: int) -> ModelConfig:
             f"tensor_parallel_size={tp} must divide num_heads={config.num_heads} "
             f"(attention is split by heads)"
         )
-    if config.intermediate_size % tp:
-        raise ValueError(
-            f"tensor_parallel_size={tp} must divide intermediate_size={config.intermediate_size}"
-        )
+    sizes = {"intermediate_size": config.intermediate_size if not all(config.moe_layers) else 0}
+    if config.num_experts:  # experts are split by their intermediate dimension (shard_map)
+        sizes["moe_intermediate_size"] = config.moe_intermediate_size
+        sizes["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+    for name, size in sizes.items():
+        if size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide {name}={size}")
     if config.num_kv_heads % tp == 0:
         return config
     if tp % config.num_kv_heads:
@@ -120,8 +132,8 @@ def param_shardings(params: dict, mesh: Mesh) -> dict:
 
     def sharding(path, x):
         keys = tuple(getattr(p, "key", str(p)) for p in path)
-        spec = _RULES.get(keys[-3:], P())
-        if keys[0] == "layers" and spec != P():
+        spec = _RULES.get(keys[-2:], P())
+        if keys[0] in STACKED and spec != P():
             spec = P(None, *spec)  # the stacked layer axis stays whole
         if any(axis and dim % tp for axis, dim in zip(spec, x.shape, strict=False)):
             spec = P()

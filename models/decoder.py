@@ -1,0 +1,208 @@
+"""The shared decoder: every family is a config-driven variant of it (models/registry.py).
+
+Flax holds the parameters; ``DecoderModel(...).apply({"params": p}, kv_pool, step)`` returns
+``(logits, kv_pool)``. One code path serves prefill (packed, ragged) and decode.
+
+The layers run under ``nn.scan`` over stacked parameters (``params["layers"]``, leading axis
+``num_layers``), so a compiled step holds one copy of the layer whatever the model's depth.
+What differs between a model's layers is per-layer scanned data, never a Python branch per layer:
+the attention window (Gemma's alternating local/global layers, Qwen's max_window_layers), the rope
+table (Gemma 3's local base), and for MoE families the row of the layer's MLP stack and its kind
+(models/moe.py).
+
+Variants, by config field: q/k norms (Qwen3, Gemma 3); Gemma's (1 + weight) norms, four per layer,
+embedding scale, GeGLU, query_pre_attn_scalar and soft caps; MoE MLPs; partial rotary and
+LongRoPE (Phi-3, whose fused projections are split at load); OPT's learned positions, LayerNorm,
+ReLU MLP with biases, post-norm layers and embedding projections.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .config import ModelConfig
+from .layers import (
+    KVPool,
+    activation,
+    apply_rope,
+    dense,
+    norm,
+    paged_attention,
+    rope_tables,
+    static_window,
+)
+from .moe import layer_mlp, mlp_stacks
+from .sharding import AXIS
+from .step_input import StepInput
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+    dtype: jnp.dtype
+    backend: str
+    mesh: Mesh | None = None
+
+    @nn.compact
+    def __call__(self, x, cos, sin, kv: KVPool, layer, window, step: StepInput):
+        c = self.config
+        tokens = x.shape[0]
+        q = dense(c.num_heads * c.head_dim, c.qkv_bias, self.dtype, "q_proj")(x)
+        k = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, self.dtype, "k_proj")(x)
+        v = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, self.dtype, "v_proj")(x)
+        q = q.reshape(tokens, c.num_heads, c.head_dim)
+        k = k.reshape(tokens, c.num_kv_heads, c.head_dim)
+        v = v.reshape(tokens, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:  # per head, over head_dim
+            q = norm(c, self.dtype, "q_norm")(q)
+            k = norm(c, self.dtype, "k_norm")(k)
+        if cos is not None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out, kv = paged_attention(q, k, v, kv, layer, window, step, c, self.backend, self.mesh)
+        out = out.reshape(tokens, c.num_heads * c.head_dim)
+        return dense(c.hidden_size, c.o_bias, self.dtype, "o_proj")(out), kv
+
+
+class MLP(nn.Module):
+    """Gated (``down(act(gate(x)) * up(x))``) or plain (OPT: ``down(act(up(x)))``)."""
+
+    config: ModelConfig
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        act = activation(c)
+        up = dense(c.intermediate_size, c.mlp_bias, self.dtype, "up_proj")(x)
+        if c.gated_mlp:
+            up = act(dense(c.intermediate_size, c.mlp_bias, self.dtype, "gate_proj")(x)) * up
+        else:
+            up = act(up)
+        return dense(c.hidden_size, c.mlp_bias, self.dtype, "down_proj")(up)
+
+
+class DecoderLayer(nn.Module):
+    """One layer as a scan body: carry ``(x, kv_pool)``, scanned over per-layer data."""
+
+    config: ModelConfig
+    dtype: jnp.dtype
+    backend: str
+    mesh: Mesh | None = None
+
+    @nn.compact
+    def __call__(self, carry, per_layer, cos, sin, step: StepInput, stacks):
+        x, kv = carry  # x: [num_tokens, hidden]
+        c, dt = self.config, self.dtype
+        if cos is not None:  # [num_tables, num_tokens, rotary_dims] -> this layer's table
+            table = per_layer.get("rope", 0)
+            cos, sin = cos[table], sin[table]
+        window = static_window(c)
+        window = per_layer.get("window") if window is None else window
+        attn = Attention(c, dt, self.backend, self.mesh, name="self_attn")
+
+        def mlp(h):
+            if c.num_experts:
+                row, is_moe = per_layer["mlp_row"], per_layer.get("is_moe")
+                return layer_mlp(h, stacks, row, is_moe, c, self.mesh)
+            return MLP(c, dt, name="mlp")(h)
+
+        if not c.norm_before:  # post-norm (OPT-350m)
+            h, kv = attn(x, cos, sin, kv, per_layer["layer"], window, step)
+            x = norm(c, dt, "input_layernorm")(x + h)
+            x = norm(c, dt, "post_attention_layernorm")(x + mlp(x))
+            return (x, kv), None
+        h = norm(c, dt, "input_layernorm")(x)
+        h, kv = attn(h, cos, sin, kv, per_layer["layer"], window, step)
+        if c.sandwich_norms:  # Gemma: the attention output is normed before the residual
+            h = norm(c, dt, "post_attention_layernorm")(h)
+        x = x + h
+        pre_mlp = "pre_feedforward_layernorm" if c.sandwich_norms else "post_attention_layernorm"
+        h = mlp(norm(c, dt, pre_mlp)(x))
+        if c.sandwich_norms:
+            h = norm(c, dt, "post_feedforward_layernorm")(h)
+        return (x + h, kv), None
+
+
+def per_layer_data(config: ModelConfig) -> dict[str, np.ndarray]:
+    """What differs between layers, as arrays with a leading layer axis (scanned)."""
+    c = config
+    data = {"layer": np.arange(c.num_layers, dtype=np.int32)}
+    if static_window(c) is None and any(c.layer_windows):
+        data["window"] = np.asarray(c.layer_windows, np.int32)
+    if c.rope_local_theta is not None:
+        data["rope"] = np.asarray(c.local_rope_layers, np.int32)
+    if c.num_experts:
+        data["mlp_row"] = np.asarray([c.mlp_stack_row(i)[1] for i in range(c.num_layers)], np.int32)
+        if len(set(c.moe_layers)) > 1:
+            data["is_moe"] = np.asarray(c.moe_layers)
+    return data
+
+
+class DecoderModel(nn.Module):
+    config: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+    backend: str = "auto"
+    mesh: Mesh | None = None  # tensor parallelism by heads (models/sharding.py)
+    unroll_layers: bool = False  # unroll the layer scan (one copy of the layer per layer)
+
+    @nn.compact
+    def __call__(self, kv_pool: KVPool, step: StepInput):
+        c, dt = self.config, self.dtype
+        embed = nn.Embed(c.vocab_size, c.embed_dim, dtype=dt, param_dtype=dt, name="embed_tokens")
+        x = embed(step.token_ids)  # [num_tokens, embed_dim]
+        if c.word_embed_proj_dim:
+            x = dense(c.hidden_size, False, dt, "project_in")(x)
+        if c.embed_scale:  # sqrt(hidden) rounded to the compute dtype, as HF
+            x = x * jnp.asarray(math.sqrt(c.hidden_size), dt)
+        cos = sin = None
+        if c.learned_positions:  # OPT: rows 0 and 1 of the table are never used (offset 2)
+            positions = nn.Embed(
+                c.max_position_embeddings + 2,
+                c.hidden_size,
+                dtype=dt,
+                param_dtype=dt,
+                name="embed_positions",
+            )
+            x = x + positions(step.positions + 2)
+        else:
+            cos, sin = rope_tables(c, step, dt)
+        stacks = mlp_stacks(c, dt) if c.num_experts else None
+        layers = nn.scan(
+            DecoderLayer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=c.num_layers,
+            unroll=c.num_layers if self.unroll_layers else 1,
+        )(c, dt, self.backend, self.mesh, name="layers")
+        data = jax.tree.map(jnp.asarray, per_layer_data(c))
+        (x, kv_pool), _ = layers((x, tuple(kv_pool)), data, cos, sin, step, stacks)
+        x = x[step.logits_indices]
+        if c.final_norm:
+            x = norm(c, dt, "norm")(x)
+        if c.word_embed_proj_dim:
+            x = dense(c.embed_dim, False, dt, "project_out")(x)
+        if c.tie_word_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = dense(c.vocab_size, False, dt, "lm_head")(x)
+        if self.mesh is not None:
+            # The head is split by vocabulary: each device computes its columns of the logits,
+            # then the rows are gathered (not the head's weights) so every device has them whole.
+            if c.vocab_size % self.mesh.shape[AXIS] == 0:
+                logits = _constrain(logits, self.mesh, P(None, AXIS))
+            logits = _constrain(logits, self.mesh, P())
+        logits = logits.astype(jnp.float32)  # [num_logits, vocab]
+        if c.final_soft_cap:
+            logits = c.final_soft_cap * jnp.tanh(logits / c.final_soft_cap)
+        return logits, kv_pool
+
+
+def _constrain(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -1,0 +1,221 @@
+"""Building blocks shared by every family: norms, activations, rotary embeddings, and attention
+over the paged KV pool (write this step's K/V by slot mapping, attend through the block tables).
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from .. import pallas_kernels
+from .config import ModelConfig, longrope_attention_factor
+from .sharding import AXIS, POOL_SPEC
+from .step_input import StepInput
+
+# (k_pages, v_pages), each [num_kv_heads, num_layers * num_blocks, block_size, head_dim].
+KVPool = tuple[jax.Array, jax.Array]
+
+ACTIVATIONS = {
+    "silu": nn.silu,
+    "gelu_tanh": lambda x: nn.gelu(x, approximate=True),
+    "gelu": lambda x: nn.gelu(x, approximate=False),
+    "relu": nn.relu,
+}
+
+
+def activation(config: ModelConfig):
+    from .config import SUPPORTED_ACTIVATIONS
+
+    return ACTIVATIONS[SUPPORTED_ACTIVATIONS[config.hidden_act]]
+
+
+def dense(features: int, bias: bool, dtype, name: str) -> nn.Dense:
+    return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
+
+
+class RMSNorm(nn.Module):
+    """``(offset + weight) * x / rms(x)``; offset 0 (Llama: the product in the compute dtype) or
+    1 (Gemma: the product in float32, then cast)."""
+
+    eps: float
+    dtype: jnp.dtype
+    offset: float = 0.0
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.zeros if self.offset else nn.initializers.ones
+        weight = self.param("weight", init, (x.shape[-1],), self.dtype)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (xf * (self.offset + weight.astype(jnp.float32))).astype(self.dtype)
+        return weight * xf.astype(self.dtype)
+
+
+def norm(config: ModelConfig, dtype, name: str) -> nn.Module:
+    """The family's norm: RMSNorm, or LayerNorm with bias (OPT)."""
+    if config.layer_norm:
+        return nn.LayerNorm(config.rms_norm_eps, dtype=dtype, param_dtype=dtype, name=name)
+    return RMSNorm(config.rms_norm_eps, dtype, config.norm_offset, name=name)
+
+
+# ---- rotary embeddings ------------------------------------------------------------------------
+
+
+def rope_inv_freq(config: ModelConfig, theta: float | None = None) -> np.ndarray:
+    """f32[rotary_dims // 2]. With ``theta`` given: plain rope of that base (Gemma 3's local
+    layers); else the config's rope with its scaling (LongRoPE: the short factors)."""
+    dim = config.rotary_dims
+    base = np.float32(theta if theta is not None else config.rope_theta)
+    inv_freq = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    if theta is not None:
+        return inv_freq.astype(np.float32)
+    params = config.rope_params
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / np.float32(params["factor"])
+    elif rope_type == "llama3":
+        factor = params["factor"]
+        low, high = params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = np.where(is_medium, smoothed, scaled)
+    elif rope_type == "longrope":
+        inv_freq = longrope_inv_freqs(config)[0]
+    return inv_freq.astype(np.float32)
+
+
+def longrope_inv_freqs(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """LongRoPE's (short, long) inverse frequencies, f32[rotary_dims // 2] each."""
+    params = config.rope_params
+    dim = config.rotary_dims
+    base = np.float32(config.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    short = 1.0 / (np.asarray(params["short_factor"], np.float32) * base)
+    long = 1.0 / (np.asarray(params["long_factor"], np.float32) * base)
+    return short.astype(np.float32), long.astype(np.float32)
+
+
+def token_seq_ids(step: StepInput) -> jax.Array:  # i32[num_tokens]
+    """The sequence owning each packed token row (padding rows: clipped to a real one)."""
+    qsl = step.query_start_loc
+    rows = jnp.arange(step.token_ids.shape[0])
+    seq = jnp.searchsorted(qsl, rows, side="right") - 1
+    return jnp.clip(seq, 0, qsl.shape[0] - 2)
+
+
+def rope_tables(config: ModelConfig, step: StepInput, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos and sin, each [num_tables, num_tokens, rotary_dims]: table 0 is the config's rope,
+    table 1 (Gemma 3) the local layers' plain rope. LongRoPE picks, per sequence, the long
+    factors once the sequence is longer than the original context (as HF does for the
+    sequence it is run on, with its KV cache holding keys rotated by the factors of their
+    time)."""
+    c = config
+    pos = step.positions.astype(jnp.float32)[:, None]  # [num_tokens, 1]
+    scale = 1.0
+    if c.rope_params.get("rope_type") == "longrope":
+        short, long = longrope_inv_freqs(c)
+        original = c.rope_params["original_max_position_embeddings"]
+        use_long = step.context_lens[token_seq_ids(step)] > original  # bool[num_tokens]
+        inv_freqs = [jnp.where(use_long[:, None], long[None], short[None])]
+        scale = longrope_attention_factor(c)
+    else:
+        inv_freqs = [jnp.asarray(rope_inv_freq(c))[None]]
+    if c.rope_local_theta is not None:
+        inv_freqs.append(jnp.asarray(rope_inv_freq(c, c.rope_local_theta))[None])
+    cos, sin = [], []
+    for i, inv_freq in enumerate(inv_freqs):
+        freqs = pos * inv_freq  # [num_tokens, rotary_dims // 2]
+        emb = jnp.concatenate([freqs, freqs], axis=-1)
+        factor = scale if i == 0 else 1.0
+        cos.append((jnp.cos(emb) * factor).astype(dtype))
+        sin.append((jnp.sin(emb) * factor).astype(dtype))
+    return jnp.stack(cos), jnp.stack(sin)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    # x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, rotary_dims] (halves repeated).
+    # Partial rotary: the dims past rotary_dims pass through.
+    rot = cos.shape[-1]
+    xr, rest = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
+    out = xr * cos[:, None, :] + rotated * sin[:, None, :]
+    return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
+
+
+# ---- attention over the paged pool --------------------------------------------------------------
+
+
+def static_window(config: ModelConfig) -> int | None:
+    """The window as a static int when every layer shares it (Mistral, Phi-3); None when some
+    layers differ (then each layer passes its own, traced) or no layer slides."""
+    windows = set(config.layer_windows)
+    return windows.pop() if len(windows) == 1 and 0 not in windows else None
+
+
+def paged_attention(
+    q: jax.Array,  # [num_tokens, num_heads, head_dim]
+    k: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
+    v: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
+    kv: KVPool,
+    layer: jax.Array,  # i32[]
+    window: jax.Array | int | None,  # i32[] or int: this layer's window (<= 0: global)
+    step: StepInput,
+    config: ModelConfig,
+    backend: str,
+    mesh: Mesh | None,
+) -> tuple[jax.Array, KVPool]:  # [num_tokens, num_heads, head_dim], pool
+    """Write this step's K/V into ``layer``'s pages of the stacked pool, then attend.
+
+    The layer's blocks start at block ``layer * num_blocks`` of the pool: its slot mapping and
+    block tables are offset there, so the kernels read and write its pages in place. With a
+    mesh, each device attends with its heads over its slice of the pool (shard_map).
+    """
+    c = config
+    max_q = step.max_query_len
+    first = layer * (kv[0].shape[1] // c.num_layers)  # i32[]
+    block_size = kv[0].shape[2]
+    slots = jnp.where(step.slot_mapping < 0, -1, step.slot_mapping + first * block_size)
+    tables = step.block_tables + first
+    options = {"scale": c.attn_scale, "backend": backend}
+    if c.attn_soft_cap:
+        options["soft_cap"] = float(c.attn_soft_cap)
+    if isinstance(window, int) and window > 0:
+        options["sliding_window"] = window
+    traced_window = window is not None and not isinstance(window, int)
+
+    def attend(q, k, v, k_pages, v_pages, slots, tables, lens, qsl, *window):
+        kw = {**options, "sliding_window": window[0]} if window else options
+        k_pages, v_pages = pallas_kernels.write_kv(k_pages, v_pages, k, v, slots)
+        if max_q == 1 and q.shape[0] == tables.shape[0]:
+            # Decode layout: row i is sequence i's only query.
+            out = pallas_kernels.paged_attention(q, k_pages, v_pages, tables, lens, **kw)
+        else:
+            out = pallas_kernels.ragged_paged_attention(
+                q, k_pages, v_pages, tables, lens, qsl, max_query_len=max_q, **kw
+            )
+        return out, k_pages, v_pages
+
+    args = (q, k, v, *kv, slots, tables, step.context_lens, step.query_start_loc)
+    args += (window,) if traced_window else ()
+    if mesh is not None:
+        heads, pool, rep = P(None, AXIS, None), POOL_SPEC, P()
+        attend = jax.shard_map(
+            attend,
+            mesh=mesh,
+            in_specs=(heads, heads, heads, pool, pool) + (rep,) * (len(args) - 5),
+            out_specs=(heads, pool, pool),
+            check_vma=False,
+        )
+    out, k_pages, v_pages = attend(*args)
+    return out, (k_pages, v_pages)
