@@ -38,7 +38,7 @@ def step_hlo(llm: LLM) -> str:
     step_input = r.build_step_input(seqs)
     lowered = runner_mod._step.lower(
         r.params,
-        r.kv_pool,
+        r.kv_cache.pages,
         jax.device_put(step_input, r._inputs),
         r.config,
         r.backend,
@@ -62,7 +62,7 @@ def run(path: str, prompts, degrees, block_size: int) -> dict:
             report[tp] = {"error": str(e)}
             continue
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        pool = list(llm.runner.kv_pool)  # K and V, every layer
+        pool = list(llm.runner.kv_cache.pages)  # K and V, every layer
         params = jax.tree_util.tree_flatten_with_path(llm.runner.params)[0]
         entry = {
             "tokens": [o.outputs[0].token_ids for o in outs],
