@@ -24,12 +24,25 @@ def cdiv(a, b):
     return jax.lax.div(a + b - 1, b)
 
 
-def attention_logits(q, k, scale: float):
-    """``q @ k.T * scale`` in float32: q [rows, head_dim], k [block_k, head_dim]."""
+def attention_logits(q, k, scale: float, soft_cap: float | None = None):
+    """``q @ k.T * scale`` in float32, soft-capped: q [rows, head_dim], k [block_k, head_dim]."""
     s = jax.lax.dot_general(
         q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
     )  # [rows, block_k]
-    return s * scale
+    return cap_logits(s * scale, soft_cap)
+
+
+def cap_logits(s, soft_cap: float | None):
+    """Logit soft-capping (Gemma 2): ``soft_cap * tanh(s / soft_cap)``; ``None`` leaves s as is."""
+    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+
+
+def window_start(pos, window):
+    """First key position a query at ``pos`` sees under a sliding window of ``window`` tokens
+    (keys ``pos - window < k <= pos``); ``window <= 0`` means no window (0). ``pos`` a scalar or
+    an array, ``window`` a scalar: the select is scalar, the rest elementwise (Mosaic-friendly)."""
+    span = jnp.where(window > 0, window, jnp.iinfo(jnp.int32).max)
+    return jnp.maximum(pos - span + 1, 0)
 
 
 def online_softmax_step(s, v, m_prev, l_prev, acc_prev):
@@ -124,6 +137,29 @@ def decode_tiling(
         pages_per_partition=blocks_per_partition * pages_per_block,
         num_splits=num_splits,
     )
+
+
+def check_window_and_cap(sliding_window, soft_cap) -> None:
+    """``sliding_window``: None, or an integer scalar (traced is fine); ``soft_cap``: None or a
+    positive Python number (static)."""
+    if sliding_window is not None:
+        shape = jnp.shape(sliding_window)
+        dtype = jnp.result_type(sliding_window)
+        if shape != () or not jnp.issubdtype(dtype, jnp.integer):
+            raise ValueError(
+                f"sliding_window must be None or an integer scalar, got shape {shape} {dtype}"
+            )
+    if soft_cap is not None and (
+        isinstance(soft_cap, bool) or not isinstance(soft_cap, (int, float)) or not soft_cap > 0
+    ):
+        raise ValueError(f"soft_cap must be None or a positive float, got {soft_cap!r}")
+
+
+def window_operand(sliding_window) -> jax.Array:
+    """The window as the kernels take it: i32[1], 0 for none."""
+    if sliding_window is None:
+        return jnp.zeros((1,), jnp.int32)
+    return jnp.reshape(jnp.asarray(sliding_window, jnp.int32), (1,))
 
 
 def pad_block_tables(block_tables: jax.Array, num_cols: int) -> jax.Array:

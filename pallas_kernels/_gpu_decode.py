@@ -4,7 +4,8 @@ One program per (sequence, KV head, partition). The query heads of a GQA group a
 rows (padded to 16, Triton's smallest dot). Each program walks its partition's pages
 ``pages_per_block`` at a time with an online softmax and writes its normalised output with the
 running max and denominator; partitions are merged afterwards (vLLM's paged-attention v2).
-Logits AND value rows past the sequence's length are masked: stale slots may hold NaN.
+Logits AND value rows past the sequence's length (or before its sliding window) are masked: stale
+slots may hold NaN. Key blocks wholly before the window are skipped.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from ._common import (
     pad_block_tables,
     softmax_finish,
     softmax_init,
+    window_operand,
+    window_start,
 )
 
 # Enough programs to fill an H100/H200 (132 SMs) a few times over before splitting contexts.
@@ -34,6 +37,7 @@ TARGET_PROGRAMS = 512
 
 def _decode_kernel(
     lens_ref,  # i32[1]: this sequence's context length
+    win_ref,  # i32[1]: sliding window (<= 0: none); read only when `windowed`
     bt_ref,  # i32[pages_per_partition]: this partition's slice of the block table
     q_ref,  # [group_p, head_dim]: the GQA group's query heads (rows past `group` are zero)
     k_ref,  # [num_blocks, block_size, head_dim]: this KV head's pool
@@ -45,6 +49,8 @@ def _decode_kernel(
     scale: float,
     pages_per_block: int,
     group: int,
+    windowed: bool,
+    soft_cap: float | None,
 ):
     split = pl.program_id(2)
     pages_per_partition = bt_ref.shape[0]
@@ -55,23 +61,31 @@ def _decode_kernel(
     first_page = split * pages_per_partition
     first_token = first_page * block_size
     num_tokens = jnp.clip(length - first_token, 0, pages_per_partition * block_size)
+    # Keys [lo, length) are seen (the query sits at length - 1); key blocks before lo are skipped.
+    lo = window_start(length - 1, win_ref[0]) if windowed else 0
+    first_step = jax.lax.div(jnp.maximum(lo - first_token, 0), block_k) if windowed else 0
     q = q_ref[...]
+
+    def seen(first, last):  # keys first..last (inclusive) overlap [lo, length)
+        ok = first < length
+        return ok & (last >= lo) if windowed else ok
 
     def step(i, carry):
         ids = bt_ref[pl.ds(i * pages_per_block, pages_per_block)]  # i32[pages_per_block]
         page = first_page + i * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32)
-        ids = jnp.where(page * block_size < length, ids, 0)  # never follow ids past the end
+        # Never follow the ids of pages past the end or wholly before the window.
+        ids = jnp.where(seen(page * block_size, page * block_size + block_size - 1), ids, 0)
         k = k_ref[ids].reshape(block_k, head_dim)
         v = v_ref[ids].reshape(block_k, head_dim)
         token0 = first_token + i * block_k
         col = token0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-        s = jnp.where(col < length, attention_logits(q, k, scale), -jnp.inf)
+        s = jnp.where(seen(col, col), attention_logits(q, k, scale, soft_cap), -jnp.inf)
         row = token0 + jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
-        v = jnp.where(row < length, v, jnp.zeros_like(v))  # stale slots may be NaN
+        v = jnp.where(seen(row, row), v, jnp.zeros_like(v))  # stale slots may be NaN
         return online_softmax_step(s, v, *carry)
 
     m, den, acc = jax.lax.fori_loop(
-        0, cdiv(num_tokens, block_k), step, softmax_init(rows, head_dim)
+        first_step, cdiv(num_tokens, block_k), step, softmax_init(rows, head_dim)
     )
     out = softmax_finish(den, acc).astype(o_ref.dtype)
     # Only the group's real rows are stored: the padded ones are never read back.
@@ -94,6 +108,8 @@ def paged_attention_gpu(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
+    sliding_window: int | jax.Array | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # [num_seqs, num_heads, head_dim]
     """Build the grid and BlockSpecs, run the kernel, merge the partitions."""
     num_seqs, num_heads, head_dim = q.shape
@@ -123,7 +139,12 @@ def paged_attention_gpu(
     out_dtype = q.dtype if num_splits == 1 else jnp.float32
     partial_shape = (num_splits, num_seqs, num_kv_heads, group_p)
     kernel = functools.partial(
-        _decode_kernel, scale=scale, pages_per_block=pages_per_block, group=group
+        _decode_kernel,
+        scale=scale,
+        pages_per_block=pages_per_block,
+        group=group,
+        windowed=sliding_window is not None,
+        soft_cap=soft_cap,
     )
     pool_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim), lambda s, h, p: (h, 0, 0, 0))
     o, m, den = pl.pallas_call(
@@ -131,6 +152,7 @@ def paged_attention_gpu(
         grid=(num_seqs, num_kv_heads, num_splits),
         in_specs=[
             pl.BlockSpec((1,), lambda s, h, p: (s,)),
+            pl.BlockSpec((1,), lambda s, h, p: (0,)),
             pl.BlockSpec((None, ppp), lambda s, h, p: (s, p)),
             pl.BlockSpec((None, None, group_p, head_dim), lambda s, h, p: (s, h, 0, 0)),
             pool_spec,
@@ -149,6 +171,6 @@ def paged_attention_gpu(
         compiler_params=_gpu.compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"paged_decode_bs{block_size}_ppb{pages_per_block}_g{group}",
-    )(lens, block_tables, qg, k_pages, v_pages)
+    )(lens, window_operand(sliding_window), block_tables, qg, k_pages, v_pages)
     out = merge_partitions(o[..., :group, :], m[..., :group], den[..., :group])
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)

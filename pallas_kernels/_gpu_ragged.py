@@ -2,8 +2,9 @@
 
 One program per (sequence, KV head, tile of ``block_q`` of its query rows). The tile's rows times
 the GQA group's heads are the matmul rows. Keys are walked from the first token up to the causal
-bound of the tile's last row; each row sees keys ``0 ..= context_len - query_len + j``. Rows are
-read and written with masks, so a tile never touches another sequence's rows.
+bound of the tile's last row; each row sees keys ``0 ..= context_len - query_len + j``, or only
+the last ``sliding_window`` of them (key blocks before the window of the tile's first row are
+skipped). Rows are read and written with masks, so a tile never touches another sequence's rows.
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ from ._common import (
     pad_block_tables,
     softmax_finish,
     softmax_init,
+    window_operand,
+    window_start,
 )
 
 
 def _ragged_kernel(
     lens_ref,  # i32[num_seqs]: context lengths (new tokens included)
     qsl_ref,  # i32[num_seqs + 1]: query_start_loc
+    win_ref,  # i32[1]: sliding window (<= 0: none); read only when `windowed`
     bt_ref,  # i32[table_cols]: this sequence's block table
     q_ref,  # [padded_tokens, group_p, head_dim]: this KV head's query heads, all rows
     k_ref,  # [num_blocks, block_size, head_dim]: this KV head's pool
@@ -39,6 +43,8 @@ def _ragged_kernel(
     pages_per_block: int,
     block_q: int,
     group: int,
+    windowed: bool,
+    soft_cap: float | None,
 ):
     seq, tile = pl.program_id(0), pl.program_id(2)
     _, block_size, head_dim = k_ref.shape
@@ -56,21 +62,35 @@ def _ragged_kernel(
 
     q = q_ref[pl.ds(row0, block_q)].reshape(rows, head_dim)  # row r = (query j, head g)
     q_pos = pos0 + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group_p)
+    # The tile's first row sees keys from lo on (later rows fewer): key blocks before it skipped.
+    window = win_ref[0] if windowed else None
+    lo = window_start(jnp.maximum(pos0, 0), window) if windowed else None
 
     def step(i, carry):
         ids = bt_ref[pl.ds(i * pages_per_block, pages_per_block)]
         page = i * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32)
-        ids = jnp.where(page * block_size < ctx, ids, 0)
+        live = page * block_size < ctx
+        if windowed:
+            live &= (page + 1) * block_size > lo
+        ids = jnp.where(live, ids, 0)
         k = k_ref[ids].reshape(block_k, head_dim)
         v = v_ref[ids].reshape(block_k, head_dim)
         col = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-        s = attention_logits(q, k, scale)
-        s = jnp.where((col <= q_pos) & (col < ctx), s, -jnp.inf)
+        seen = (col <= q_pos) & (col < ctx)
+        if windowed:
+            seen &= col >= window_start(q_pos, window)
+        s = jnp.where(seen, attention_logits(q, k, scale, soft_cap), -jnp.inf)
         key = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
-        v = jnp.where(key < ctx, v, jnp.zeros_like(v))  # stale slots may be NaN
+        used = key < ctx
+        if windowed:
+            used &= key >= lo
+        v = jnp.where(used, v, jnp.zeros_like(v))  # stale slots may be NaN
         return online_softmax_step(s, v, *carry)
 
-    _, den, acc = jax.lax.fori_loop(0, cdiv(kv_end, block_k), step, softmax_init(rows, head_dim))
+    first_step = jax.lax.div(lo, block_k) if windowed else 0
+    _, den, acc = jax.lax.fori_loop(
+        first_step, cdiv(kv_end, block_k), step, softmax_init(rows, head_dim)
+    )
     out = softmax_finish(den, acc).astype(o_ref.dtype).reshape(block_q, group_p, head_dim)
     shape = (block_q, group_p, head_dim)
     mine = (jax.lax.broadcasted_iota(jnp.int32, shape, 0) < live) & (
@@ -94,6 +114,8 @@ def ragged_paged_attention_gpu(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
+    sliding_window: int | jax.Array | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]; rows owned by no sequence are unspecified
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_pages.shape
@@ -128,6 +150,8 @@ def ragged_paged_attention_gpu(
         pages_per_block=pages_per_block,
         block_q=block_q,
         group=group,
+        windowed=sliding_window is not None,
+        soft_cap=soft_cap,
     )
     rows_spec = pl.BlockSpec((padded, None, group_p, head_dim), lambda s, h, t: (0, h, 0, 0))
     pool_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim), lambda s, h, t: (h, 0, 0, 0))
@@ -137,6 +161,7 @@ def ragged_paged_attention_gpu(
         in_specs=[
             pl.BlockSpec((num_seqs,), lambda s, h, t: (0,)),
             pl.BlockSpec((num_seqs + 1,), lambda s, h, t: (0,)),
+            pl.BlockSpec((1,), lambda s, h, t: (0,)),
             pl.BlockSpec((None, table.shape[1]), lambda s, h, t: (s, 0)),
             rows_spec,
             pool_spec,
@@ -147,5 +172,13 @@ def ragged_paged_attention_gpu(
         compiler_params=_gpu.compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"paged_ragged_bs{block_size}_bq{block_q}_g{group}",
-    )(lens, query_start_loc.astype(jnp.int32), table, qg, k_pages, v_pages)
+    )(
+        lens,
+        query_start_loc.astype(jnp.int32),
+        window_operand(sliding_window),
+        table,
+        qg,
+        k_pages,
+        v_pages,
+    )
     return out[:num_tokens, :, :group].reshape(num_tokens, num_heads, head_dim)

@@ -44,16 +44,17 @@ def page_copies(k_hbm, v_hbm, k_buf, v_buf, sems, *, head, page_ids, slot):
     return copies
 
 
-def paged_flash_loop(*, num_steps, fetch, compute, init):
-    """``fori_loop`` over key blocks with the next block's pages in flight during each step.
+def paged_flash_loop(*, num_steps, fetch, compute, init, first_step=0):
+    """``fori_loop`` over key blocks ``first_step..num_steps - 1`` with the next block's pages in
+    flight during each step.
 
     fetch(i, slot) -> copy descriptors for key block i into buffer ``slot``;
     compute(i, slot, carry) -> carry, called once block i has landed.
     """
 
-    @pl.when(num_steps > 0)
+    @pl.when(first_step < num_steps)
     def _():
-        for copy in fetch(0, 0):
+        for copy in fetch(first_step, jax.lax.rem(first_step, 2)):
             copy.start()
 
     def step(i, carry):
@@ -68,9 +69,13 @@ def paged_flash_loop(*, num_steps, fetch, compute, init):
             copy.wait()
         return compute(i, slot, carry)
 
-    return jax.lax.fori_loop(0, num_steps, step, init)
+    return jax.lax.fori_loop(first_step, num_steps, step, init)
 
 
-def live_page_id(table_ref, index, page, length, block_size):
-    """Block id of ``page`` read at ``table_ref[index]``; the null block once past the length."""
-    return jnp.where(page < cdiv(length, block_size), table_ref[index], 0)
+def live_page_id(table_ref, index, page, length, block_size, lo=None):
+    """Block id of ``page`` read at ``table_ref[index]``; the null block once past the length or,
+    given the first key seen ``lo``, for a page wholly before it."""
+    live = page < cdiv(length, block_size)
+    if lo is not None:
+        live &= (page + 1) * block_size > lo
+    return jnp.where(live, table_ref[index], 0)

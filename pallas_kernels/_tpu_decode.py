@@ -3,7 +3,8 @@
 One program per (sequence, KV head, partition); the query heads of a GQA group are the matmul
 rows. Context lengths and block table are scalar-prefetched into SMEM; pages are copied from the
 HBM pool into a double-buffered VMEM tile (next block's DMAs in flight while this one computes).
-Partitions are merged afterwards. Logits AND value rows past the length are masked.
+Partitions are merged afterwards. Logits AND value rows past the length (or before the sliding
+window) are masked; key blocks wholly before the window are skipped.
 
 SMEM is small, so the batch is cut into chunks whose block table fits ``max_table_entries``, one
 ``pallas_call`` per chunk, instead of prefetching a huge table whole.
@@ -28,6 +29,8 @@ from ._common import (
     pad_block_tables,
     softmax_finish,
     softmax_init,
+    window_operand,
+    window_start,
 )
 
 MAX_TABLE_ENTRIES = 32768  # i32 entries of block table prefetched per call (128 KiB of SMEM)
@@ -36,6 +39,7 @@ MAX_TABLE_ENTRIES = 32768  # i32 entries of block table prefetched per call (128
 def _decode_kernel(
     # scalar prefetch (SMEM)
     lens_ref,  # i32[chunk_seqs]
+    win_ref,  # i32[1]: sliding window (<= 0: none); read only when `windowed`
     table_ref,  # i32[chunk_seqs * table_cols], the chunk's block table, flattened
     # inputs
     q_ref,  # [group, head_dim] (VMEM block)
@@ -54,6 +58,8 @@ def _decode_kernel(
     pages_per_block: int,
     pages_per_partition: int,
     table_cols: int,
+    windowed: bool,
+    soft_cap: float | None,
 ):
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_size = k_hbm.shape[2]
@@ -63,27 +69,34 @@ def _decode_kernel(
     first_page = split * pages_per_partition
     first_token = first_page * block_size
     num_tokens = jnp.clip(length - first_token, 0, pages_per_partition * block_size)
+    # Keys [lo, length) are seen (the query sits at length - 1); key blocks before lo are skipped.
+    lo = window_start(length - 1, win_ref[0]) if windowed else None
 
     def fetch(i, slot):
         pages = [first_page + i * pages_per_block + j for j in range(pages_per_block)]
         ids = [
-            tpu.live_page_id(table_ref, seq * table_cols + page, page, length, block_size)
+            tpu.live_page_id(table_ref, seq * table_cols + page, page, length, block_size, lo)
             for page in pages
         ]
         return tpu.page_copies(k_hbm, v_hbm, k_buf, v_buf, sems, head=head, page_ids=ids, slot=slot)
+
+    def seen(pos):
+        ok = pos < length
+        return ok & (pos >= lo) if windowed else ok
 
     q = q_ref[...]
 
     def compute(i, slot, carry):
         token0 = first_token + i * block_k
         col = token0 + jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
-        s = jnp.where(col < length, attention_logits(q, k_buf[slot], scale), -jnp.inf)
+        s = jnp.where(seen(col), attention_logits(q, k_buf[slot], scale, soft_cap), -jnp.inf)
         row = token0 + jax.lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
         v = v_buf[slot]
-        v = jnp.where(row < length, v, jnp.zeros_like(v))  # stale slots may be NaN
+        v = jnp.where(seen(row), v, jnp.zeros_like(v))  # stale slots may be NaN
         return online_softmax_step(s, v, *carry)
 
     m, den, acc = tpu.paged_flash_loop(
+        first_step=jax.lax.div(jnp.maximum(lo - first_token, 0), block_k) if windowed else 0,
         num_steps=cdiv(num_tokens, block_k),
         fetch=fetch,
         compute=compute,
@@ -94,7 +107,9 @@ def _decode_kernel(
     l_ref[...] = den
 
 
-def _decode_call(q, k_pages, v_pages, lens, table, *, scale, tiling, out_dtype, interpret):
+def _decode_call(
+    q, k_pages, v_pages, lens, window, table, *, scale, tiling, out_dtype, interpret, soft_cap
+):
     """One pallas_call over a chunk of sequences. q [chunk, Hkv, group, D], table [chunk, cols]."""
     num_seqs, num_kv_heads, group, head_dim = q.shape
     block_size = k_pages.shape[2]
@@ -105,6 +120,8 @@ def _decode_call(q, k_pages, v_pages, lens, table, *, scale, tiling, out_dtype, 
         pages_per_block=tiling.pages_per_block,
         pages_per_partition=tiling.pages_per_partition,
         table_cols=table.shape[1],
+        windowed=window is not None,
+        soft_cap=soft_cap,
     )
     partial_shape = (num_splits, num_seqs, num_kv_heads, group)
     q_spec = pl.BlockSpec((None, None, group, head_dim), lambda s, h, p, *_: (s, h, 0, 0))
@@ -114,7 +131,7 @@ def _decode_call(q, k_pages, v_pages, lens, table, *, scale, tiling, out_dtype, 
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=3,
             grid=(num_seqs, num_kv_heads, num_splits),
             in_specs=[q_spec, any_spec, any_spec],
             out_specs=[o_spec, ml_spec, ml_spec],
@@ -133,7 +150,7 @@ def _decode_call(q, k_pages, v_pages, lens, table, *, scale, tiling, out_dtype, 
         compiler_params=tpu.compiler_params(3),
         interpret=interpret,
         name=f"paged_decode_tpu_bs{block_size}_ppb{tiling.pages_per_block}_g{group}",
-    )(lens, table.reshape(-1), q, k_pages, v_pages)
+    )(lens, window_operand(window), table.reshape(-1), q, k_pages, v_pages)
 
 
 def paged_attention_tpu(
@@ -148,6 +165,8 @@ def paged_attention_tpu(
     partition_size: int | None = None,
     max_table_entries: int = MAX_TABLE_ENTRIES,
     interpret=False,
+    sliding_window: int | jax.Array | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
@@ -180,8 +199,10 @@ def paged_attention_tpu(
             k_pages,
             v_pages,
             lens[lo : lo + chunk],
+            sliding_window,
             table[lo : lo + chunk],
             scale=scale,
+            soft_cap=soft_cap,
             tiling=tiling,
             out_dtype=out_dtype,
             interpret=interpret,

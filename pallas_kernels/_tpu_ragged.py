@@ -25,6 +25,8 @@ from ._common import (
     online_softmax_step,
     softmax_finish,
     softmax_init,
+    window_operand,
+    window_start,
 )
 
 
@@ -33,6 +35,7 @@ def _ragged_kernel(
     lens_ref,  # i32[num_seqs]: context lengths (new tokens included)
     qsl_ref,  # i32[num_seqs + 1]: query_start_loc
     first_seq_ref,  # i32[num_tiles]: the first sequence owning a row of each tile
+    win_ref,  # i32[1]: sliding window (<= 0: none); read only when `windowed`
     # inputs
     q_ref,  # [group, block_q, head_dim]: this KV head's query heads for the tile's rows
     table_hbm,  # i32[num_seqs, table_cols] (HBM)
@@ -50,6 +53,8 @@ def _ragged_kernel(
     scale: float,
     pages_per_block: int,
     num_seqs: int,
+    windowed: bool,
+    soft_cap: float | None,
 ):
     head, tile = pl.program_id(0), pl.program_id(1)
     group, block_q, head_dim = q_ref.shape
@@ -70,8 +75,13 @@ def _ragged_kernel(
         q_start, q_end = qsl_ref[seq], qsl_ref[seq + 1]
         q_len = q_end - q_start
         hi = jnp.minimum(q_end, t0 + block_q)  # one past the tile's last row of this sequence
-        live = hi > jnp.maximum(q_start, t0)
+        first = jnp.maximum(q_start, t0)  # the tile's first row of this sequence
+        live = hi > first
         kv_end = jnp.where(live, jnp.clip(ctx - q_len + (hi - q_start), 0, ctx), 0)
+        # Keys before the window of the first row are seen by none: their blocks are skipped.
+        window = win_ref[0] if windowed else None
+        first_pos = jnp.maximum(ctx - q_len + (first - q_start), 0)
+        lo = window_start(first_pos, window) if windowed else None
 
         @pl.when(live)
         def _():
@@ -83,21 +93,27 @@ def _ragged_kernel(
 
         def fetch(i, slot):
             pages = [i * pages_per_block + j for j in range(pages_per_block)]
-            ids = [tpu.live_page_id(table_smem, p, p, ctx, block_size) for p in pages]
+            ids = [tpu.live_page_id(table_smem, p, p, ctx, block_size, lo) for p in pages]
             return tpu.page_copies(
                 k_hbm, v_hbm, k_buf, v_buf, sems, head=head, page_ids=ids, slot=slot
             )
 
         def compute(i, slot, carry):
             col = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
-            s = attention_logits(q, k_buf[slot], scale)
-            s = jnp.where((col <= q_pos) & (col < ctx), s, -jnp.inf)
+            seen = (col <= q_pos) & (col < ctx)
+            if windowed:
+                seen &= col >= window_start(q_pos, window)
+            s = jnp.where(seen, attention_logits(q, k_buf[slot], scale, soft_cap), -jnp.inf)
             key = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
+            used = key < ctx
+            if windowed:
+                used &= key >= lo
             v = v_buf[slot]
-            v = jnp.where(key < ctx, v, jnp.zeros_like(v))  # stale slots may be NaN
+            v = jnp.where(used, v, jnp.zeros_like(v))  # stale slots may be NaN
             return online_softmax_step(s, v, *carry)
 
         _, den, acc = tpu.paged_flash_loop(
+            first_step=jax.lax.div(lo, block_k) if windowed else 0,
             num_steps=cdiv(kv_end, block_k),
             fetch=fetch,
             compute=compute,
@@ -123,6 +139,8 @@ def ragged_paged_attention_tpu(
     block_q: int | None = None,
     pages_per_block: int | None = None,
     interpret=False,
+    sliding_window: int | jax.Array | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]; rows owned by no sequence are zero
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
@@ -151,14 +169,19 @@ def ragged_paged_attention_tpu(
     qg = jnp.pad(qg, ((0, padded - num_tokens), (0, 0), (0, 0), (0, 0))).transpose(1, 2, 0, 3)
 
     kernel = functools.partial(
-        _ragged_kernel, scale=scale, pages_per_block=pages_per_block, num_seqs=num_seqs
+        _ragged_kernel,
+        scale=scale,
+        pages_per_block=pages_per_block,
+        num_seqs=num_seqs,
+        windowed=sliding_window is not None,
+        soft_cap=soft_cap,
     )
     rows_spec = pl.BlockSpec((None, group, block_q, head_dim), lambda h, t, *_: (h, 0, t, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
+            num_scalar_prefetch=4,
             grid=(num_kv_heads, num_tiles),
             in_specs=[rows_spec, any_spec, any_spec, any_spec],
             out_specs=rows_spec,
@@ -177,5 +200,5 @@ def ragged_paged_attention_tpu(
         compiler_params=tpu.compiler_params(2),
         interpret=interpret,
         name=f"paged_ragged_tpu_bs{block_size}_bq{block_q}_g{group}",
-    )(lens, qsl, first_seq, qg, table, k_pages, v_pages)
+    )(lens, qsl, first_seq, window_operand(sliding_window), qg, table, k_pages, v_pages)
     return out.transpose(2, 0, 1, 3)[:num_tokens].reshape(num_tokens, num_heads, head_dim)

@@ -5,6 +5,7 @@
 oracle, elsewhere (the engine uses it on CPU). Kernels: one program per (sequence, KV head,
 partition) with the GQA group's query heads as matmul rows, online softmax, long contexts split
 into partitions merged afterwards (vLLM's v2), logits and value rows past the length masked.
+Every path takes a sliding window and logit soft-capping (Gemma 2/3, Mistral).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ._common import cap_logits, check_window_and_cap, window_start
 from ._gpu_decode import paged_attention_gpu
 from ._tpu_decode import paged_attention_tpu
 
@@ -49,18 +51,23 @@ def paged_attention_reference(
     context_lens: jax.Array,  # i32[num_seqs]
     *,
     scale: float,
+    sliding_window: int | jax.Array | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
     group = num_heads // num_kv_heads
     k = gather_context(k_pages, block_tables)  # [num_seqs, num_kv_heads, ctx, head_dim]
     v = gather_context(v_pages, block_tables)
-    valid = jnp.arange(k.shape[2])[None, :] < context_lens[:, None]  # [num_seqs, ctx]
+    t = jnp.arange(k.shape[2])
+    valid = t[None, :] < context_lens[:, None]  # [num_seqs, ctx]
+    if sliding_window is not None:  # the query sits at position context_len - 1
+        valid &= t[None, :] >= window_start(context_lens - 1, sliding_window)[:, None]
     # Stale slots may hold NaN: zero V there, not only the probabilities (exp(-inf) * NaN = NaN).
     v = jnp.where(valid[:, None, :, None], v, 0)
     qg = q.reshape(num_seqs, num_kv_heads, group, head_dim).astype(jnp.float32)
     s = jnp.einsum("skgd,sktd->skgt", qg, k.astype(jnp.float32)) * scale
-    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+    s = jnp.where(valid[:, None, None, :], cap_logits(s, soft_cap), -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0))
     denom = jnp.sum(p, axis=-1, keepdims=True)
@@ -128,6 +135,7 @@ def tpu_interpret_params(interpret: bool):
         "partition_size",
         "num_warps",
         "num_stages",
+        "soft_cap",
     ),
 )
 def paged_attention(
@@ -144,11 +152,19 @@ def paged_attention(
     partition_size: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    sliding_window: int | jax.Array | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # [num_seqs, num_heads, head_dim]
     """Attention of one query token per sequence over its paged context.
 
     GQA when num_heads is a multiple of num_kv_heads. Slots at or past ``context_lens`` are ignored
     whatever they hold (NaN included); a sequence of length 0 gives zeros.
+
+    ``soft_cap`` (static) caps the logits ``s = scale * q.k`` to ``soft_cap * tanh(s / soft_cap)``
+    before the softmax (Gemma 2). ``sliding_window`` (None, an int, or an int32 scalar that may be
+    traced, e.g. per layer inside a scan): the query, at position ``context_len - 1``, sees only
+    the last ``sliding_window`` tokens; a value <= 0 means no window. Slots before the window are
+    ignored whatever they hold, and the kernels skip pages that lie entirely before it.
 
     Tuning knobs (kernels only): ``pages_per_block`` pages per inner step (GPU: a power of two with
     at least 16 tokens; default 128 tokens on GPU, 256 on TPU); ``partition_size`` tokens per
@@ -157,12 +173,19 @@ def paged_attention(
     ``interpret=True`` runs the chosen kernel in interpret mode (tests on CPU).
     """
     check_paged_inputs(q, k_pages, v_pages, block_tables, context_lens, q_rows_name="num_seqs")
+    check_window_and_cap(sliding_window, soft_cap)
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(
             f"q has {q.shape[0]} sequences but block_tables has {block_tables.shape[0]}"
         )
     backend = pick_backend(backend, block_size=k_pages.shape[2], head_dim=q.shape[2])
-    knobs = dict(scale=scale, pages_per_block=pages_per_block, partition_size=partition_size)
+    knobs = dict(
+        scale=scale,
+        pages_per_block=pages_per_block,
+        partition_size=partition_size,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
     if backend == "gpu":
         return paged_attention_gpu(
             q,
@@ -185,4 +208,13 @@ def paged_attention(
             interpret=tpu_interpret_params(interpret),
             **knobs,
         )
-    return paged_attention_reference(q, k_pages, v_pages, block_tables, context_lens, scale=scale)
+    return paged_attention_reference(
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        context_lens,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )

@@ -2,8 +2,9 @@
 
 Sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``; they are its LAST
 tokens, so query ``j`` of a sequence with ``q_len`` queries and ``context_len`` tokens sits at
-position ``context_len - q_len + j`` and sees keys ``0 ..= that position`` (causal with offset).
-The new tokens' K/V must already be written into the pool.
+position ``context_len - q_len + j`` and sees keys ``0 ..= that position`` (causal with offset),
+or, under a sliding window of w tokens, the last w of them. The new tokens' K/V must already be
+written into the pool.
 
 Kernels: on GPU (``_gpu_ragged``) one program per (sequence, KV head, tile of its query rows); on
 TPU (``_tpu_ragged``) one per (KV head, tile of packed rows), looping over the sequences owning
@@ -18,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ._common import cap_logits, check_window_and_cap, window_start
 from ._gpu_ragged import ragged_paged_attention_gpu
 from ._tpu_ragged import ragged_paged_attention_tpu
 from .paged_attention import (
@@ -40,6 +42,8 @@ def ragged_paged_attention_reference(
     *,
     scale: float,
     max_query_len: int | None = None,
+    sliding_window: int | jax.Array | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]; rows past query_start_loc[-1] are zero
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = block_tables.shape[0]
@@ -49,7 +53,14 @@ def ragged_paged_attention_reference(
     if max_q == 1:  # pure decode: every sequence has at most one query row
         starts = jnp.clip(query_start_loc[:-1], 0, num_tokens - 1)
         out = paged_attention_reference(
-            q[starts], k_pages, v_pages, block_tables, context_lens, scale=scale
+            q[starts],
+            k_pages,
+            v_pages,
+            block_tables,
+            context_lens,
+            scale=scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
         )
         has_q = query_start_loc[1:] > query_start_loc[:-1]
         out = jnp.where(has_q[:, None, None], out, 0)
@@ -65,12 +76,14 @@ def ragged_paged_attention_reference(
     v = gather_context(v_pages, block_tables).astype(jnp.float32)
     t = jnp.arange(k.shape[2])
     kv_valid = t[None, :] < context_lens[:, None]  # [num_seqs, ctx]
-    v = jnp.where(kv_valid[:, None, :, None], v, 0)  # stale slots may be NaN
     q_pos = (context_lens - q_lens)[:, None] + j[None, :]  # [num_seqs, max_q]
     mask = kv_valid[:, None, :] & (t[None, None, :] <= q_pos[:, :, None])  # [S, max_q, ctx]
+    if sliding_window is not None:
+        mask &= t[None, None, :] >= window_start(q_pos, sliding_window)[:, :, None]
+    v = jnp.where(mask.any(axis=1)[:, None, :, None], v, 0)  # slots seen by none may be NaN
 
     s = jnp.einsum("sqkgd,sktd->skgqt", q_pad, k) * scale
-    s = jnp.where(mask[:, None, None], s, -jnp.inf)
+    s = jnp.where(mask[:, None, None], cap_logits(s, soft_cap), -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0))
     denom = jnp.sum(p, axis=-1, keepdims=True)
@@ -118,6 +131,7 @@ def _decode_rows(q, k_pages, v_pages, block_tables, context_lens, query_start_lo
         "pages_per_block",
         "num_warps",
         "num_stages",
+        "soft_cap",
     ),
 )
 def ragged_paged_attention(
@@ -136,6 +150,8 @@ def ragged_paged_attention(
     pages_per_block: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    sliding_window: int | jax.Array | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]
     """Causal attention of packed query rows of many sequences over their paged contexts.
 
@@ -143,12 +159,19 @@ def ragged_paged_attention(
     Rows past ``query_start_loc[-1]`` (padding) come back as zeros. Each sequence needs
     ``query_len <= context_len``.
 
+    ``soft_cap`` (static) caps the logits ``s = scale * q.k`` to ``soft_cap * tanh(s / soft_cap)``
+    before the softmax (Gemma 2). ``sliding_window`` (None, an int, or an int32 scalar that may be
+    traced, e.g. per layer inside a scan): a query at position p sees keys ``p - sliding_window <
+    k <= p`` only; a value <= 0 means no window. Slots outside a query's window are ignored
+    whatever they hold, and the kernels skip key blocks before every query's window.
+
     Tuning knobs (kernels only): ``block_q`` query rows per tile (GPU: a power of two, times the
     GQA group padded to a power of two at least 16; TPU: a multiple of 8), ``pages_per_block``
     pages per key step, ``num_warps``/``num_stages`` for the GPU lowering. ``interpret=True`` runs
     the chosen kernel in interpret mode (tests on CPU).
     """
     check_paged_inputs(q, k_pages, v_pages, block_tables, context_lens, q_rows_name="num_tokens")
+    check_window_and_cap(sliding_window, soft_cap)
     if query_start_loc.shape != (block_tables.shape[0] + 1,):
         raise ValueError(
             f"query_start_loc shape {query_start_loc.shape} must be "
@@ -159,12 +182,13 @@ def ragged_paged_attention(
     backend = pick_backend(backend, block_size=k_pages.shape[2], head_dim=q.shape[2])
     args = (q, k_pages, v_pages, block_tables, context_lens, query_start_loc)
     max_q = q.shape[0] if max_query_len is None else max_query_len
+    attn = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if backend == "reference" or q.shape[0] == 0:
-        return ragged_paged_attention_reference(*args, scale=scale, max_query_len=max_query_len)
+        return ragged_paged_attention_reference(*args, max_query_len=max_query_len, **attn)
     if max_q == 1:
         return _decode_rows(
             *args,
-            scale=scale,
+            **attn,
             backend=backend,
             interpret=interpret,
             pages_per_block=pages_per_block,
@@ -174,7 +198,7 @@ def ragged_paged_attention(
     if backend == "gpu":
         out = ragged_paged_attention_gpu(
             *args,
-            scale=scale,
+            **attn,
             max_query_len=max_q,
             block_q=block_q,
             pages_per_block=pages_per_block,
@@ -185,7 +209,7 @@ def ragged_paged_attention(
     else:
         out = ragged_paged_attention_tpu(
             *args,
-            scale=scale,
+            **attn,
             block_q=block_q,
             pages_per_block=pages_per_block,
             interpret=tpu_interpret_params(interpret),
