@@ -309,8 +309,11 @@ def _jsonable(x):
 def report(result: dict, knob: str | None, args) -> None:
     rows = [row for s in result["servers"] for row in s["rows"]]
     plotted = metrics.plot_sweep(rows, knob, args.plot) if knob and rows else None
+    text = json.dumps(_jsonable({**result, "rows": rows, "plot": plotted}), indent=2)
+    if args.save_result:
+        Path(args.save_result).write_text(text + "\n")
     if args.json:
-        print(json.dumps(_jsonable({**result, "rows": rows, "plot": plotted}), indent=2))
+        print(text)
         return
     for s in result["servers"]:
         if "start_error" in s:
@@ -375,6 +378,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     r = p.add_argument_group("report")
     r.add_argument("--slo", default=None, help="goodput SLO in ms, e.g. ttft=500,tpot=50,e2el=5000")
     r.add_argument("--json", action="store_true", help="print the results as JSON")
+    r.add_argument("--save-result", metavar="PATH", default=None, help="also write the JSON here")
     r.add_argument("--plot", default="bench_serve_sweep.png", help="the sweep's PNG")
     r.add_argument("--disable-tqdm", action="store_true")
     c = p.add_argument_group("started servers (--compare)")

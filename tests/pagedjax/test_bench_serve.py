@@ -222,8 +222,9 @@ def test_json_dataset_and_the_printed_report(server, tiny_dir, tmp_path, capsys)
     data.write_text(json.dumps(items))
     argv = ["bench", "serve", "--base-url", server, "--model", MODEL, "--tokenizer", tiny_dir]
     argv += ["--dataset-name", "json", "--dataset-path", str(data), "--disable-tqdm"]
-    assert main(argv) == 0
+    assert main([*argv, "--save-result", str(tmp_path / "result.json")]) == 0
     out = capsys.readouterr().out
+    assert json.loads((tmp_path / "result.json").read_text())["rows"][0]["completed"] == 3
     assert "Serving benchmark" in out and "warm-up (excluded): 2 requests" in out
     lines = dict(line.rsplit(None, 1) for line in out.splitlines() if line.count(" ") > 3)
     assert lines["successful requests"] == "3" and lines["exact output lengths"] == "3/3"
