@@ -237,11 +237,15 @@ def test_models_health_metrics(server, client):
         "pagedjax_compilations_total",
         "pagedjax_compile_seconds_total",
         "pagedjax_engine_aborts_total",
+        "pagedjax_token_padding_ratio",
+        "pagedjax_attention_padding_ratio",
     ):
         assert re.search(rf"^{name}\S* \S+$", text, re.M), name
     m = _metrics(server)
     assert m["pagedjax_generation_tokens_total"] > 0
     assert m["pagedjax_time_to_first_token_seconds_count"] > 0
+    assert m["pagedjax_token_padding_ratio"] >= 1.0  # padded rows per real one
+    assert m["pagedjax_attention_padding_ratio"] >= 1.0
 
 
 def test_missing_or_wrong_key_is_401(server):

@@ -34,6 +34,16 @@ _GAUGES = (
         lambda s: s.num_blocks_used / max(s.num_blocks_total, 1),
     ),
     ("prefix_cache_hit_rate", "Prefix cache hits / lookups.", lambda s: s.prefix_cache_hit_rate),
+    (
+        "token_padding_ratio",
+        "Token rows computed (padding included) per real token, over every step.",
+        lambda s: s.token_padding_ratio,
+    ),
+    (
+        "attention_padding_ratio",
+        "Attention work computed (padding included) per real query-key pair, over every step.",
+        lambda s: s.attention_padding_ratio,
+    ),
 )
 _COUNTERS = (
     ("num_preemptions", "Preemptions.", lambda s: s.num_preemptions),
