@@ -296,51 +296,6 @@ def _extra_body(args) -> dict:
     return body
 
 
-def _jsonable(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
-    return x
-
-
-def report(result: dict, knob: str | None, args) -> None:
-    rows = [row for s in result["servers"] for row in s["rows"]]
-    plotted = metrics.plot_sweep(rows, knob, args.plot) if knob and rows else None
-    text = json.dumps(_jsonable({**result, "rows": rows, "plot": plotted}), indent=2)
-    if args.save_result:
-        Path(args.save_result).write_text(text + "\n")
-    if args.json:
-        print(text)
-        return
-    for s in result["servers"]:
-        if "start_error" in s:
-            print(f"{s['server']}: did not start; see {s['log']}")
-            continue
-        w = s["warmup"]
-        sent = ", ".join(s["fields_sent"]) or "none"
-        ready = f", ready in {s['ready_s']:.1f} s" if "ready_s" in s else ""
-        print(f"{s['server']} ({s['base_url']}, model {s['model']}{ready}): extra fields: {sent}")
-        if w["num"]:
-            ttft = ", ".join(metrics._fmt(t, 1) for t in w["ttft_ms"])
-            e2el = ", ".join(metrics._fmt(t, 1) for t in w["e2el_ms"])
-            print(f"  warm-up (excluded): {w['num']} requests, TTFT ms [{ttft}], E2E ms [{e2el}]")
-    if knob:
-        metrics.print_sweep(rows, knob)
-    elif len(rows) > 1:
-        metrics.print_side_by_side([(r["server"], r) for r in rows])
-    elif rows:
-        metrics.print_single(rows[0])
-    if knob and rows:
-        print(f"plot: {plotted}" if plotted else "plot: skipped (matplotlib is not installed)")
-    load = os.getloadavg()
-    print(f"load average now: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} CPUs)")
-    if load[1] > (os.cpu_count() or 1):
-        print("the machine was busy: timings taken under this load are not trustworthy")
-
-
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(prog="pagedjax bench serve")
     p.description = __doc__.split("\n")[0]
@@ -374,7 +329,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     t.add_argument("--temperature", type=float, default=0.0)
     t.add_argument("--extra-body", default=None, help="JSON merged into every request body")
     t.add_argument("--num-warmups", type=int, default=2, help="excluded, reported apart")
-    t.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    t.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a request may wait for its next byte",
+    )
     r = p.add_argument_group("report")
     r.add_argument("--slo", default=None, help="goodput SLO in ms, e.g. ttft=500,tpot=50,e2el=5000")
     r.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -432,7 +392,7 @@ def run(args) -> int:
     else:
         result = run_single(args, slo, knob, values)
     result["args"] = {k: v for k, v in vars(args).items() if k != "func"}
-    report(result, knob, args)
+    metrics.report(result, knob, args)
     return 1 if any("start_error" in s for s in result["servers"]) else 0
 
 

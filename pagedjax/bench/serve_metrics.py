@@ -5,7 +5,10 @@ sweep) and the sweep's plot. Plain Python + numpy; matplotlib only when a plot i
 from __future__ import annotations
 
 import collections
+import json
 import math
+import os
+from pathlib import Path
 
 import numpy as np
 
@@ -243,3 +246,50 @@ def plot_sweep(rows: list[dict], knob: str, path: str) -> str | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _jsonable(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def report(result: dict, knob: str | None, args) -> None:
+    """Write the JSON (--save-result), then print it (--json) or the tables; the load average
+    last, as a warning on the figures when the machine was busy."""
+    rows = [row for s in result["servers"] for row in s["rows"]]
+    plotted = plot_sweep(rows, knob, args.plot) if knob and rows else None
+    text = json.dumps(_jsonable({**result, "rows": rows, "plot": plotted}), indent=2)
+    if args.save_result:
+        Path(args.save_result).write_text(text + "\n")
+    if args.json:
+        print(text)
+        return
+    for s in result["servers"]:
+        if "start_error" in s:
+            print(f"{s['server']}: did not start; see {s['log']}")
+            continue
+        w = s["warmup"]
+        sent = ", ".join(s["fields_sent"]) or "none"
+        ready = f", ready in {s['ready_s']:.1f} s" if "ready_s" in s else ""
+        print(f"{s['server']} ({s['base_url']}, model {s['model']}{ready}): extra fields: {sent}")
+        if w["num"]:
+            ttft = ", ".join(_fmt(t, 1) for t in w["ttft_ms"])
+            e2el = ", ".join(_fmt(t, 1) for t in w["e2el_ms"])
+            print(f"  warm-up (excluded): {w['num']} requests, TTFT ms [{ttft}], E2E ms [{e2el}]")
+    if knob:
+        print_sweep(rows, knob)
+    elif len(rows) > 1:
+        print_side_by_side([(r["server"], r) for r in rows])
+    elif rows:
+        print_single(rows[0])
+    if knob and rows:
+        print(f"plot: {plotted}" if plotted else "plot: skipped (matplotlib is not installed)")
+    load = os.getloadavg()
+    print(f"load average now: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} CPUs)")
+    if load[1] > (os.cpu_count() or 1):
+        print("the machine was busy: timings taken under this load are not trustworthy")
