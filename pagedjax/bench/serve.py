@@ -375,6 +375,7 @@ def _validate(args) -> None:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if not args.request_timeout > 0:
         raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    _extra_body(args)  # a bad --extra-body fails before any server starts
 
 
 def run(args) -> int:
