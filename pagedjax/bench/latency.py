@@ -9,13 +9,15 @@ to ``LLMEngine.add_request`` when their time comes; the engine steps continuousl
 thread. Every new token is stamped when the step that produced it returns. Per request: TTFT =
 first token - arrival; TPOT = (last token - first token) / (output tokens - 1); ITL = the gaps
 between successive tokens. Reported: mean, median, p90, p99 of each (ms), plus request and output
-token throughput. The same schedule is replayed once beforehand (unless --no-warmup) so that
-compilation is not counted as latency; programs still compiled while timed are reported.
+token throughput. The same schedule (same lengths and arrival times, other token ids, so that
+the timed run gets no prefix-cache hits) is replayed once beforehand (unless --no-warmup) so
+that compilation is not counted as latency; programs still compiled while timed are reported.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import numpy as np
@@ -110,8 +112,19 @@ def benchmark(args) -> dict:
     else:
         arrivals = np.cumsum(rng.exponential(1.0 / args.request_rate, len(requests)))
         arrivals -= arrivals[0]
-    if not args.no_warmup:  # the same schedule once: compiles the batch shapes it meets
-        serve(llm.engine, requests, arrivals, prefix="warmup")
+    if not args.no_warmup:
+        # The same schedule once, to compile the batch shapes it meets, with other token ids of
+        # the same lengths: replaying the same prompts would let the timed run hit the prefix
+        # cache and report a TTFT no new request sees.
+        rng_w = np.random.default_rng(args.seed + 3)
+        vocab = llm.model_config.vocab_size
+        decoys = [
+            dataclasses.replace(
+                r, prompt_token_ids=rng_w.integers(3, vocab, len(r.prompt_token_ids)).tolist()
+            )
+            for r in requests
+        ]
+        serve(llm.engine, decoys, arrivals, prefix="warmup")
     compiled = llm.get_stats().num_compilations
     res = serve(llm.engine, requests, arrivals)
     res["compilations_while_timed"] = llm.get_stats().num_compilations - compiled

@@ -12,7 +12,9 @@ after the other (never both at once), so neither disturbs the other:
   attention over its real context, one LM-head row per output token; bench/roofline.py) and
   measures this machine's matmul FLOP/s at the model's own layer shapes (jax and torch, best of
   repeated runs): the roofline both sides are measured against.
-- pagedjax: ``LLM.generate`` over the whole workload (continuous batching over the paged pool).
+- pagedjax: ``LLM.generate`` over the whole workload (continuous batching over the paged pool),
+  prefix caching off (every run repeats the same prompts: the warm runs would otherwise skip the
+  prefill the peer computes; the workload shares no prefixes, so nothing real is lost).
   The first call is the cold run (compilation included; the persistent compilation cache is off
   for it unless --keep-compile-cache), then --repeats warm runs.
 - transformers: its own batched ``generate``, as vLLM's ``benchmark_throughput --backend hf`` does:

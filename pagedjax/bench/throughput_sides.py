@@ -150,6 +150,9 @@ def run_pagedjax(spec: dict, requests: list[Request]) -> dict:
         max_num_seqs=spec["max_num_seqs"],
         kv_cache_space_gib=spec["kv_cache_space_gib"],
         seed=spec["seed"],
+        # Every run repeats the same prompts: with the prefix cache on, the warm runs would skip
+        # most of the prefill that the peer (and the cold run) computes.
+        enable_prefix_caching=False,
     )
     load_s = time.perf_counter() - t0
 
