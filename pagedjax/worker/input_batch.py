@@ -84,33 +84,38 @@ class InputBatcher:
         num_tokens_b = num_seqs_b if decode else next_pow2(num_tokens, MIN_TOKENS_BUCKET)
         max_blocks_b = self.blocks_bucket(max(len(s.block_table) for s in seqs))
 
-        token_ids = np.zeros(num_tokens_b, np.int32)
-        positions = np.zeros(num_tokens_b, np.int32)
-        slots = np.full(num_tokens_b, -1, np.int32)
+        # Whole-batch numpy: one pass over the sequences gathers their lists, the rest is
+        # vectorized (no numpy call per sequence).
+        num = len(seqs)
+        q_lens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, num)
+        starts = np.fromiter((s.start_pos for s in seqs), np.int64, num)
+        widths = np.fromiter((len(s.block_table) for s in seqs), np.int64, num)
+        ends = np.cumsum(q_lens)  # each sequence's rows end here
+        seq_of_row = np.repeat(np.arange(num), q_lens)
+        pos = starts[seq_of_row] + np.arange(num_tokens) - (ends - q_lens)[seq_of_row]
+
         tables = np.zeros((num_seqs_b, max_blocks_b), np.int32)
-        context_lens = np.zeros(num_seqs_b, np.int32)
-        # Decode layout keeps row i = sequence i, so padding sequences own the padding rows.
-        qsl = (
-            np.arange(num_seqs_b + 1, dtype=np.int32)
-            if decode
-            else np.full(num_seqs_b + 1, num_tokens, np.int32)
+        tables[:num][np.arange(max_blocks_b) < widths[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(s.block_table for s in seqs), np.int32, widths.sum()
         )
+        token_ids = np.zeros(num_tokens_b, np.int32)
+        token_ids[:num_tokens] = np.fromiter(
+            itertools.chain.from_iterable(s.token_ids for s in seqs), np.int32, num_tokens
+        )
+        positions = np.zeros(num_tokens_b, np.int32)
+        positions[:num_tokens] = pos
+        slots = np.full(num_tokens_b, -1, np.int32)
+        slots[:num_tokens] = tables[seq_of_row, pos // bs] * bs + pos % bs
+        context_lens = np.zeros(num_seqs_b, np.int32)
+        context_lens[:num] = starts + q_lens
+        # Decode layout keeps row i = sequence i, so padding sequences own the padding rows.
+        if decode:
+            qsl = np.arange(num_seqs_b + 1, dtype=np.int32)
+        else:
+            qsl = np.full(num_seqs_b + 1, num_tokens, np.int32)
+            qsl[:num] = ends - q_lens
         logits_indices = np.zeros(num_seqs_b, np.int32)
-        row = 0
-        for i, s in enumerate(seqs):
-            n = len(s.token_ids)
-            pos = np.arange(s.start_pos, s.start_pos + n)
-            table = np.asarray(s.block_table, np.int32)
-            token_ids[row : row + n] = s.token_ids
-            positions[row : row + n] = pos
-            slots[row : row + n] = table[pos // bs] * bs + pos % bs
-            tables[i, : len(table)] = table
-            context_lens[i] = s.start_pos + n
-            qsl[i] = row
-            row += n
-            logits_indices[i] = row - 1
-        if not decode:
-            qsl[len(seqs) :] = row
+        logits_indices[:num] = ends - 1
         return StepInput(
             token_ids=token_ids,
             positions=positions,
