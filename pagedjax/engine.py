@@ -171,8 +171,8 @@ class LLMEngine(DriverOrFollower):
             for group, seq in update.new_tokens if update else ():
                 req = self.requests[group.request_id]
                 try:
-                    if req.error is None and self.output_processor.stop_string_hit(seq, req.params):
-                        self.scheduler.finish_seq(seq, "stop")
+                    if req.error is None and (why := self.output_processor.check_stop(req, seq)):
+                        self.scheduler.finish_seq(seq, why)
                 except Exception as e:
                     self._fail(req, e)
             self.block_manager.record_usage()

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
+from pagedjax.structured_output import GrammarCompiler
 from pagedjax.utils import cdiv
 
 Prompt = str | list[int]
@@ -83,6 +84,7 @@ class InputProcessor:
     def __init__(self, capacity: Capacity, tokenizer=None):
         self.capacity = capacity
         self.tokenizer = tokenizer
+        self.grammars = GrammarCompiler(tokenizer, capacity.vocab_size)  # structured output
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -132,6 +134,8 @@ class InputProcessor:
                     f"logit_bias: token ids {bad[:8]} are outside the vocabulary "
                     f"[0, {cap.vocab_size})"
                 )
+            if params.structured_outputs is not None:  # a bad schema, regex or grammar is named
+                self.grammars.compile(params.structured_outputs)
             width_name = "n"
         else:
             width_name = "beam_width"

@@ -60,6 +60,18 @@ class OutputProcessor:
         seq.text = seq.text[:at]
         return True
 
+    def check_stop(self, req: Request, seq: Sequence) -> str | None:
+        """After seq's new token: "stop" for a stop string or a complete grammar, "abort" for a
+        grammar no token can continue (structured_output.py), else None."""
+        reason = None
+        if req.grammar is not None and not seq.is_finished():
+            reason = req.grammar.after_token(seq)
+        if self.stop_string_hit(seq, req.params):
+            reason = "stop"
+        if req.grammar is not None and (reason or seq.is_finished()):
+            req.grammar.forget(seq)
+        return reason
+
     def make_output(self, req: Request) -> RequestOutput:
         if req.is_beam_search:
             return self._beam_output(req)
@@ -73,6 +85,7 @@ class OutputProcessor:
                 cumulative_logprob=s.cumulative_logprob,
                 logprobs=list(s.logprobs) if want_logprobs else None,
                 finish_reason=s.finish_reason,
+                stop_reason=req.grammar.stop_reasons.get(s.seq_id) if req.grammar else None,
             )
             for s in seqs
         ]

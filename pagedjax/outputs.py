@@ -23,6 +23,8 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None  # "stop" (EOS / stop token), "length", "abort", or None (running)
+    # Why a grammar ended it with "abort": no token of the vocabulary could continue it.
+    stop_reason: str | None = None
 
 
 @dataclasses.dataclass

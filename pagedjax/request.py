@@ -7,6 +7,7 @@ import dataclasses
 from pagedjax.core.scheduler import SeqChunk
 from pagedjax.core.sequence import SequenceGroup
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
+from pagedjax.structured_output import RequestGrammar
 from pagedjax.worker.prompt_logprobs import PromptLogprobs, PromptRows
 from pagedjax.worker.sampler import SamplingRow
 
@@ -24,8 +25,14 @@ class Request:
     seed: int  # 32-bit; sample i draws with (seed + i * golden) mod 2**32
     error: str | None = None  # why the engine ended it, if it did (its output carries this)
     prompt_logprobs: PromptLogprobs | None = None  # set when its params ask for them
+    grammar: RequestGrammar | None = None  # its structured output's state, if it has one
 
     def __post_init__(self):
+        so = getattr(self.params, "structured_outputs", None)
+        if so is not None and self.grammar is None:
+            if so.compiled is None:
+                raise ValueError("structured_outputs was not compiled (InputProcessor.check)")
+            self.grammar = RequestGrammar(so.compiled)
         k = getattr(self.params, "prompt_logprobs", None)
         if k is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = PromptLogprobs(self.prompt_token_ids, k)
@@ -70,6 +77,7 @@ class Request:
                 prompt_token_ids=seq.prompt_token_ids if penalties else (),
                 output_token_ids=seq.output_token_ids if penalties else (),
                 logit_bias=tuple((p.logit_bias or {}).items()),
+                token_bitmask=self.grammar.mask(seq) if self.grammar is not None else None,
             )
             for i in (indices if chunk.num_samples else ())
         ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from pagedjax.structured_output import StructuredOutputsParams
+
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (the sampler's fixed-width bias input)
 MAX_BIAS_VALUE = 100.0  # |bias| at most this, as OpenAI's API
@@ -19,6 +21,9 @@ def _bad(obj, name: str, why: str):
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+__all__ = ["BeamSearchParams", "SamplingParams", "StructuredOutputsParams"]
 
 
 @dataclasses.dataclass
@@ -41,6 +46,8 @@ class SamplingParams:
     # a request computes its whole prompt (it does not read the shared prefix cache).
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    # Constrain the output to a JSON schema, a regex, a choice or a grammar (structured_output.py)
+    structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self):
@@ -96,6 +103,10 @@ class SamplingParams:
                         f"logit_bias values must be in [-100, 100], got {v!r} for token {t}"
                     )
             self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            _bad(self, "structured_outputs", "must be None or StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

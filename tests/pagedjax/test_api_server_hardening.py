@@ -488,7 +488,7 @@ def test_non_finite_and_out_of_range_numbers_are_400s(server):
         ("/v1/completions", {"min_tokens": 3}, "min_tokens"),  # unknown fields are not ignored
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {}}]}, "tools"),
         ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
         ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_JSON_DEPTH = 32  # a chat body with content parts needs 5
 
@@ -159,6 +159,10 @@ class _Common(_Strict):
     user: str | None = None
     best_of: Int | None = None  # generate best_of, return the n of highest cumulative logprob
     logit_bias: dict[str, Float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    # {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": {...}, ...}}
+    response_format: dict[str, Any] | None = None
+    # vLLM's: exactly one of json (a schema), regex, choice, grammar, json_object
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Common):
@@ -187,7 +191,6 @@ class ChatRequest(_Common):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
 
 
 # field -> the values that ask for nothing this server lacks
@@ -197,7 +200,6 @@ _NEUTRAL: dict[str, tuple] = {
     "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
 }
 
 
@@ -267,6 +269,39 @@ def _text_part(part: Any, loc: str) -> str:
 
 
 # ---- to SamplingParams ----------------------------------------------------------------------
+
+
+def structured_outputs(req: _Common) -> tuple[StructuredOutputsParams | None, str]:
+    """The request's output constraint (from response_format or structured_outputs) and the
+    field it came from; 400s name what is wrong with it."""
+    rf, so = req.response_format, req.structured_outputs
+    if rf is not None and rf.get("type") != "text" and so is not None:
+        raise bad_request("give response_format or structured_outputs, not both", "response_format")
+    try:
+        if so is not None:
+            fields = {f.name for f in dataclasses.fields(StructuredOutputsParams)} - {"compiled"}
+            unknown = sorted(set(so) - fields)
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown field {unknown[0]!r}")
+            return StructuredOutputsParams(**so), "structured_outputs"
+        if rf is None or rf.get("type") == "text":
+            return None, "response_format"
+        kind = rf.get("type")
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True), "response_format"
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ValueError(
+                    "response_format: json_schema must be an object with a 'schema' object"
+                )
+            return StructuredOutputsParams(json=spec["schema"]), "response_format"
+        raise ValueError(
+            f"response_format: type must be text, json_object or json_schema, got {kind!r}"
+        )
+    except ValueError as e:
+        param = "structured_outputs" if so is not None else "response_format"
+        raise bad_request(str(e), param) from None
 
 
 def logit_bias(req: _Common, vocab_size: int) -> dict[int, float] | None:

@@ -35,6 +35,7 @@ from pagedjax.entrypoints.openai.protocol import (
     parse_json,
     parse_request,
     sampling_params,
+    structured_outputs,
 )
 from pagedjax.entrypoints.openai.serving_engine import Echo, OpenAIServing
 
@@ -246,7 +247,9 @@ def build_app(
         if max_tokens is None:
             max_tokens = max(max_model_len - max(len(x) for x in prompts), 1)
         echo_only = req.echo and max_tokens == 0  # the engine makes one token, never shown
-        extra = {"logit_bias": logit_bias(req, serving.vocab)}
+        constraint, constraint_field = structured_outputs(req)
+        await serving.check_constraint(constraint, constraint_field)
+        extra = {"logit_bias": logit_bias(req, serving.vocab), "structured_outputs": constraint}
         if req.echo and req.logprobs is not None:
             extra["prompt_logprobs"] = req.logprobs
         params = sampling_params(
@@ -285,9 +288,10 @@ def build_app(
             k = req.top_logprobs or 0
         elif req.top_logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        params = sampling_params(
-            req, max_tokens, field, k, limits, logit_bias=logit_bias(req, serving.vocab)
-        )
+        constraint, constraint_field = structured_outputs(req)
+        await serving.check_constraint(constraint, constraint_field)
+        extra = {"logit_bias": logit_bias(req, serving.vocab), "structured_outputs": constraint}
+        params = sampling_params(req, max_tokens, field, k, limits, **extra)
         serving.admit([ids], params, "messages")
         return await serving.run(request, req, [ids], params, chat=True, k_logprobs=k)
 

@@ -106,6 +106,17 @@ class OpenAIServing:
                     param = field
                 raise bad_request(str(e), param, code) from None
 
+    async def check_constraint(self, constraint, param: str) -> None:
+        """Compile a structured-output constraint before admission, off the event loop (the
+        first one builds the tokenizer's index); a 400 names what is wrong with it."""
+        if constraint is None:
+            return
+        compiler = self.engine.input_processor.grammars
+        try:
+            await asyncio.to_thread(compiler.compile, constraint)
+        except ValueError as e:
+            raise bad_request(str(e), param) from None
+
     def check_engine_thread(self) -> None:
         """A request waiting on a dead engine thread would wait forever: fail it instead."""
         if not self.engine_loop.is_running:
@@ -240,6 +251,8 @@ class OpenAIServing:
                         )
                     choice = {"index": index, "logprobs": lp, "finish_reason": finish}
                     choice["text"] = text
+                if c.stop_reason is not None:  # why a grammar could go no further
+                    choice["stop_reason"] = c.stop_reason
                 choices.append(choice)
         choices.sort(key=lambda ch: ch["index"])
         body = {

@@ -1,11 +1,14 @@
-"""/v1/completions echo with logprobs (what lm-evaluation-harness's local-completions sends to
-score a prompt), logit_bias and best_of, on a live server over a tiny byte-level model."""
+"""On a live server over a tiny byte-level model: /v1/completions echo with logprobs (what
+lm-evaluation-harness's local-completions sends to score a prompt), logit_bias, best_of, and
+structured output (response_format, structured_outputs) on both endpoints."""
 
 from __future__ import annotations
 
 import json
+import re
 import types
 
+import jsonschema
 import numpy as np
 import openai
 import pytest
@@ -187,3 +190,120 @@ def test_best_of_returns_the_most_likely_samples(server, client):
 )
 def test_bad_fields_are_400s(server, fields, param):
     assert_openai_error(*post(server, {"prompt": PROMPT, **fields}), 400, param=param)
+
+
+# ---- structured output ----------------------------------------------------------------------
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 5},
+        "rank": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["city", "rank"],
+    "additionalProperties": False,
+}
+
+
+def chat_body(**fields):
+    messages = [{"role": "user", "content": "A city, as JSON"}]
+    return {"messages": messages, "max_tokens": 60, **fields}
+
+
+def test_chat_response_format_json_schema_and_object(server, client):
+    rf = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+    r = client.chat.completions.create(
+        model=MODEL, n=2, temperature=1.0, seed=1, response_format=rf, **chat_body()
+    )
+    for c in r.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+    # Streamed, the same constraint holds across the deltas.
+    stream = client.chat.completions.create(
+        model=MODEL, temperature=0, response_format=rf, stream=True, **chat_body()
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    jsonschema.validate(json.loads(text), SCHEMA)
+    r = client.chat.completions.create(
+        model=MODEL, temperature=0, response_format={"type": "json_object"}, **chat_body()
+    )
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_structured_outputs_on_both_endpoints(server, client):
+    r = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=20,
+        temperature=1.0,
+        seed=2,
+        n=3,
+        extra_body={"structured_outputs": {"regex": "[A-Z][a-z]{2,5}!"}},
+    )
+    assert all(re.fullmatch("[A-Z][a-z]{2,5}!", c.text) for c in r.choices)
+    r = client.chat.completions.create(
+        model=MODEL,
+        temperature=0,
+        **chat_body(),
+        extra_body={"structured_outputs": {"choice": ["Paris", "Rome"]}},
+    )
+    assert r.choices[0].message.content in ("Paris", "Rome")
+    r = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=40,
+        temperature=0,
+        extra_body={"structured_outputs": {"json": SCHEMA}},
+    )
+    jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
+    r = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=30,
+        temperature=0,
+        extra_body={"structured_outputs": {"grammar": 'start: "<" /[a-c]+/ ">"'}},
+    )
+    assert re.fullmatch("<[a-c]+>", r.choices[0].text)
+
+
+@pytest.mark.parametrize(
+    "path, fields, param, says",
+    [
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}},
+            "response_format",
+            "JSON schema",
+        ),
+        ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format", "type"),
+        ("/v1/completions", {"structured_outputs": {"regex": "(a"}}, "structured_outputs", "regex"),
+        (
+            "/v1/completions",
+            {"structured_outputs": {"grammar": "start: ("}},
+            "structured_outputs",
+            "grammar",
+        ),
+        (
+            "/v1/completions",
+            {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+            "structured_outputs",
+            "exactly one",
+        ),
+        (
+            "/v1/completions",
+            {"structured_outputs": {"pattern": "a"}},
+            "structured_outputs",
+            "unknown field",
+        ),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            "response_format",
+            "not both",
+        ),
+    ],
+)
+def test_bad_constraints_are_400s_naming_what_is_wrong(server, path, fields, param, says):
+    body = chat_body(**fields) if "chat" in path else {"prompt": PROMPT, **fields}
+    assert_openai_error(*post(server, body, path), 400, param=param, contains=says)

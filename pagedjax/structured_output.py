@@ -1,0 +1,283 @@
+"""Structured output: sampling constrained to a JSON schema, a regex, a choice or a grammar.
+
+The library is llguidance (docs/STRUCTURED_OUTPUT.md says why), imported only when a request asks.
+Host side, pure Python and numpy; no jax.
+
+- Admission (``InputProcessor.check``) compiles the constraint once per spec (cached) with the
+  model's tokenizer: an invalid schema, regex or grammar, or one that allows no first token of this
+  vocabulary, is a ``ValueError`` naming what is wrong (a 400 on the server).
+- Each request keeps one matcher per sequence (``RequestGrammar``), advanced on the host as tokens
+  are accepted (after each step) and rebuilt from the sequence's tokens whenever it is missing or
+  behind (the n samples' forks, a restored snapshot); recompute after preemption keeps the tokens,
+  so the state follows.
+- Before each step every constrained row carries its packed int32 bitmask [ceil(vocab / 32)] of
+  allowed tokens, which the sampler applies on device as a fixed-shape input (sampler.py).
+- Ending: once the grammar is complete and takes nothing more, the sequence finishes "stop" (no EOS
+  token needed); if no token can continue it (a grammar this vocabulary cannot spell), it finishes
+  "abort" with the reason in ``CompletionOutput.stop_reason``. Never an endless loop: ``max_tokens``
+  still bounds a grammar that could go on ("length").
+
+JSON is generated in one style: ", " and ": " between items, no other whitespace (free whitespace
+lets small models loop on newlines).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import threading
+from typing import Any
+
+import numpy as np
+
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_CACHE_SIZE = 128
+
+
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """vLLM's: exactly one of ``json`` (a JSON schema, as a dict or its text), ``regex``,
+    ``choice`` (the output is one of these strings), ``grammar`` (Lark, or GBNF / EBNF as
+    llama.cpp writes it) or ``json_object=True`` (any JSON object)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # Set at admission: the compiled constraint, shared by every copy of these params.
+    compiled: CompiledGrammar | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs: give exactly one of {', '.join(_KINDS)}, got "
+                f"{given or 'none'}"
+            )
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs: json is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, dict | bool):
+            raise ValueError("structured_outputs: json must be a JSON schema (an object)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs: {name} must be a non-empty string")
+        if self.choice is not None:
+            ok = isinstance(self.choice, list | tuple) and self.choice
+            if not ok or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured_outputs: choice must be a list of non-empty strings")
+            self.choice = list(self.choice)
+        if self.json_object not in (None, True, False):
+            raise ValueError("structured_outputs: json_object must be a boolean")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """A hashable, canonical form of the constraint (the compile cache's key)."""
+        value = getattr(self, self.kind)
+        return self.kind, json.dumps(value, sort_keys=True)
+
+
+class CompiledGrammar:
+    """A checked llguidance grammar with its tokenizer; immutable and shared (copies are it)."""
+
+    def __init__(self, grammar: str, ll_tokenizer, vocab_size: int, description: str):
+        self.grammar = grammar
+        self.ll_tokenizer = ll_tokenizer
+        self.vocab_size = vocab_size
+        self.description = description
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def new_matcher(self):
+        import llguidance
+
+        return llguidance.LLMatcher(self.ll_tokenizer, self.grammar, log_level=0)
+
+    def fill_mask(self, matcher, out: np.ndarray) -> None:
+        """Write matcher's allowed tokens into out (i32[1, ceil(vocab / 32)])."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        fill_next_token_bitmask(matcher, out, 0)
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputsParams for one tokenizer and vocabulary (one per engine); safe
+    to call from several threads (the server checks requests on its own thread)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._ll_tokenizer = None
+        self._lock = threading.Lock()
+        self._cache: collections.OrderedDict[tuple, CompiledGrammar] = collections.OrderedDict()
+
+    def ll_tokenizer(self):
+        with self._lock:
+            if self._ll_tokenizer is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured_outputs: this model has no tokenizer")
+                try:
+                    import llguidance.hf
+                except ImportError as e:
+                    raise ValueError(
+                        f"structured_outputs needs llguidance (pip install llguidance): {e}"
+                    ) from None
+                try:
+                    self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                        self.tokenizer, n_vocab=self.vocab_size
+                    )
+                except Exception as e:
+                    raise ValueError(
+                        f"structured_outputs: this model's tokenizer is not supported "
+                        f"({type(e).__name__}: {e})"
+                    ) from None
+            return self._ll_tokenizer
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """The compiled constraint (also kept on ``params.compiled``); ValueError naming what is
+        wrong with it."""
+        if not isinstance(params, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {params!r}")
+        key = params.key()
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+        if compiled is None:
+            compiled = self._compile(params)
+            with self._lock:
+                self._cache[key] = compiled
+                while len(self._cache) > _CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        params.compiled = compiled
+        return compiled
+
+    def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        ll_tokenizer = self.ll_tokenizer()
+        import llguidance
+
+        kind, what = params.kind, _DESCRIPTIONS[params.kind]
+        try:
+            if kind in ("json", "json_object"):
+                schema = params.json if kind == "json" else {"type": "object"}
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    json.dumps(schema), overrides=JSON_STYLE
+                )
+            elif kind == "choice":
+                words = (json.dumps(c, ensure_ascii=False) for c in params.choice)
+                grammar = llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(words))
+            else:
+                grammar = llguidance.grammar_from(kind, getattr(params, kind))
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.{kind}: invalid {what}: {e}") from None
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, ll_tokenizer
+        )
+        if is_error:
+            raise ValueError(f"structured_outputs.{kind}: invalid {what}: {messages[0]}")
+        compiled = CompiledGrammar(grammar, ll_tokenizer, self.vocab_size, what)
+        matcher = compiled.new_matcher()
+        mask = np.zeros((1, mask_width(self.vocab_size)), np.int32)
+        if not matcher.is_error():
+            compiled.fill_mask(matcher, mask)
+        dead = _first_line(matcher).startswith("NoExtension") if matcher.is_error() else False
+        if matcher.is_error() and not dead:
+            raise ValueError(f"structured_outputs.{kind}: invalid {what}: {_first_line(matcher)}")
+        if dead or not mask.any():
+            raise ValueError(
+                f"structured_outputs.{kind}: the {what} allows no first token of this model's "
+                "vocabulary"
+            )
+        return compiled
+
+
+_DESCRIPTIONS = {
+    "json": "JSON schema",
+    "json_object": "JSON object",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+}
+
+
+def _first_line(matcher) -> str:
+    return matcher.get_error().strip().split("\n", 1)[0]
+
+
+def mask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class RequestGrammar:
+    """One request's grammar state: a matcher per sequence, kept in step with its tokens."""
+
+    def __init__(self, compiled: CompiledGrammar):
+        self.compiled = compiled
+        self._matchers: dict[int, Any] = {}  # seq_id -> matcher
+        self._consumed: dict[int, int] = {}  # seq_id -> output tokens the matcher has taken
+        self._masks: dict[int, tuple[int, np.ndarray]] = {}  # seq_id -> (consumed, mask)
+        self.stop_reasons: dict[int, str] = {}  # seq_id -> why its grammar could go no further
+
+    def __getstate__(self):  # matchers are rebuilt from the tokens (snapshots, copies)
+        state = dict(self.__dict__)
+        state.update(_matchers={}, _consumed={}, _masks={})
+        return state
+
+    def _synced(self, seq):
+        """seq's matcher after all its output tokens (built anew if missing or out of step)."""
+        sid, tokens = seq.seq_id, seq.output_token_ids
+        matcher, done = self._matchers.get(sid), self._consumed.get(sid, 0)
+        if matcher is None or done > len(tokens):
+            matcher, done = self.compiled.new_matcher(), 0
+            self._matchers[sid] = matcher
+        for t in tokens[done:]:
+            matcher.consume_token(t)
+        self._consumed[sid] = len(tokens)
+        return matcher
+
+    def mask(self, seq) -> np.ndarray:
+        """i32[ceil(vocab / 32)]: the tokens seq may sample next."""
+        matcher = self._synced(seq)
+        cached = self._masks.get(seq.seq_id)
+        if cached is not None and cached[0] == len(seq.output_token_ids):
+            return cached[1]
+        mask = np.zeros((1, mask_width(self.compiled.vocab_size)), np.int32)
+        if not matcher.is_error():
+            self.compiled.fill_mask(matcher, mask)
+        if matcher.is_error():  # e.g. no token can extend it: nothing is allowed
+            mask[:] = 0
+        self._masks[seq.seq_id] = (len(seq.output_token_ids), mask[0])
+        return mask[0]
+
+    def after_token(self, seq) -> str | None:
+        """Take seq's new tokens; "stop" if its grammar is complete and can take nothing more,
+        "abort" (reason in stop_reasons) if no token can continue it, else None."""
+        matcher = self._synced(seq)
+        what = self.compiled.description
+        if matcher.is_error():
+            return self._dead_end(seq, f"the {what} refused a token: {_first_line(matcher)}")
+        if matcher.is_stopped():
+            if matcher.is_accepting():
+                return "stop"
+            return self._dead_end(seq, f"the {what} can go no further and is not complete")
+        if not self.mask(seq).any():
+            return self._dead_end(seq, f"no token of the vocabulary can continue the {what}")
+        return None
+
+    def _dead_end(self, seq, why: str) -> str:
+        self.stop_reasons[seq.seq_id] = why
+        return "abort"
+
+    def forget(self, seq) -> None:
+        for d in (self._matchers, self._consumed, self._masks):
+            d.pop(seq.seq_id, None)
