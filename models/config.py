@@ -148,6 +148,17 @@ class ModelConfig:
         return dict(self.rope_scaling or ())
 
     @property
+    def longrope_switch_len(self) -> int | None:
+        """LongRoPE (Phi-3): a sequence longer than this many tokens is rotated with the long
+        factors, a shorter one with the short factors (models/layers.py ``rope_tables``). HF's
+        generate re-runs a sequence that grows past it, so that its cached keys are rotated by
+        the long factors too; an engine matching that recomputes such a sequence once. None: no
+        switch."""
+        if self.rope_params.get("rope_type") != "longrope":
+            return None
+        return int(self.rope_params["original_max_position_embeddings"])
+
+    @property
     def rotary_dims(self) -> int:
         return self.rotary_dim or self.head_dim
 
