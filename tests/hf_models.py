@@ -36,18 +36,134 @@ TINY_CONFIGS = {
         dict(num_attention_heads=4, num_key_value_heads=1, rope_theta=500000.0),
     ),
 }
+# One per family beyond the Llama ones above (tests/models/test_families*.py): each exercises
+# the family's defining details. Windows of 8 tokens, so that test prompts run past them.
+WINDOW = 8
+_GEMMA = dict(
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    query_pre_attn_scalar=24,
+    sliding_window=WINDOW,
+    hidden_activation="gelu_pytorch_tanh",
+)
+FAMILY_CONFIGS = {
+    "qwen3": (  # q/k norms; Qwen's optional window on the layers from max_window_layers on
+        "Qwen3Config",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_hidden_layers=3,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            max_window_layers=1,
+        ),
+    ),
+    "gemma2": (  # soft caps small enough to bend the logits
+        "Gemma2Config",
+        dict(
+            **_GEMMA, num_hidden_layers=4, attn_logit_softcapping=5.0, final_logit_softcapping=3.0
+        ),
+    ),
+    "gemma3": (  # local/global layers with their own rope; linear scaling on the global ones
+        "Gemma3TextConfig",
+        dict(
+            **_GEMMA,
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            },
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=4),
+    ),
+    "qwen2_moe": (  # shared expert; layer 1 dense (mlp_only_layers)
+        "Qwen2MoeConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=3,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "qwen3_moe": (  # every second layer sparse (decoder_sparse_step)
+        "Qwen3MoeConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_hidden_layers=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=2,
+        ),
+    ),
+    "phi3": (  # LongRoPE past 32 tokens, partial rotary (half the head)
+        "Phi3Config",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            partial_rotary_factor=0.5,
+            original_max_position_embeddings=32,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.5, 2.0, 3.0],
+                "long_factor": [2.0, 4.0, 9.0, 16.0],
+            },
+            pad_token_id=0,
+        ),
+    ),
+    "mistral_window": (
+        "MistralConfig",
+        dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW),
+    ),
+    "opt": (  # OPT-125m style: pre-norm
+        "OPTConfig",
+        dict(num_attention_heads=4, ffn_dim=128, pad_token_id=0),
+    ),
+    "opt_post_norm": (  # OPT-350m style: post-norm, embeddings projected in and out
+        "OPTConfig",
+        dict(
+            num_attention_heads=4,
+            ffn_dim=128,
+            do_layer_norm_before=False,
+            word_embed_proj_dim=32,
+            pad_token_id=0,
+        ),
+    ),
+}
 _ARCH = {
     "LlamaConfig": "LlamaForCausalLM",
     "MistralConfig": "MistralForCausalLM",
     "Qwen2Config": "Qwen2ForCausalLM",
+    "Qwen3Config": "Qwen3ForCausalLM",
+    "Gemma2Config": "Gemma2ForCausalLM",
+    "Gemma3TextConfig": "Gemma3ForCausalLM",
+    "MixtralConfig": "MixtralForCausalLM",
+    "Qwen2MoeConfig": "Qwen2MoeForCausalLM",
+    "Qwen3MoeConfig": "Qwen3MoeForCausalLM",
+    "Phi3Config": "Phi3ForCausalLM",
+    "OPTConfig": "OPTForCausalLM",
 }
 
 
-def make_tiny_model(name: str, directory: Path, seed: int = 0, **overrides):
-    """Build, randomise (biases too) and save a tiny model; returns the torch model in eval mode."""
+def tiny_config(name: str, **overrides):
+    """The transformers config of tiny model ``name``."""
     import transformers
 
-    cls_name, kwargs = TINY_CONFIGS[name]
+    cls_name, kwargs = {**TINY_CONFIGS, **FAMILY_CONFIGS}[name]
     base = dict(
         vocab_size=256,
         hidden_size=64,
@@ -59,9 +175,28 @@ def make_tiny_model(name: str, directory: Path, seed: int = 0, **overrides):
         eos_token_id=2,
         bos_token_id=1,
     )
+    if cls_name == "OPTConfig":  # OPT's names for the same things
+        base["ffn_dim"] = base.pop("intermediate_size")
+        base["init_std"] = base.pop("initializer_range")
+        base.pop("rms_norm_eps")
+        base["bos_token_id"], base["eos_token_id"] = 2, 2
     config = getattr(transformers, cls_name)(**{**base, **kwargs, **overrides})
+    config._attn_implementation = "eager"  # the reference softmax (soft caps, windows)
+    return config
+
+
+def save_tiny_config(name: str, directory: Path, **overrides) -> None:
+    """Only the config.json of tiny model ``name`` (no weights: cheap)."""
+    tiny_config(name, **overrides).save_pretrained(directory)
+
+
+def make_tiny_model(name: str, directory: Path, seed: int = 0, **overrides):
+    """Build, randomise (biases too) and save a tiny model; returns the torch model in eval mode."""
+    import transformers
+
+    config = tiny_config(name, **overrides)
     torch.manual_seed(seed)
-    model = getattr(transformers, _ARCH[cls_name])(config).eval()
+    model = getattr(transformers, _ARCH[type(config).__name__])(config).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith("bias") or "norm" in pname:  # HF inits these to 0 / 1

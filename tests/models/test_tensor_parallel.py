@@ -13,16 +13,14 @@ import pytest
 WORKER = Path(__file__).with_name("tp_worker.py")
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def run_worker(tmp: Path, flag: str) -> dict:
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
         "JAX_PLATFORMS": "cpu",
     }
-    tmp = tmp_path_factory.mktemp("tp")
     result = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp), "--smollm"],
+        [sys.executable, str(WORKER), str(tmp), flag],
         env=env,
         capture_output=True,
         text=True,
@@ -31,6 +29,16 @@ def report(tmp_path_factory):
     assert result.returncode == 0, result.stderr[-4000:]
     line = next(x for x in result.stdout.splitlines() if x.startswith("REPORT "))
     return json.loads(line[len("REPORT ") :])
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    return run_worker(tmp_path_factory.mktemp("tp"), "--smollm")
+
+
+@pytest.fixture(scope="module")
+def family_report(tmp_path_factory):
+    return run_worker(tmp_path_factory.mktemp("tp_families"), "--families")
 
 
 def test_tiny_llama_tp_2_and_4_match_tp_1(report):
@@ -76,3 +84,24 @@ def test_cached_params_restore_straight_into_the_sharded_layout(report):
 
 def test_a_split_cache_restores_onto_one_device_without_a_mesh(report):
     assert report["restore_without_mesh_devices"] == [0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma2", "qwen2_moe"])
+def test_families_tp_2_matches_tp_1(family_report, name):
+    entry = family_report[name]
+    assert entry["2"]["tokens"] == entry["1"]["tokens"]
+    assert entry["2"]["all_gathers_of_pool"] == []
+    assert entry["2"]["all_gathers_of_embedding"] == []
+
+
+@pytest.mark.slow
+def test_experts_are_split_by_their_intermediate_dimension(family_report):
+    params = family_report["qwen2_moe"]["2"]["params"]
+    experts = [name for name in params if name.startswith("moe/experts/")]
+    assert sorted(experts) == [f"moe/experts/{p}_proj" for p in ("down", "gate", "up")]
+    for name, (on_device, total) in params.items():
+        # The router and the shared expert's gate (one column) are replicated; every expert,
+        # the shared expert and the dense layer's MLP are split in two.
+        replicated = "norm" in name or name.endswith(("router/kernel", "shared_expert_gate/kernel"))
+        assert on_device * (1 if replicated else 2) == total, name

@@ -1,5 +1,6 @@
 """Run in a subprocess with 4 virtual CPU devices (XLA_FLAGS set by the caller): generates with
-tensor_parallel_size 1/2/4 (tiny Llama) and 1/3 (SmolLM2-135M), and prints a JSON report."""
+tensor_parallel_size 1/2/4 (tiny Llama) and 1/3 (SmolLM2-135M), or with ``--families`` 1/2 (tiny
+Gemma 2 and Qwen2-MoE), and prints a JSON report."""
 
 from __future__ import annotations
 
@@ -96,8 +97,23 @@ def run(path: str, prompts, degrees, block_size: int) -> dict:
     return report
 
 
+def families(tmp: Path) -> dict:
+    """Gemma 2 (alternating windows, soft caps) and Qwen2-MoE (experts split by their
+    intermediate dimension, a shared expert, a dense layer), prompts past the window."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (5, 20, 30)]
+    report = {}
+    for name in ("gemma2", "qwen2_moe"):
+        make_tiny_model(name, tmp / name)
+        report[name] = run(str(tmp / name), prompts, (1, 2), block_size=8)
+    return report
+
+
 def main() -> None:
     tmp = Path(sys.argv[1])
+    if "--families" in sys.argv:
+        print("REPORT " + json.dumps(families(tmp)))
+        return
     make_tiny_model("llama_gqa", tmp / "tiny")
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 256, n).tolist() for n in (5, 16, 30)]
