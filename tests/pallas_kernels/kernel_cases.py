@@ -160,3 +160,43 @@ def rel_err(out, ref) -> float:
         return float("inf")
     scale = max(float(np.max(np.abs(ref), initial=0.0)), 1e-30)
     return float(np.max(np.abs(out - ref), initial=0.0)) / scale
+
+
+def query_positions(case) -> list[tuple[int, int, int]]:
+    """(packed row, sequence, position) of every query of the case."""
+    lens = np.asarray(case.context_lens)
+    if case.query_start_loc is None:
+        return [(s, s, int(n) - 1) for s, n in enumerate(lens) if n > 0]
+    qsl = np.asarray(case.query_start_loc)
+    out = []
+    for s, n in enumerate(lens):
+        q_len = int(qsl[s + 1] - qsl[s])
+        out += [(int(qsl[s]) + j, s, int(n) - q_len + j) for j in range(q_len)]
+    return out
+
+
+def first_key(pos: int, window: int | None) -> int:
+    return max(pos - window + 1, 0) if window is not None and window > 0 else 0
+
+
+def numpy_attention(case, *, window, soft_cap) -> np.ndarray:
+    """Float64 oracle reading only the slots each query sees; rows of no query are zero."""
+    q = np.asarray(case.q, np.float64)
+    k_pages = np.asarray(case.k_pages, np.float64)
+    v_pages = np.asarray(case.v_pages, np.float64)
+    table = np.asarray(case.block_tables)
+    num_kv_heads, _, block_size, _ = k_pages.shape
+    group = q.shape[1] // num_kv_heads
+    out = np.zeros_like(q)
+    for row, seq, pos in query_positions(case):
+        t = np.arange(first_key(pos, window), pos + 1)
+        blocks, offsets = table[seq, t // block_size], t % block_size
+        for h in range(q.shape[1]):
+            k = k_pages[h // group, blocks, offsets]  # [keys, head_dim]
+            v = v_pages[h // group, blocks, offsets]
+            s = case.scale * (k @ q[row, h])
+            if soft_cap is not None:
+                s = soft_cap * np.tanh(s / soft_cap)
+            p = np.exp(s - s.max())
+            out[row, h] = (p / p.sum()) @ v
+    return out
