@@ -9,7 +9,8 @@ written into the pool.
 Kernels: on GPU (``_gpu_ragged``) one program per (sequence, KV head, tile of its query rows); on
 TPU (``_tpu_ragged``) one per (KV head, tile of packed rows), looping over the sequences owning
 the tile's rows. A call whose ``max_query_len`` is 1 (pure decode) goes to the decode kernels,
-which split long contexts into partitions.
+which split long contexts into partitions. Elsewhere (the CPU) ``ragged_paged_attention_reference``
+(``ragged_reference``) runs, its work following the real query rows.
 """
 
 from __future__ import annotations
@@ -19,84 +20,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ._common import cap_logits, check_window_and_cap, window_start
+from ._common import check_window_and_cap
 from ._gpu_ragged import ragged_paged_attention_gpu
 from ._tpu_ragged import ragged_paged_attention_tpu
 from .paged_attention import (
     check_paged_inputs,
-    gather_context,
     paged_attention,
-    paged_attention_reference,
     pick_backend,
     tpu_interpret_params,
 )
-
-
-def ragged_paged_attention_reference(
-    q: jax.Array,  # [num_tokens, num_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    block_tables: jax.Array,  # i32[num_seqs, max_blocks]
-    context_lens: jax.Array,  # i32[num_seqs]
-    query_start_loc: jax.Array,  # i32[num_seqs + 1]
-    *,
-    scale: float,
-    max_query_len: int | None = None,
-    sliding_window: int | jax.Array | None = None,
-    soft_cap: float | None = None,
-) -> jax.Array:  # [num_tokens, num_heads, head_dim]; rows past query_start_loc[-1] are zero
-    num_tokens, num_heads, head_dim = q.shape
-    num_seqs = block_tables.shape[0]
-    num_kv_heads = k_pages.shape[0]
-    group = num_heads // num_kv_heads
-    max_q = num_tokens if max_query_len is None else max_query_len
-    if max_q == 1:  # pure decode: every sequence has at most one query row
-        starts = jnp.clip(query_start_loc[:-1], 0, num_tokens - 1)
-        out = paged_attention_reference(
-            q[starts],
-            k_pages,
-            v_pages,
-            block_tables,
-            context_lens,
-            scale=scale,
-            sliding_window=sliding_window,
-            soft_cap=soft_cap,
-        )
-        has_q = query_start_loc[1:] > query_start_loc[:-1]
-        out = jnp.where(has_q[:, None, None], out, 0)
-        return jnp.zeros_like(q).at[jnp.where(has_q, starts, num_tokens)].set(out, mode="drop")
-
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # i32[num_seqs]
-    j = jnp.arange(max_q)
-    rows = query_start_loc[:-1, None] + j[None, :]  # i32[num_seqs, max_q]
-    q_pad = q[jnp.clip(rows, 0, num_tokens - 1)]  # [num_seqs, max_q, num_heads, head_dim]
-    q_pad = q_pad.reshape(num_seqs, max_q, num_kv_heads, group, head_dim).astype(jnp.float32)
-
-    k = gather_context(k_pages, block_tables).astype(jnp.float32)  # [S, Hkv, ctx, D]
-    v = gather_context(v_pages, block_tables).astype(jnp.float32)
-    t = jnp.arange(k.shape[2])
-    kv_valid = t[None, :] < context_lens[:, None]  # [num_seqs, ctx]
-    q_pos = (context_lens - q_lens)[:, None] + j[None, :]  # [num_seqs, max_q]
-    mask = kv_valid[:, None, :] & (t[None, None, :] <= q_pos[:, :, None])  # [S, max_q, ctx]
-    if sliding_window is not None:
-        mask &= t[None, None, :] >= window_start(q_pos, sliding_window)[:, :, None]
-    v = jnp.where(mask.any(axis=1)[:, None, :, None], v, 0)  # slots seen by none may be NaN
-
-    s = jnp.einsum("sqkgd,sktd->skgqt", q_pad, k) * scale
-    s = jnp.where(mask[:, None, None], cap_logits(s, soft_cap), -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0))
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("skgqt,sktd->sqkgd", p / jnp.where(denom == 0, 1, denom), v)
-    out = out.reshape(num_seqs, max_q, num_heads, head_dim)
-
-    # Back to packed rows: row n belongs to the last sequence whose start is <= n.
-    n = jnp.arange(num_tokens)
-    seq = jnp.clip(jnp.searchsorted(query_start_loc, n, side="right") - 1, 0, num_seqs - 1)
-    jj = n - query_start_loc[seq]
-    in_range = (n < query_start_loc[-1]) & (jj < max_q)
-    packed = out[seq, jnp.clip(jj, 0, max_q - 1)]
-    return jnp.where(in_range[:, None, None], packed, 0).astype(q.dtype)
+from .ragged_reference import ragged_paged_attention_reference
 
 
 def packed_row_mask(
