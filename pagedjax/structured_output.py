@@ -24,6 +24,7 @@ lets small models loop on newlines).
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import json
 import threading
@@ -86,17 +87,63 @@ class StructuredOutputsParams:
         return self.kind, json.dumps(value, sort_keys=True)
 
 
-class CompiledGrammar:
-    """A checked llguidance grammar with its tokenizer; immutable and shared (copies are it)."""
+class TokenizerSpec:
+    """What llguidance's tokenizer is built from (the HF fast tokenizer as JSON, the vocabulary
+    size and EOS); it pickles, and the built tokenizer is shared by every equal spec."""
 
-    def __init__(self, grammar: str, ll_tokenizer, vocab_size: int, description: str):
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int | None):
+        self.tokenizer_json, self.vocab_size, self.eos_token_id = (
+            tokenizer_json,
+            vocab_size,
+            eos_token_id,
+        )
+        self.key = (hash(tokenizer_json), vocab_size, eos_token_id)
+
+    @classmethod
+    def of(cls, tokenizer, vocab_size: int) -> TokenizerSpec:
+        backend = copy.copy(tokenizer.backend_tokenizer)  # as llguidance.hf.from_tokenizer
+        backend.no_padding()
+        backend.no_truncation()
+        return cls(backend.to_str(), vocab_size, tokenizer.eos_token_id)
+
+    def build(self):
+        with _BUILT_LOCK:
+            built = _BUILT.get(self.key)
+            if built is None:
+                import llguidance
+
+                built = _BUILT[self.key] = llguidance.LLTokenizer(
+                    self.tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_token_id
+                )
+            return built
+
+    def __getstate__(self):
+        return (self.tokenizer_json, self.vocab_size, self.eos_token_id)
+
+    def __setstate__(self, state):
+        self.__init__(*state)
+
+
+_BUILT: dict[tuple, Any] = {}  # TokenizerSpec.key -> llguidance.LLTokenizer
+_BUILT_LOCK = threading.Lock()
+
+
+class CompiledGrammar:
+    """A checked llguidance grammar with its tokenizer; immutable and shared (copies are it).
+    It pickles (engine snapshots) by its grammar and tokenizer spec."""
+
+    def __init__(self, grammar: str, tokenizer: TokenizerSpec, description: str):
         self.grammar = grammar
-        self.ll_tokenizer = ll_tokenizer
-        self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
+        self.ll_tokenizer = tokenizer.build()
+        self.vocab_size = tokenizer.vocab_size
         self.description = description
 
     def __deepcopy__(self, memo):
         return self
+
+    def __reduce__(self):
+        return CompiledGrammar, (self.grammar, self.tokenizer, self.description)
 
     def new_matcher(self):
         import llguidance
@@ -117,31 +164,33 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self._ll_tokenizer = None
+        self._spec: TokenizerSpec | None = None
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[tuple, CompiledGrammar] = collections.OrderedDict()
 
-    def ll_tokenizer(self):
+    def tokenizer_spec(self) -> TokenizerSpec:
+        """The tokenizer's spec, its llguidance tokenizer built (once, about 1 s for 49k
+        tokens); ValueError if there is none or llguidance cannot read it."""
         with self._lock:
-            if self._ll_tokenizer is None:
+            if self._spec is None:
                 if self.tokenizer is None:
                     raise ValueError("structured_outputs: this model has no tokenizer")
                 try:
-                    import llguidance.hf
+                    import llguidance  # noqa: F401
                 except ImportError as e:
                     raise ValueError(
                         f"structured_outputs needs llguidance (pip install llguidance): {e}"
                     ) from None
                 try:
-                    self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                        self.tokenizer, n_vocab=self.vocab_size
-                    )
+                    spec = TokenizerSpec.of(self.tokenizer, self.vocab_size)
+                    spec.build()
                 except Exception as e:
                     raise ValueError(
                         f"structured_outputs: this model's tokenizer is not supported "
                         f"({type(e).__name__}: {e})"
                     ) from None
-            return self._ll_tokenizer
+                self._spec = spec
+            return self._spec
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """The compiled constraint (also kept on ``params.compiled``); ValueError naming what is
@@ -163,7 +212,7 @@ class GrammarCompiler:
         return compiled
 
     def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        ll_tokenizer = self.ll_tokenizer()
+        spec = self.tokenizer_spec()
         import llguidance
 
         kind, what = params.kind, _DESCRIPTIONS[params.kind]
@@ -181,11 +230,11 @@ class GrammarCompiler:
         except ValueError as e:
             raise ValueError(f"structured_outputs.{kind}: invalid {what}: {e}") from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, ll_tokenizer
+            grammar, spec.build()
         )
         if is_error:
             raise ValueError(f"structured_outputs.{kind}: invalid {what}: {messages[0]}")
-        compiled = CompiledGrammar(grammar, ll_tokenizer, self.vocab_size, what)
+        compiled = CompiledGrammar(grammar, spec, what)
         matcher = compiled.new_matcher()
         mask = np.zeros((1, mask_width(self.vocab_size)), np.int32)
         if not matcher.is_error():
