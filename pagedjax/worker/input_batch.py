@@ -68,6 +68,16 @@ class InputBatcher:
         self.max_blocks_per_seq = cdiv(max_model_len, block_size)
         self.min_blocks_bucket = min(self.max_blocks_per_seq, cdiv(MIN_CONTEXT_BUCKET, block_size))
 
+    # The attention kernels size their grids by the longest query, so it is bucketed; the
+    # reference attention's work follows the real rows whatever that bound, so the runner turns
+    # query buckets off there and every prefill step takes the token bucket as its bound (a
+    # fifth or fewer of the programs to compile).
+    query_buckets = True
+
+    def max_query_bucket(self, max_q: int, num_tokens_b: int) -> int:
+        """The static bound on any sequence's query rows in a prefill step."""
+        return min(query_bucket(max_q), num_tokens_b) if self.query_buckets else num_tokens_b
+
     def blocks_bucket(self, max_blocks: int) -> int:
         b = next_pow2(max_blocks, self.min_blocks_bucket)
         return max(min(b, self.max_blocks_per_seq), max_blocks)
@@ -124,7 +134,7 @@ class InputBatcher:
             context_lens=context_lens,
             query_start_loc=qsl,
             logits_indices=logits_indices,
-            max_query_len=1 if decode else min(query_bucket(max_q), num_tokens_b),
+            max_query_len=1 if decode else self.max_query_bucket(max_q, num_tokens_b),
         )
 
     def step_shapes(self, max_num_seqs: int, max_num_batched_tokens: int) -> list[StepShape]:
@@ -147,7 +157,7 @@ class InputBatcher:
             edge, prev = MIN_QUERY_BUCKET, 1
             while prev < max_q:
                 span = (prev + 1, min(edge, max_q))
-                queries.setdefault(min(edge, t), []).append(span)
+                queries.setdefault(self.max_query_bucket(edge, t), []).append(span)
                 prev, edge = edge, edge * 4
             for q, spans in sorted(queries.items()):
                 if any(

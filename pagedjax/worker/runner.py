@@ -29,7 +29,7 @@ from jax._src import dispatch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 from tqdm.auto import tqdm
 
-from pagedjax import compilation
+from pagedjax import compilation, pallas_kernels
 from pagedjax.distributed import Channel
 from pagedjax.models.config import ModelConfig
 from pagedjax.models.llama import forward
@@ -112,6 +112,7 @@ class Runner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.batcher = InputBatcher(block_size, max_model_len)
+        self.batcher.query_buckets = pallas_kernels.resolve_backend(backend) != "reference"
         self.max_blocks_per_seq = self.batcher.max_blocks_per_seq
         self.dtype = jax.tree.leaves(params)[0].dtype
         # With a mesh (tensor parallelism), weights and pool are split by heads across devices

@@ -37,14 +37,16 @@ def _shape(step) -> StepShape:
     return StepShape(t, s, b, step.max_query_len)
 
 
+@pytest.mark.parametrize("query_buckets", [True, False], ids=["kernels", "reference"])
 @pytest.mark.parametrize(
     "max_model_len, block_size, max_num_seqs, budget",
     [(2048, 16, 256, 2048), (96, 8, 12, 40), (300, 16, 5, 512)],
 )
 def test_bucket_set_covers_every_step_the_runner_builds(
-    max_model_len, block_size, max_num_seqs, budget
+    max_model_len, block_size, max_num_seqs, budget, query_buckets
 ):
     runner = _runner(max_model_len, block_size)
+    runner.batcher.query_buckets = query_buckets  # kernels bucket the longest query
     shapes = runner.step_shapes(max_num_seqs, budget)
     assert len(set(shapes)) == len(shapes)
     rng = np.random.default_rng(max_model_len)
@@ -72,6 +74,18 @@ def test_bucket_set_covers_every_step_the_runner_builds(
         assert shape in shapes, f"{shape} built from {len(seqs)} seqs, {tokens} tokens"
         seen.add(shape)
     assert len(seen) > len(shapes) // 3  # and reach much of it: the set is not padded out
+
+
+def test_the_reference_attention_needs_no_query_buckets():
+    """Its work follows the real rows, so prefill programs take the token bucket as their bound:
+    one program per (tokens, sequences, table width) instead of one per query bucket too."""
+    runner = _runner(2048, 16)
+    assert not runner.batcher.query_buckets  # CPU: the reference attention
+    collapsed = runner.step_shapes(256, 2048)
+    runner.batcher.query_buckets = True
+    bucketed = runner.step_shapes(256, 2048)
+    assert all(s.max_query_len in (1, s.num_tokens) for s in collapsed)
+    assert len(collapsed) < len(bucketed) / 2
 
 
 @pytest.fixture(scope="module")
