@@ -679,25 +679,9 @@ def _e(x) -> str:
 
 def tiny_hf_model(directory: Path, device: str):
     """A tiny random Llama (GQA), saved with save_pretrained; returns the torch model."""
-    import torch
-    import transformers
+    from pagedjax.bench.tiny import tiny_llama
 
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.15,  # wide logits: greedy ties are unlikely
-        rms_norm_eps=1e-5,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.save_pretrained(directory)
+    model = tiny_llama(directory)
     model.generation_config.eos_token_id = None  # run to max_new_tokens, as ignore_eos does
     return model.to(device)
 

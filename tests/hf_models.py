@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
+from pagedjax.bench import tiny
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -164,17 +164,7 @@ def tiny_config(name: str, **overrides):
     import transformers
 
     cls_name, kwargs = {**TINY_CONFIGS, **FAMILY_CONFIGS}[name]
-    base = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        max_position_embeddings=512,
-        initializer_range=0.15,
-        rms_norm_eps=1e-5,
-        eos_token_id=2,
-        bos_token_id=1,
-    )
+    base = dict(tiny.BASE)
     if cls_name == "OPTConfig":  # OPT's names for the same things
         base["ffn_dim"] = base.pop("intermediate_size")
         base["init_std"] = base.pop("initializer_range")
@@ -192,17 +182,8 @@ def save_tiny_config(name: str, directory: Path, **overrides) -> None:
 
 def make_tiny_model(name: str, directory: Path, seed: int = 0, **overrides):
     """Build, randomise (biases too) and save a tiny model; returns the torch model in eval mode."""
-    import transformers
-
     config = tiny_config(name, **overrides)
-    torch.manual_seed(seed)
-    model = getattr(transformers, _ARCH[type(config).__name__])(config).eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("bias") or "norm" in pname:  # HF inits these to 0 / 1
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(directory)
-    return model
+    return tiny.build(config, directory, seed, _ARCH[type(config).__name__])
 
 
 def save_word_tokenizer(

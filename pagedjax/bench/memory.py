@@ -81,22 +81,9 @@ def utilization(num_requests: int, max_model_len: int, num_blocks_16: int, seed:
 
 def make_tiny_model(directory: str, seed: int = 0) -> str:
     """A random-weight tiny Llama saved as an HF checkpoint (needs torch)."""
-    import torch
-    import transformers
+    from pagedjax.bench.tiny import tiny_llama
 
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        eos_token_id=2,
-        bos_token_id=1,
-    )
-    torch.manual_seed(seed)
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    tiny_llama(directory, seed, max_position_embeddings=2048)
     return directory
 
 
