@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pagedjax.spec_decode.config import SpeculativeConfig
+
 DTYPES = ("float32", "bfloat16")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DEFAULT_CPU_KV_SPACE_GIB = 1.0
@@ -83,8 +85,12 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    # vLLM's dict ({"method": "ngram", "num_speculative_tokens": k, ...}) or SpeculativeConfig
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
+        spec = SpeculativeConfig.of(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
         _require(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {DTYPES}")
         _require(isinstance(self.seed, int), "seed", self.seed, "must be an integer")
         _require(

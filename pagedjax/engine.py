@@ -30,6 +30,7 @@ from pagedjax.output_processor import OutputProcessor
 from pagedjax.outputs import EngineStats, RequestOutput
 from pagedjax.request import Request
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
+from pagedjax.spec_decode.speculator import make_speculator, with_proposals
 from pagedjax.step_profile import StepProfile
 from pagedjax.worker import kv_cache
 from pagedjax.worker.runner import Runner, ScheduledSeq
@@ -74,6 +75,7 @@ class LLMEngine(DriverOrFollower):
         self.input_processor = InputProcessor(capacity, self.tokenizer)
         self.eos_token_ids = eos_token_ids(mc, loaded.source, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self.speculator = make_speculator(config.speculative_config, self)
         self.scheduler = Scheduler(
             bm,
             max_num_seqs=sched.max_num_seqs,
@@ -82,6 +84,7 @@ class LLMEngine(DriverOrFollower):
             preemption_mode=sched.preemption_mode,
             max_model_len=sched.max_model_len,
             eos_token_ids=self.eos_token_ids,
+            speculator=self.speculator,
         )
         self.profile = StepProfile()  # padding counts; phase times while profile.enabled
         self.runner = (runner_factory or Runner)(
@@ -94,6 +97,7 @@ class LLMEngine(DriverOrFollower):
             mesh=mesh,
             channel=Channel() if jax.process_count() > 1 else None,
             profile=self.profile,
+            num_speculative_tokens=self.speculator.k if self.speculator else 0,
         )
         self._stopped = False  # multi-process: the driver has told the followers to stop
         self.requests: dict[str, Request] = {}
@@ -193,8 +197,9 @@ class LLMEngine(DriverOrFollower):
                 continue
             num_top = max(num_top, req.num_top_logprobs if rows else 0)
             start, table = c.seq.num_computed_tokens, self.block_manager.get_block_table(c.seq)
-            ids = c.seq.get_token_ids()[start : start + c.num_tokens]
-            sched.append(ScheduledSeq(ids, start, table, rows, req.prompt_rows(c)))
+            ids, rows = with_proposals(c, rows)
+            num_spec = len(c.spec_token_ids)
+            sched.append(ScheduledSeq(ids, start, table, rows, req.prompt_rows(c), num_spec))
             ran.append(c)
         keep = [i for i, c in enumerate(ran) if self.requests[c.group.request_id].error is None]
         if not keep:
@@ -202,7 +207,7 @@ class LLMEngine(DriverOrFollower):
         start = time.perf_counter()
         result = self.runner.execute([sched[i] for i in keep], num_top)
         ran = [ran[i] for i in keep]
-        if all(c.num_tokens > 1 for c in ran):  # a pure prefill step
+        if all(c.num_tokens - len(c.spec_token_ids) > 1 for c in ran):  # a pure prefill step
             tokens = sum(c.num_tokens for c in ran)
             self.scheduler.cost_model.observe_prefill(time.perf_counter() - start, tokens)
         return ran, result
@@ -226,6 +231,8 @@ class LLMEngine(DriverOrFollower):
             output = RequestOutput(
                 request_id, req.prompt, req.prompt_token_ids, [], True, error=req.error
             )
+        if self.speculator is not None:
+            output.spec_decoding = self.speculator.request_stats(req.group)
         if output.finished:
             del self.requests[request_id]
         return output

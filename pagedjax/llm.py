@@ -43,9 +43,12 @@ class LLM:
         seed: int = 0,
         cache_dir: str | None = None,
         warmup: bool = False,
+        speculative_config: dict | None = None,
     ):
         """``warmup=True`` compiles every program the engine's limits allow up front (see
-        ``Runner.warmup``), so that no request waits for a compilation."""
+        ``Runner.warmup``), so that no request waits for a compilation. ``speculative_config``:
+        vLLM's dict, e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
+        "prompt_lookup_min": 2, "prompt_lookup_max": 4}`` (pagedjax.spec_decode)."""
         compilation.enable_persistent_cache()  # before anything compiles, the loader included
         mesh = tensor_parallel_mesh(tensor_parallel_size)
         loaded = load_model(
@@ -67,6 +70,7 @@ class LLM:
                 enable_chunked_prefill,
                 preemption_mode,
             ),
+            speculative_config=speculative_config,
         )
         self.engine = LLMEngine(config, loaded)
         if warmup:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pagedjax.spec_decode.metrics import SpecDecodingStats
+
 
 @dataclasses.dataclass
 class Logprob:
@@ -40,6 +42,9 @@ class RequestOutput:
     # SamplingParams(prompt_logprobs=k): one entry per prompt token, None for the first; each the
     # token's own Logprob and the k most likely. Set once the whole prompt is scored.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Its proposals, accepted tokens, acceptance rate and mean acceptance length, when the engine
+    # speculates (speculative_config); None otherwise.
+    spec_decoding: SpecDecodingStats | None = None
 
 
 @dataclasses.dataclass
@@ -65,6 +70,7 @@ class EngineStats:
     # Padded token rows (and attention work) computed per real one, over every step so far.
     token_padding_ratio: float = 1.0
     attention_padding_ratio: float = 1.0
+    spec_decoding: SpecDecodingStats | None = None  # all requests' counts, when it speculates
 
     @classmethod
     def of(cls, bm, scheduler, runner, profile) -> EngineStats:
@@ -91,4 +97,5 @@ class EngineStats:
             num_requests_swapped=len(scheduler.swapped),
             token_padding_ratio=profile.token_padding_ratio,
             attention_padding_ratio=profile.attention_padding_ratio,
+            spec_decoding=spec.stats.copy() if (spec := scheduler.speculator) else None,
         )

@@ -39,6 +39,19 @@ def check_stop(
     return None
 
 
+def append_sampled(seq: Sequence, p: SamplingParams, result, row: int) -> None:
+    """Append row ``row`` of the sampler's ``result`` to seq, with the logprobs p asks for."""
+    token, logprob = int(result.tokens[row]), float(result.logprobs[row])
+    seq.append_token_id(token, logprob)
+    if p.logprobs is not None:
+        top = zip(
+            result.top_token_ids[row, : p.logprobs].tolist(),
+            result.top_logprobs[row, : p.logprobs].tolist(),
+            strict=True,
+        )
+        seq.logprobs.append({token: logprob, **dict(top)})
+
+
 @dataclasses.dataclass
 class SeqChunk:
     """``num_tokens`` tokens of ``seq`` computed this step, from ``seq.num_computed_tokens`` on."""
@@ -46,11 +59,14 @@ class SeqChunk:
     group: SequenceGroup
     seq: Sequence
     num_tokens: int
+    # Proposals verified after the seq's own tokens (in num_tokens; see pagedjax.spec_decode)
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def completes(self) -> bool:
         """Whether the step brings the sequence up to date, so its logits yield a new token."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.get_len()
+        num_own = self.num_tokens - len(self.spec_token_ids)
+        return self.seq.num_computed_tokens + num_own == self.seq.get_len()
 
     @property
     def num_samples(self) -> int:
@@ -122,6 +138,7 @@ class Scheduler:
         preemption_mode: str = "recompute",
         max_model_len: int = 2**31 - 1,
         eos_token_ids: Collection[int] = (),
+        speculator=None,  # proposes tokens and takes the verified ones (pagedjax.spec_decode)
     ):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
@@ -141,6 +158,7 @@ class Scheduler:
         self.num_aborted = 0  # groups the scheduler gave up on (with a reason)
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.speculator = speculator
         self._seq_ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------
@@ -206,6 +224,8 @@ class Scheduler:
                     out.blocks_to_copy += self.bm.append_slots(seq)
                     out.chunks.append(SeqChunk(group, seq, 1))
                     budget -= 1
+        if self.speculator is not None:  # proposals for the decodes, within budget and pool
+            budget = self.speculator.add_drafts(self, out.chunks, budget)
         for group, seq, remaining in prefilling:
             n = min(remaining, max(budget, 0))
             if n:
@@ -284,19 +304,20 @@ class Scheduler:
     def update_from_output(self, chunks: list[SeqChunk], result) -> StepUpdate:
         """Account for an executed step: the chunks' KV is in the pool; each completing chunk
         has ``num_samples`` rows of ``result`` (tokens, logprobs, top_token_ids, top_logprobs,
-        host arrays), in chunk order. Appends tokens, forks the n samples and the kept beams,
-        stops (EOS, stop token ids, length) and frees what finished. A request whose update
-        raises is reported in ``failed`` and the others go on."""
+        host arrays), plus one per proposal, in chunk order. Appends tokens, forks the n samples
+        and the kept beams, stops (EOS, stop token ids, length) and frees what finished. A
+        request whose update raises is reported in ``failed`` and the others go on."""
         update = StepUpdate()
         row, beams = 0, {}
         for c in chunks:
-            rows = range(row, row + c.num_samples)
-            row += c.num_samples
+            rows = range(row, row + c.num_samples + len(c.spec_token_ids))  # + 1 per proposal
+            row = rows.stop
             group = c.group
             if group.request_id in update.failed:
                 continue
-            c.seq.num_computed_tokens += c.num_tokens
-            self.bm.mark_blocks_computed(c.seq)
+            if not c.spec_token_ids:  # else the speculator advances it by what it accepts
+                c.seq.num_computed_tokens += c.num_tokens
+                self.bm.mark_blocks_computed(c.seq)
             if not rows:
                 continue
             if isinstance(group.sampling_params, BeamSearchParams):
@@ -307,6 +328,9 @@ class Scheduler:
                 beams.setdefault(group.request_id, (group, []))[1].append((c.seq, *top))
                 continue
             try:
+                if c.spec_token_ids:
+                    self.speculator.append_verified(self, c, result, rows, update)
+                    continue
                 for i in rows[1:]:  # the first tokens of n samples
                     self._append(group, self.fork(group, c.seq, i - rows[0]), result, i, update)
                 self._append(group, c.seq, result, rows[0], update)
@@ -321,15 +345,7 @@ class Scheduler:
 
     def _append(self, group, seq: Sequence, result, row: int, update: StepUpdate) -> None:
         p: SamplingParams = group.sampling_params
-        token, logprob = int(result.tokens[row]), float(result.logprobs[row])
-        seq.append_token_id(token, logprob)
-        if p.logprobs is not None:
-            top = zip(
-                result.top_token_ids[row, : p.logprobs].tolist(),
-                result.top_logprobs[row, : p.logprobs].tolist(),
-                strict=True,
-            )
-            seq.logprobs.append({token: logprob, **dict(top)})
+        append_sampled(seq, p, result, row)
         reason = check_stop(seq, p, self.eos_token_ids, self.max_model_len)
         if reason is not None:
             self.finish_seq(seq, reason)

@@ -35,6 +35,9 @@ class ScheduledSeq:
     # finish the prompt, n for the first tokens of a parallel-sampling request.
     samples: list[SamplingRow] = dataclasses.field(default_factory=list)
     prompt_rows: PromptRows | None = None  # rows whose prompt logprobs a request asked for
+    # Speculation: the last num_spec_tokens of token_ids are proposals, and ``samples`` has one
+    # row per proposal then one more (the target's logits at each of the last 1 + p tokens).
+    num_spec_tokens: int = 0
 
 
 def query_bucket(n: int) -> int:
@@ -60,11 +63,14 @@ class StepShape:
 
 
 class InputBatcher:
-    """Builds step inputs for one pool geometry (block size, longest sequence)."""
+    """Builds step inputs for one pool geometry (block size, longest sequence). Each sequence
+    slot owns ``logits_per_seq`` logits rows (1 + the proposals an engine that speculates may
+    verify per sequence): one width per engine, so speculation adds no model programs."""
 
-    def __init__(self, block_size: int, max_model_len: int):
+    def __init__(self, block_size: int, max_model_len: int, logits_per_seq: int = 1):
         self.block_size = block_size
         self.max_model_len = max_model_len
+        self.logits_per_seq = logits_per_seq
         self.max_blocks_per_seq = cdiv(max_model_len, block_size)
         self.min_blocks_bucket = min(self.max_blocks_per_seq, cdiv(MIN_CONTEXT_BUCKET, block_size))
 
@@ -83,13 +89,15 @@ class InputBatcher:
         return max(min(b, self.max_blocks_per_seq), max_blocks)
 
     def build(self, seqs: list[ScheduledSeq]) -> StepInput:
-        """Pack the sequences' tokens (numpy), padded to buckets. Row i of ``logits_indices`` is
-        sequence i's last token; there are at least as many sequence slots as sample rows."""
-        bs = self.block_size
+        """Pack the sequences' tokens (numpy), padded to buckets. Sequence i owns rows
+        ``i * F .. (i + 1) * F - 1`` of ``logits_indices`` (F = logits_per_seq), the first
+        ``1 + num_spec_tokens`` of them its last tokens; there are at least as many of these rows
+        as sample rows."""
+        bs, per_seq = self.block_size, self.logits_per_seq
         num_tokens = sum(len(s.token_ids) for s in seqs)
         max_q = max(len(s.token_ids) for s in seqs)
         num_rows = sum(len(s.samples) for s in seqs)
-        num_seqs_b = next_pow2(max(len(seqs), num_rows), MIN_SEQS_BUCKET)
+        num_seqs_b = next_pow2(max(len(seqs), cdiv(num_rows, per_seq)), MIN_SEQS_BUCKET)
         decode = max_q == 1
         num_tokens_b = num_seqs_b if decode else next_pow2(num_tokens, MIN_TOKENS_BUCKET)
         max_blocks_b = self.blocks_bucket(max(len(s.block_table) for s in seqs))
@@ -124,8 +132,13 @@ class InputBatcher:
         else:
             qsl = np.full(num_seqs_b + 1, num_tokens, np.int32)
             qsl[:num] = ends - q_lens
-        logits_indices = np.zeros(num_seqs_b, np.int32)
-        logits_indices[:num] = ends - 1
+        logits_indices = np.zeros(num_seqs_b * per_seq, np.int32)
+        if per_seq == 1:
+            logits_indices[:num] = ends - 1
+        else:
+            n = 1 + np.fromiter((s.num_spec_tokens for s in seqs), np.int64, num)
+            j = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)  # row within its sequence
+            logits_indices[np.repeat(np.arange(num) * per_seq, n) + j] = np.repeat(ends - n, n) + j
         return StepInput(
             token_ids=token_ids,
             positions=positions,
@@ -167,8 +180,21 @@ class InputBatcher:
                     shapes.append(StepShape(t, s, b, q))
         return shapes
 
-    @staticmethod
-    def empty(shape: StepShape) -> StepInput:
+    def sample_rows(self, seqs: list[ScheduledSeq], size: int):
+        """For the sampler's ``size`` rows: the logits row each samples (i32[size]) and, when the
+        engine speculates, the proposal it verifies (i32[size], -1: none; else None)."""
+        per_seq = self.logits_per_seq
+        logit_rows, drafts = np.zeros(size, np.int32), np.full(size, -1, np.int32)
+        r = 0
+        for i, s in enumerate(seqs):
+            for j in range(len(s.samples)):
+                logit_rows[r] = i * per_seq + (j if s.num_spec_tokens else 0)
+                if j < s.num_spec_tokens:
+                    drafts[r] = s.token_ids[len(s.token_ids) - s.num_spec_tokens + j]
+                r += 1
+        return logit_rows, (drafts if per_seq > 1 else None)
+
+    def empty(self, shape: StepShape) -> StepInput:
         """An all-padding step input of ``shape`` (for lowering)."""
         t, s, b = shape.num_tokens, shape.num_seqs, shape.max_blocks
         return StepInput(
@@ -178,7 +204,7 @@ class InputBatcher:
             block_tables=np.zeros((s, b), np.int32),
             context_lens=np.zeros(s, np.int32),
             query_start_loc=np.zeros(s + 1, np.int32),
-            logits_indices=np.zeros(s, np.int32),
+            logits_indices=np.zeros(s * self.logits_per_seq, np.int32),
             max_query_len=shape.max_query_len,
         )
 

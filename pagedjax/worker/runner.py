@@ -7,7 +7,9 @@ of each sequence's last token), and the sampler, ``sample_step(logits, logit_row
 SamplerOutput`` (one row per requested sample). Only the model's work (token / sequence / context
 / query buckets) picks a model program; sampling options pick among a few small sampler programs.
 ``warmup`` compiles the whole bucket set up front. Block copies and swaps requested by the
-scheduler run before the step that needs them.
+scheduler run before the step that needs them. An engine that speculates takes the logits of
+1 + k rows per sequence (its last token and its proposals) and samples with the verify program
+(``pagedjax.spec_decode.rejection``), which also says which proposals were accepted.
 
 Padding and buckets are input_batch's; the pool, its host mirror and block moves kv_cache's.
 
@@ -35,6 +37,7 @@ from pagedjax.models.config import ModelConfig
 from pagedjax.models.llama import forward
 from pagedjax.models.sharding import pool_sharding, shard_params
 from pagedjax.models.step_input import StepInput
+from pagedjax.spec_decode.rejection import verify_step
 from pagedjax.step_profile import StepProfile
 from pagedjax.utils import next_pow2, powers_of_two
 from pagedjax.worker import prompt_logprobs
@@ -104,14 +107,18 @@ class Runner:
         mesh: Mesh | None = None,
         channel: Channel | None = None,
         profile: StepProfile | None = None,
+        num_speculative_tokens: int = 0,
     ):
+        """``num_speculative_tokens``: proposals a sequence may verify per step (each step then
+        returns logits for 1 + that many rows per sequence and samples with ``verify_step``)."""
         compilation.enable_persistent_cache()
         self.config = config
         self.params = params
         self.backend = backend
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.batcher = InputBatcher(block_size, max_model_len)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.batcher = InputBatcher(block_size, max_model_len, 1 + num_speculative_tokens)
         self.batcher.query_buckets = pallas_kernels.resolve_backend(backend) != "reference"
         self.max_blocks_per_seq = self.batcher.max_blocks_per_seq
         self.dtype = jax.tree.leaves(params)[0].dtype
@@ -152,13 +159,12 @@ class Runner:
         with prof.phase("build"):
             step_input = self.build_step_input(seqs)
             rows = [row for s in seqs for row in s.samples]
-            logit_rows = np.zeros(len(step_input.logits_indices), np.int32)
-            logit_rows[: len(rows)] = [i for i, s in enumerate(seqs) for _ in s.samples]
+            logit_rows, drafts = self.batcher.sample_rows(seqs, len(step_input.logits_indices))
             sampling = self._sampling_input(rows, len(logit_rows), num_top_logprobs)
             step_input, targets = prompt_logprobs.extend_logits_rows(step_input, seqs)
         count_padding(prof, seqs, step_input, self.block_size)
         with prof.phase("device"):
-            out, scored = self._call("run_step", step_input, logit_rows, sampling, targets)
+            out, scored = self._call("run_step", step_input, logit_rows, sampling, targets, drafts)
             if prof.enabled:
                 jax.block_until_ready((out, scored))
         with prof.phase("fetch"):
@@ -185,6 +191,7 @@ class Runner:
         logit_rows: np.ndarray,
         sampling: SamplingInput,
         targets: np.ndarray | None = None,
+        drafts: np.ndarray | None = None,
     ) -> tuple[SamplerOutput, PromptLogprobsOutput | None]:
         logits, self.kv_cache.pages = _step(
             self.params,
@@ -197,10 +204,11 @@ class Runner:
         scored = None
         if targets is not None:  # a step that scores prompt rows (worker/prompt_logprobs.py)
             logits, scored = prompt_logprobs.score(logits, jax.device_put(targets, self._inputs))
-        sampled = _sample(
-            logits, jax.device_put(logit_rows, self._inputs), jax.device_put(sampling, self._inputs)
-        )
-        return sampled, scored
+        args = (jax.device_put(logit_rows, self._inputs), jax.device_put(sampling, self._inputs))
+        if drafts is None:
+            return _sample(logits, *args), scored
+        # Speculation: rows with a proposal verify it (VerifyOutput: SamplerOutput + accepted).
+        return verify_step(logits, *args, jax.device_put(drafts, self._inputs)), scored
 
     # ---- warm-up ---------------------------------------------------------------------------
 
@@ -290,12 +298,16 @@ class Runner:
     def _lower_sample(self, num_seqs: int, penalties: bool, constrained: bool = False):
         bias = ((0, 1.0),) if constrained else ()
         rows = [SamplingRow(repetition_penalty=1.5 if penalties else 1.0, logit_bias=bias)]
-        sampling = self._sampling_input(rows, num_seqs, 0)
-        return _sample.lower(
-            self._logits_like(num_seqs),
-            jax.device_put(np.zeros(num_seqs, np.int32), self._inputs),
-            jax.device_put(sampling, self._inputs),
+        size = num_seqs * self.batcher.logits_per_seq  # the model step's logits rows
+        args = (
+            self._logits_like(size),
+            jax.device_put(np.zeros(size, np.int32), self._inputs),
+            jax.device_put(self._sampling_input(rows, size, 0), self._inputs),
         )
+        if self.num_speculative_tokens:
+            drafts = jax.device_put(np.full(size, -1, np.int32), self._inputs)
+            return verify_step.lower(*args, drafts)
+        return _sample.lower(*args)
 
     # ---- block moves (before the step that needs them) ------------------------------------
 

@@ -319,6 +319,13 @@ def process_logits(logits: jax.Array, s: SamplingInput) -> jax.Array:
     return _filter(x, s, jnp.ones(x.shape[0], jnp.bool_))
 
 
+def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    """One key per row, ``fold_in(fold_in(BASE_KEY, seed), position)``: batch-invariant."""
+    base = jax.random.key(_BASE_SEED)
+    fold = jax.random.fold_in
+    return jax.vmap(lambda seed, pos: fold(fold(base, seed), pos))(seeds, positions)
+
+
 def sample(logits: jax.Array, s: SamplingInput) -> SamplerOutput:
     """logits f32[num_seqs, vocab] -> one token per row, with raw logprobs (pure, jittable)."""
     logits = logits.astype(jnp.float32)
@@ -328,11 +335,7 @@ def sample(logits: jax.Array, s: SamplingInput) -> SamplerOutput:
 
     def draw(penalised):
         x = _filter(_scale(penalised, s), s, random)
-        base = jax.random.key(_BASE_SEED)
-        keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.fold_in(base, seed), pos))(
-            s.seeds, s.positions
-        )
-        return jax.vmap(jax.random.categorical)(keys, x)
+        return jax.vmap(jax.random.categorical)(row_keys(s.seeds, s.positions), x)
 
     sampled = jax.lax.cond(jnp.any(random), draw, lambda _: greedy, penalised)
     tokens = jnp.where(random, sampled, greedy).astype(jnp.int32)
@@ -362,5 +365,6 @@ __all__ = [
     "SamplingInput",
     "SamplingRow",
     "process_logits",
+    "row_keys",
     "sample",
 ]

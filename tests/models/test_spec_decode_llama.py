@@ -1,0 +1,116 @@
+"""N-gram speculation on a tiny random Llama: greedy tokens identical to transformers' (the HF
+parity prompts, plus a repeat-heavy one) in a pool too small for the batch (preemption by
+recompute and by swap), with the prefix cache and chunked prefill on; stops (strings, token ids,
+max_tokens) land exactly where they land without speculation; seeded sampling is reproducible
+and batch-invariant. Every engine here has the same pool and budget, so they share programs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hf_models import make_tiny_model, save_word_tokenizer
+
+from pagedjax import LLM, SamplingParams
+
+BLOCK = 8
+PROMPT_LENS = [1, 5, 8, 16, 23]  # as tests/models/test_llama_parity.py
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
+MAX_TOKENS = 32
+# 12 usable blocks of 8 slots: the 6 sequences (and their proposals' lookahead) do not fit.
+POOL = dict(block_size=BLOCK, max_model_len=64, num_blocks=13, max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spec_llama_gqa")
+    hf = make_tiny_model("llama_gqa", path)
+    save_word_tokenizer(path)
+    rng = np.random.default_rng(len("llama_gqa"))
+    prompts = [rng.integers(3, 256, n).tolist() for n in PROMPT_LENS]
+    prompts.append([17, 40, 93, 7, 250, 61] * 4)  # repeats: proposals from the prompt
+    hf.generation_config.eos_token_id = None  # like ignore_eos
+    want = []
+    for p in prompts:
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
+            )
+        want.append(out[0, len(p) :].tolist())
+    return str(path), prompts, want
+
+
+@pytest.fixture(scope="module")
+def spec_llm(tiny):
+    return LLM(tiny[0], speculative_config=SPEC, **POOL)
+
+
+def _greedy(**kw):
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, **kw)
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_tokens_match_transformers_through_recompute(tiny, spec_llm):
+    _, prompts, want = tiny
+    outs = spec_llm.generate(prompts, _greedy(), use_tqdm=False)
+    assert _tokens(outs) == want
+    stats = spec_llm.get_stats()
+    spec = stats.spec_decoding
+    assert stats.num_preemptions > 0
+    assert spec.num_accepted_tokens > 0 and spec.num_draft_tokens > spec.num_accepted_tokens
+    assert sum(o.spec_decoding.num_drafts for o in outs) == spec.num_drafts
+    assert stats.num_blocks_used == 0
+
+
+def test_swap_and_prefix_cache_keep_greedy_tokens(tiny):
+    path, prompts, want = tiny
+    llm = LLM(path, preemption_mode="swap", speculative_config=SPEC, **POOL)
+    for _ in range(2):  # the second time the prompts' full blocks are cached
+        assert _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)) == want
+    stats = llm.get_stats()
+    assert stats.num_swapped_out > 0 and stats.prefix_cache_hits > 0
+    assert stats.spec_decoding.num_accepted_tokens > 0
+    assert stats.num_blocks_used == 0
+
+
+def test_stops_are_checked_token_by_token(tiny, spec_llm):
+    """A stop string, a stop token or max_tokens met inside a run of accepted proposals ends
+    the output right there, as without speculation."""
+    path, prompts, want = tiny
+    plain = LLM(path, **POOL)
+    params = []
+    for ids in want:
+        words = plain.tokenizer.decode(ids).split()
+        params += [
+            _greedy(stop=[" ".join(words[9:11])]),  # a stop string of two words
+            _greedy(stop_token_ids=[ids[13]]),
+            SamplingParams(max_tokens=11, temperature=0, ignore_eos=True),
+        ]
+    many = [p for p in prompts for _ in range(3)]
+    got = spec_llm.generate(many, params, use_tqdm=False)
+    ref = plain.generate(many, params, use_tqdm=False)
+    for g, w in zip(got, ref, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].text == w.outputs[0].text
+        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+    assert sum(o.outputs[0].finish_reason == "stop" for o in got) >= 2 * len(prompts)
+    assert spec_llm.get_stats().spec_decoding.num_accepted_tokens > 0
+
+
+def test_seeded_sampling_is_reproducible_and_batch_invariant(tiny, spec_llm):
+    _, prompts, _ = tiny
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_k=20, seed=7, logprobs=2)
+    alone = spec_llm.generate(prompts[-1], params, use_tqdm=False)[0].outputs[0]
+    together = spec_llm.generate(prompts, params, use_tqdm=False)[-1].outputs[0]
+    assert alone.token_ids == together.token_ids and len(alone.token_ids) == 24
+    for a, t in zip(alone.logprobs, together.logprobs, strict=True):  # programs differ a little
+        assert a.keys() == t.keys()
+        np.testing.assert_allclose(list(a.values()), list(t.values()), atol=1e-4)
