@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from pagedjax.config import DTYPES, MAX_MODEL_LEN_CAP, CacheConfig, SchedulerConfig
@@ -26,6 +27,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s dict as JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\'',
+    )
     p.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -53,7 +62,20 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        speculative_config=args.speculative_config,
     )
+
+
+def _speculative_config(text: str) -> dict:
+    """--speculative-config: a JSON object SpeculativeConfig accepts (checked before loading)."""
+    from pagedjax.spec_decode import SpeculativeConfig
+
+    try:
+        value = json.loads(text)
+        SpeculativeConfig.of(value)
+    except ValueError as e:  # json.JSONDecodeError is a ValueError
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 def _initialize_distributed(args: argparse.Namespace) -> bool:
@@ -96,6 +118,12 @@ def _generate(args: argparse.Namespace) -> int:
         f"utilization {st.kv_utilization:.3f}, now used {st.num_blocks_used}; "
         f"preemptions {st.num_preemptions}; compiled programs {st.num_compilations}"
     )
+    if (spec := st.spec_decoding) is not None:
+        print(
+            f"speculation: {spec.num_accepted_tokens} of {spec.num_draft_tokens} proposed tokens "
+            f"accepted ({spec.acceptance_rate:.1%}), {spec.mean_acceptance_length:.2f} tokens per "
+            f"verification step ({spec.num_drafts} steps with proposals)"
+        )
     return 0
 
 

@@ -114,3 +114,17 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(tiny, spec_llm):
     for a, t in zip(alone.logprobs, together.logprobs, strict=True):  # programs differ a little
         assert a.keys() == t.keys()
         np.testing.assert_allclose(list(a.values()), list(t.values()), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_after_warmup_speculation_compiles_nothing(tiny, spec_llm):
+    path, prompts, want = tiny
+    llm = LLM(path, speculative_config=SPEC, max_num_seqs=4, warmup=True, **POOL)
+    warm = llm.get_stats().num_compilations
+    sampled = SamplingParams(max_tokens=20, temperature=0.7, top_p=0.9, seed=3, logprobs=1)
+    params = [_greedy(), sampled, _greedy(repetition_penalty=1.2), _greedy(n=2)]
+    outs = llm.generate(prompts[-4:], params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == want[-4]
+    stats = llm.get_stats()
+    assert stats.spec_decoding.num_accepted_tokens > 0
+    assert stats.num_compilations == warm, "a program compiled after warm-up"

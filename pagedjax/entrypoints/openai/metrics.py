@@ -69,6 +69,33 @@ class _EngineCollector:
             yield GaugeMetricFamily(f"pagedjax_{name}", help_, value=read(stats))
         for name, help_, read in _COUNTERS:
             yield CounterMetricFamily(f"pagedjax_{name}", help_, value=read(stats))
+        spec = stats.spec_decoding  # only when the engine speculates (vLLM's spec_decode_*)
+        for name, help_, value in _spec_decode_metrics(spec) if spec is not None else ():
+            family = CounterMetricFamily if isinstance(value, int) else GaugeMetricFamily
+            yield family(f"pagedjax_spec_decode_{name}", help_, value=value)
+        if spec is not None:
+            per_pos = CounterMetricFamily(
+                "pagedjax_spec_decode_num_accepted_tokens_per_pos",
+                "Drafts whose proposal at this position was accepted.",
+                labels=["position"],
+            )
+            for i, n in enumerate(spec.num_accepted_tokens_per_pos):
+                per_pos.add_metric([str(i)], n)
+            yield per_pos
+
+
+def _spec_decode_metrics(s):
+    return (
+        ("num_drafts", "Sequences' proposals verified (one per sequence and step).", s.num_drafts),
+        ("num_draft_tokens", "Proposed tokens verified.", s.num_draft_tokens),
+        ("num_accepted_tokens", "Proposed tokens accepted.", s.num_accepted_tokens),
+        ("acceptance_rate", "Accepted / proposed tokens.", s.acceptance_rate),
+        (
+            "mean_acceptance_length",
+            "Tokens per verification step: 1 + accepted / drafts.",
+            s.mean_acceptance_length,
+        ),
+    )
 
 
 class ServerMetrics:
