@@ -156,8 +156,11 @@ GOOD_COMMON = {
     "ignore_eos": st.booleans(),
     "stop_token_ids": st.lists(st.integers(0, 259), max_size=3),
     "user": TEXT,
-    "best_of": st.just(1),
-    "logit_bias": st.just({}),
+    "best_of": st.sampled_from([None, 2]),
+    "logit_bias": st.dictionaries(st.integers(0, 259).map(str), st.floats(-100, 100), max_size=3),
+    "structured_outputs": st.sampled_from(
+        [None, {"regex": "[a-z]{1,4}"}, {"choice": ["yes", "no"]}, {"json_object": True}]
+    ),
     "max_tokens": st.integers(1, 8),
 }
 TEXT_PART = st.fixed_dictionaries({"type": st.just("text"), "text": TEXT})
@@ -187,9 +190,9 @@ GOOD_CHAT = {
     **GOOD_COMMON,
     "max_completion_tokens": st.integers(1, 8),
     "logprobs": st.booleans(),
-    "response_format": st.just({"type": "text"}),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
 }
-GOOD_COMPLETION = {**GOOD_COMMON, "logprobs": st.integers(0, 5), "echo": st.just(False)}
+GOOD_COMPLETION = {**GOOD_COMMON, "logprobs": st.integers(0, 5), "echo": st.booleans()}
 GOOD_PROMPT = st.one_of(
     TEXT.filter(bool),
     st.lists(TEXT.filter(bool), min_size=1, max_size=3),
