@@ -35,8 +35,32 @@ def activation(config: ModelConfig):
     return ACTIVATIONS[SUPPORTED_ACTIVATIONS[config.hidden_act]]
 
 
-def dense(features: int, bias: bool, dtype, name: str) -> nn.Dense:
-    return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
+class Dense(nn.Module):
+    """``nn.Dense``'s parameters and arithmetic, plus weight-only quantization: when the
+    parameters hold a ``kernel_scale`` (models/quant.py), the 8-bit kernel is converted to the
+    compute dtype inside the dot and each output column multiplied by its scale."""
+
+    features: int
+    use_bias: bool
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        kernel = self.param("kernel", init, (x.shape[-1], self.features), self.dtype)
+        x = x.astype(self.dtype)
+        dims = (((x.ndim - 1,), (0,)), ((), ()))
+        y = jax.lax.dot_general(x, kernel.astype(self.dtype), dims)
+        if self.has_variable("params", "kernel_scale"):
+            y = y * self.get_variable("params", "kernel_scale").astype(self.dtype)
+        if not self.use_bias:
+            return y
+        bias = self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y + bias.astype(self.dtype)
+
+
+def dense(features: int, bias: bool, dtype, name: str) -> nn.Module:
+    return Dense(features, bias, dtype, name=name)
 
 
 class RMSNorm(nn.Module):

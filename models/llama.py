@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from .config import ModelConfig
 from .decoder import DecoderModel
 from .layers import KVPool, apply_rope, rope_inv_freq  # noqa: F401 (re-exported)
+from .quant import compute_dtype
 from .step_input import StepInput
 
 
@@ -70,12 +71,13 @@ def forward(
 ):
     """Pure forward: ``(params, kv_pool, step_input) -> (logits f32[num_logits, vocab], kv_pool)``.
 
-    The compute dtype is the parameters' dtype. With a ``mesh``, parameters and pool are sharded
-    by heads (models/sharding.py) and attention runs per device under shard_map.
+    The compute dtype is the embedding's (linear kernels may be 8-bit: models/quant.py). With a
+    ``mesh``, parameters and pool are sharded by heads (models/sharding.py) and attention runs
+    per device under shard_map.
     ``unroll_layers`` compiles one copy of the layer per layer (as a model without the scan
     would; for comparing compile times).
     """
-    dtype = jax.tree.leaves(params)[0].dtype
+    dtype = compute_dtype(params)
     model = DecoderModel(config, dtype, backend, mesh, unroll_layers)
     return model.apply({"params": params}, kv_pool, step_input)
 

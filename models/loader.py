@@ -26,6 +26,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, SingleDeviceSharding
 
+from . import quant
 from .config import ModelConfig
 from .llama import param_shapes
 from .sharding import min_over_processes, param_shardings
@@ -141,8 +142,10 @@ def load_model(
     cache_dir: str | os.PathLike | None = None,
     use_cache: bool = True,
     mesh: Mesh | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
-    """Load ``model`` (directory, hub id or .gguf) as parameters in ``dtype``.
+    """Load ``model`` (directory, hub id or .gguf) as parameters in ``dtype``; with
+    ``quantization`` ("int8" or "fp8"), the linear kernels are quantized (models/quant.py).
 
     Converted parameters are cached under ``cache_dir`` (default ``$PAGEDJAX_CACHE_DIR`` or
     ``~/.cache/pagedjax``) as an orbax checkpoint keyed by the source files and dtype. With a
@@ -151,6 +154,7 @@ def load_model(
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    quant.check(quantization)
     path = resolve(model)
     if path.is_file():
         if path.suffix != ".gguf":
@@ -165,18 +169,19 @@ def load_model(
     cache_root = Path(
         cache_dir or os.environ.get("PAGEDJAX_CACHE_DIR") or Path.home() / ".cache" / "pagedjax"
     )
-    key = _cache_key(files, dtype)
+    key = _cache_key(files, dtype if quantization is None else f"{dtype}:{quantization}")
     ckpt = cache_root / "params" / key
     if jax.process_count() > 1 and use_cache:
         # One orbax checkpoint written by all processes: it needs one shared directory and the
         # same key everywhere (the key hashes the model files' paths, sizes and times).
         use_cache = _seen_by_all_processes(cache_root) and _same_on_all_processes(key)
-    cached = _restore(ckpt, dtype, mesh) if use_cache else None
+    cached = _restore(ckpt, dtype, mesh, quantization) if use_cache else None
     if cached is not None:
         config, params = cached
     else:
         config, tensors, weight_map = open_checkpoint(path)
         params = convert(tensors(), weight_map, config, dtype, mesh)
+        params = quant.quantize_params(params, quantization, mesh)
         if use_cache:
             _save(ckpt, config, params)
     return LoadedModel(config, params, str(path), tokenizer_dir, gguf_file)
@@ -409,13 +414,15 @@ def _same_on_all_processes(text: str) -> bool:
     return _all_processes(bool(np.array_equal(multihost_utils.broadcast_one_to_all(mine), mine)))
 
 
-def _restore(ckpt: Path, dtype: str, mesh: Mesh | None) -> tuple[ModelConfig, dict] | None:
+def _restore(
+    ckpt: Path, dtype: str, mesh: Mesh | None, quantization: str | None = None
+) -> tuple[ModelConfig, dict] | None:
     if not _all_processes((ckpt / "COMPLETE").exists()):
         return None
     import orbax.checkpoint as ocp
 
     config = ModelConfig.from_dict(json.loads((ckpt / "config.json").read_text()))
-    target = param_shapes(config, dtype)
+    target = quant.quantized_shapes(param_shapes(config, dtype), quantization)
     # Each array goes where this run wants it, whatever layout the run that saved it had.
     shardings = (
         param_shardings(target, mesh)

@@ -46,6 +46,13 @@ _RULES = {
     ("gate_proj", "bias"): P(AXIS),
     ("up_proj", "bias"): P(AXIS),
     ("down_proj", "kernel"): P(AXIS, None),
+    # Quantized kernels' per-output-channel scales (models/quant.py): split like the output axis.
+    ("lm_head", "kernel_scale"): P(AXIS),
+    ("q_proj", "kernel_scale"): P(AXIS),
+    ("k_proj", "kernel_scale"): P(AXIS),
+    ("v_proj", "kernel_scale"): P(AXIS),
+    ("gate_proj", "kernel_scale"): P(AXIS),
+    ("up_proj", "kernel_scale"): P(AXIS),
     # Experts: each expert's intermediate dimension is split (models/moe.py says why).
     ("experts", "gate_proj"): P(None, None, AXIS),
     ("experts", "up_proj"): P(None, None, AXIS),

@@ -7,6 +7,7 @@ import dataclasses
 from pagedjax.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16")
+QUANTIZATIONS = ("int8", "fp8")  # weight-only, per output channel (models/quant.py)
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DEFAULT_CPU_KV_SPACE_GIB = 1.0
 MAX_MODEL_LEN_CAP = 8192  # without an explicit max_model_len: the model's context, at most this
@@ -81,6 +82,7 @@ class SchedulerConfig:
 class EngineConfig:
     model: str
     dtype: str = "float32"
+    quantization: str | None = None  # None or one of QUANTIZATIONS
     seed: int = 0
     tensor_parallel_size: int = 1
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
@@ -92,6 +94,12 @@ class EngineConfig:
         spec = SpeculativeConfig.of(self.speculative_config)
         object.__setattr__(self, "speculative_config", spec)
         _require(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {DTYPES}")
+        _require(
+            self.quantization in (None, *QUANTIZATIONS),
+            "quantization",
+            self.quantization,
+            f"must be None or one of {QUANTIZATIONS}",
+        )
         _require(isinstance(self.seed, int), "seed", self.seed, "must be an integer")
         _require(
             isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,

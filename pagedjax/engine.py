@@ -54,7 +54,9 @@ class LLMEngine(DriverOrFollower):
         self.config = config
         cache, sched, tp = config.cache, config.scheduler, config.tensor_parallel_size
         mesh = tensor_parallel_mesh(tp)
-        loaded = loaded or load_model(config.model, dtype=config.dtype, mesh=mesh)
+        loaded = loaded or load_model(
+            config.model, dtype=config.dtype, mesh=mesh, quantization=config.quantization
+        )
         self.model_config = mc = loaded.config
         if sched.max_model_len > mc.max_context_len:
             raise ValueError(

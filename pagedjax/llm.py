@@ -29,6 +29,7 @@ class LLM:
         model: str | None = None,
         *,
         dtype: str = "float32",
+        quantization: str | None = None,
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_space_gib: float | None = None,
@@ -48,16 +49,23 @@ class LLM:
         """``warmup=True`` compiles every program the engine's limits allow up front (see
         ``Runner.warmup``), so that no request waits for a compilation. ``speculative_config``:
         vLLM's dict, e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
-        "prompt_lookup_min": 2, "prompt_lookup_max": 4}`` (pagedjax.spec_decode)."""
+        "prompt_lookup_min": 2, "prompt_lookup_max": 4}`` (pagedjax.spec_decode).
+        ``quantization``: "int8" or "fp8" weight-only quantization of the linear layers
+        (models/quant.py)."""
         compilation.enable_persistent_cache()  # before anything compiles, the loader included
         mesh = tensor_parallel_mesh(tensor_parallel_size)
         loaded = load_model(
-            model or default_model_path(), dtype=dtype, cache_dir=cache_dir, mesh=mesh
+            model or default_model_path(),
+            dtype=dtype,
+            cache_dir=cache_dir,
+            mesh=mesh,
+            quantization=quantization,
         )
         mc = loaded.config
         config = EngineConfig(
             model=loaded.source,
             dtype=dtype,
+            quantization=quantization,
             seed=seed,
             tensor_parallel_size=tensor_parallel_size,
             cache=CacheConfig(

@@ -6,7 +6,13 @@ import argparse
 import json
 import sys
 
-from pagedjax.config import DTYPES, MAX_MODEL_LEN_CAP, CacheConfig, SchedulerConfig
+from pagedjax.config import (
+    DTYPES,
+    MAX_MODEL_LEN_CAP,
+    QUANTIZATIONS,
+    CacheConfig,
+    SchedulerConfig,
+)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -17,6 +23,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "(default: the embedded SmolLM2-135M-Instruct GGUF)",
     )
     p.add_argument("--dtype", default=DTYPES[0], choices=DTYPES)
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="weight-only quantization of the linear layers (per-output-channel scales)",
+    )
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument(
@@ -56,6 +68,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     """LLM's keyword arguments from the options ``_add_engine_args`` defines (but --model)."""
     return dict(
         dtype=args.dtype,
+        quantization=args.quantization,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         max_model_len=args.max_model_len,

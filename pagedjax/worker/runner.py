@@ -35,6 +35,7 @@ from pagedjax import compilation, pallas_kernels
 from pagedjax.distributed import Channel
 from pagedjax.models.config import ModelConfig
 from pagedjax.models.llama import forward
+from pagedjax.models.quant import compute_dtype
 from pagedjax.models.sharding import pool_sharding, shard_params
 from pagedjax.models.step_input import StepInput
 from pagedjax.spec_decode.rejection import verify_step
@@ -121,7 +122,7 @@ class Runner:
         self.batcher = InputBatcher(block_size, max_model_len, 1 + num_speculative_tokens)
         self.batcher.query_buckets = pallas_kernels.resolve_backend(backend) != "reference"
         self.max_blocks_per_seq = self.batcher.max_blocks_per_seq
-        self.dtype = jax.tree.leaves(params)[0].dtype
+        self.dtype = compute_dtype(params)  # linear kernels may be 8-bit (models/quant.py)
         # With a mesh (tensor parallelism), weights and pool are split by heads across devices
         # and host arrays are replicated to every device of the mesh.
         self.mesh = mesh

@@ -1,0 +1,113 @@
+"""Weight-only quantization of the linear layers: int8 or float8_e4m3fn kernels with symmetric
+per-output-channel scales, quantized once at load and dequantized on the fly inside the step.
+
+A quantized Dense keeps its ``kernel`` name, now in 8 bits, and gains ``kernel_scale``
+(float32, the kernel's shape without its input axis: ``[out]``, or ``[num_layers, out]`` when
+stacked). ``models.layers.Dense`` multiplies by the scale when its parameters hold one, so the
+same model code serves quantized and unquantized trees: ``x @ kernel.astype(dtype) * scale``
+(XLA fuses the convert into the dot; the scale is per output column, so it applies after it).
+
+What is quantized: every Dense kernel under ``layers`` (attention and a dense MLP), an untied LM
+head and OPT's embedding projections. What stays in the compute dtype: embeddings (so a tied LM
+head too), norms, biases, and a MoE family's ``moe``/``dense_mlp`` stacks (router and experts).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax.traverse_util import flatten_dict, unflatten_dict
+
+QUANTIZATIONS = ("int8", "fp8")
+_QMAX = {"int8": 127.0, "fp8": 448.0}  # float8_e4m3fn's largest finite value
+_STORAGE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+_TOP_LEVEL = ("layers", "lm_head", "project_in", "project_out")
+SCALE = "kernel_scale"
+
+
+def check(quantization: str | None) -> str | None:
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}"
+        )
+    return quantization
+
+
+def storage_dtype(quantization: str):
+    return jnp.dtype(_STORAGE[quantization])
+
+
+def compute_dtype(params: dict):
+    """The dtype the model computes in: the embedding's (never quantized)."""
+    return params["embed_tokens"]["embedding"].dtype
+
+
+def _quantizable(path: tuple[str, ...]) -> bool:
+    return path[-1] == "kernel" and path[0] in _TOP_LEVEL and len(path) >= 2
+
+
+def quantize_kernel(w: jax.Array, quantization: str) -> tuple[jax.Array, jax.Array]:
+    """``w`` [..., in, out] -> (8-bit kernel, f32 scale [..., out]) with ``w ~ q * scale``."""
+    wf = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(wf), axis=-2)
+    scale = jnp.where(amax > 0, amax / _QMAX[quantization], 1.0)
+    scaled = wf / scale[..., None, :]
+    if quantization == "int8":
+        q = jnp.clip(jnp.round(scaled), -127, 127).astype(jnp.int8)
+    else:
+        q = jnp.clip(scaled, -448.0, 448.0).astype(jnp.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_kernel(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+    return (q.astype(jnp.float32) * scale[..., None, :].astype(jnp.float32)).astype(dtype)
+
+
+def quantize_params(params: dict, quantization: str | None, mesh=None) -> dict:
+    """The tree with its linear kernels quantized (None: unchanged). With a ``mesh``, each
+    quantized kernel and scale is placed as ``param_shardings`` says (scales split like their
+    kernels' output axis)."""
+    if check(quantization) is None:
+        return params
+    flat = flatten_dict(params)
+    if any(path[-1] == SCALE for path in flat):
+        raise ValueError("parameters are already quantized")
+    shardings = None
+    if mesh is not None:
+        from .sharding import param_shardings
+
+        shardings = flatten_dict(param_shardings(quantized_shapes(params, quantization), mesh))
+    out = {}
+    for path, w in flat.items():
+        if not _quantizable(path):
+            out[path] = w
+            continue
+        scale_path = (*path[:-1], SCALE)
+        fn = _quantizer(quantization)
+        if shardings is not None:
+            fn = jax.jit(fn, out_shardings=(shardings[path], shardings[scale_path]))
+        out[path], out[scale_path] = fn(w)
+    return unflatten_dict(out)
+
+
+def _quantizer(quantization: str):
+    return jax.jit(lambda w: quantize_kernel(w, quantization))
+
+
+def quantized_shapes(shapes: dict, quantization: str | None) -> dict:
+    """``param_shapes``'s tree as it is after ``quantize_params`` (ShapeDtypeStructs)."""
+    if check(quantization) is None:
+        return shapes
+    out = {}
+    for path, s in flatten_dict(shapes).items():
+        if _quantizable(path):
+            out[path] = jax.ShapeDtypeStruct(s.shape, storage_dtype(quantization))
+            scale_shape = s.shape[:-2] + s.shape[-1:]
+            out[(*path[:-1], SCALE)] = jax.ShapeDtypeStruct(scale_shape, jnp.float32)
+        else:
+            out[path] = s
+    return unflatten_dict(out)
+
+
+def param_bytes(shapes: dict) -> int:
+    return sum(s.size * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))

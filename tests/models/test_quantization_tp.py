@@ -1,0 +1,65 @@
+"""Quantized weights under tensor parallelism: tiny Llama int8 with tensor_parallel_size 1, 2 and 4
+(4 > its 2 KV heads: the k/v kernels and their scales are replicated) on 4 virtual CPU devices
+(in a subprocess: XLA_FLAGS). Scales are split like their kernels' output axis."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+WORKER = textwrap.dedent(
+    """
+    import json, sys
+    sys.path[:0] = [sys.argv[2], sys.argv[2] + "/tests"]
+    import jax
+    from hf_models import make_tiny_model
+    from pagedjax import LLM, SamplingParams
+
+    path = sys.argv[1]
+    make_tiny_model("llama_gqa", __import__("pathlib").Path(path))
+    prompts = [[5, 9, 33, 2, 71, 8], [100, 4, 7]]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    report = {}
+    for tp in (1, 2, 4):
+        llm = LLM(path, quantization="int8", tensor_parallel_size=tp, num_blocks=32,
+                  block_size=8, max_model_len=64)
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        attn = llm.runner.params["layers"]["self_attn"]
+        report[tp] = {
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "q_scale_spec": str(getattr(attn["q_proj"]["kernel_scale"].sharding, "spec", None)),
+            "o_scale_spec": str(getattr(attn["o_proj"]["kernel_scale"].sharding, "spec", None)),
+            "q_dtype": str(attn["q_proj"]["kernel"].dtype),
+        }
+    print("REPORT " + json.dumps(report))
+    """
+)
+
+
+def test_int8_tensor_parallel_matches_tp_1(tmp_path):
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", WORKER, str(tmp_path / "tiny"), str(ROOT)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("REPORT "))
+    report = json.loads(line[len("REPORT ") :])
+    assert report["2"]["tokens"] == report["1"]["tokens"]
+    assert report["4"]["tokens"] == report["1"]["tokens"]
+    assert report["2"]["q_dtype"] == "int8"
+    assert report["2"]["q_scale_spec"] == "P(None, 'tp')"
+    assert report["2"]["o_scale_spec"] == "P()"
