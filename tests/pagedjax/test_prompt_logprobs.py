@@ -36,8 +36,9 @@ def tiny(tmp_path_factory):
         max_num_batched_tokens=16,
         enable_chunked_prefill=True,
         enable_prefix_caching=True,
+        preemption_mode="recompute",
     )
-    return llm, prompts, refs
+    return llm, prompts, refs, hf
 
 
 def check(out, prompt, ref, k=K):
@@ -58,7 +59,7 @@ def check(out, prompt, ref, k=K):
 
 
 def test_prompt_logprobs_match_transformers_through_chunks(tiny):
-    llm, prompts, refs = tiny
+    llm, prompts, refs, _ = tiny
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=K)
     # Mixed with requests that ask for nothing: those steps score only the rows asked for.
     plain = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -76,7 +77,7 @@ def test_prompt_logprobs_match_transformers_through_chunks(tiny):
 
 
 def test_a_cached_prefix_is_computed_again(tiny):
-    llm, prompts, refs = tiny
+    llm, prompts, refs, _ = tiny
     long, ref = prompts[-1], refs[-1]
     plain = SamplingParams(max_tokens=2, temperature=0)
     llm.generate(long, plain, use_tqdm=False)  # its full blocks are now in the prefix cache
@@ -89,26 +90,19 @@ def test_a_cached_prefix_is_computed_again(tiny):
         check(llm.generate(long, params, use_tqdm=False)[0], long, ref, k)  # twice
 
 
-def test_preemption_by_recompute_keeps_them_whole(tmp_path):
-    make_tiny_model("llama_gqa", tmp_path)
-    llm = LLM(
-        str(tmp_path),
-        block_size=8,
-        num_blocks=14,  # 13 usable: two sequences of 48 + 40 tokens do not fit together
-        max_model_len=96,
-        max_num_batched_tokens=16,
-        preemption_mode="recompute",
-    )
+def test_preemption_by_recompute_keeps_them_whole(tiny):
+    llm, _, _, hf = tiny
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(3, 256, 48).tolist(), rng.integers(3, 256, 40).tolist()]
+    # 7 sequences of 40 + 40 tokens need 70 blocks at once: the pool (63) preempts some.
+    prompts = [rng.integers(3, 256, 40).tolist() for _ in range(7)]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    before = llm.get_stats().num_preemptions
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.get_stats().num_preemptions > 0
-    hf = make_tiny_model("llama_gqa", tmp_path / "again")  # the same weights (same seed)
+    assert llm.get_stats().num_preemptions > before
     for out, p in zip(outs, prompts, strict=True):
         with torch.no_grad():
-            hf_lp = torch.log_softmax(hf(torch.tensor([p])).logits[0].double(), -1).numpy()
-        check(out, p, hf_lp, k=1)
+            ref = torch.log_softmax(hf(torch.tensor([p])).logits[0].double(), -1).numpy()
+        check(out, p, ref, k=1)
 
 
 def test_bad_prompt_logprobs():
