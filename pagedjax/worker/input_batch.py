@@ -63,9 +63,10 @@ class StepShape:
 
 
 class InputBatcher:
-    """Builds step inputs for one pool geometry (block size, longest sequence). Each sequence
-    slot owns ``logits_per_seq`` logits rows (1 + the proposals an engine that speculates may
-    verify per sequence): one width per engine, so speculation adds no model programs."""
+    """Builds step inputs for one pool geometry (block size, longest sequence). In a step with a
+    query longer than one token each sequence slot owns ``logits_per_seq`` logits rows (1 + the
+    proposals an engine that speculates may verify per sequence); a decode step, which verifies
+    nothing, one. The width follows the step's shape, so speculation adds no model programs."""
 
     def __init__(self, block_size: int, max_model_len: int, logits_per_seq: int = 1):
         self.block_size = block_size
@@ -90,15 +91,16 @@ class InputBatcher:
 
     def build(self, seqs: list[ScheduledSeq]) -> StepInput:
         """Pack the sequences' tokens (numpy), padded to buckets. Sequence i owns rows
-        ``i * F .. (i + 1) * F - 1`` of ``logits_indices`` (F = logits_per_seq), the first
-        ``1 + num_spec_tokens`` of them its last tokens; there are at least as many of these rows
-        as sample rows."""
-        bs, per_seq = self.block_size, self.logits_per_seq
+        ``i * F .. (i + 1) * F - 1`` of ``logits_indices`` (F = ``logits_per_step(decode)``), the
+        first ``1 + num_spec_tokens`` of them its last tokens; there are at least as many of these
+        rows as sample rows."""
+        bs = self.block_size
         num_tokens = sum(len(s.token_ids) for s in seqs)
         max_q = max(len(s.token_ids) for s in seqs)
         num_rows = sum(len(s.samples) for s in seqs)
-        num_seqs_b = next_pow2(max(len(seqs), cdiv(num_rows, per_seq)), MIN_SEQS_BUCKET)
         decode = max_q == 1
+        per_seq = self.logits_per_step(decode)
+        num_seqs_b = next_pow2(max(len(seqs), cdiv(num_rows, per_seq)), MIN_SEQS_BUCKET)
         num_tokens_b = num_seqs_b if decode else next_pow2(num_tokens, MIN_TOKENS_BUCKET)
         max_blocks_b = self.blocks_bucket(max(len(s.block_table) for s in seqs))
 
@@ -180,10 +182,16 @@ class InputBatcher:
                     shapes.append(StepShape(t, s, b, q))
         return shapes
 
-    def sample_rows(self, seqs: list[ScheduledSeq], size: int):
-        """For the sampler's ``size`` rows: the logits row each samples (i32[size]) and, when the
-        engine speculates, the proposal it verifies (i32[size], -1: none; else None)."""
-        per_seq = self.logits_per_seq
+    def logits_per_step(self, decode: bool) -> int:
+        """Logits rows per sequence slot: one in a decode step, else ``logits_per_seq``."""
+        return 1 if decode else self.logits_per_seq
+
+    def sample_rows(self, seqs: list[ScheduledSeq], step_input: StepInput):
+        """For the sampler's rows (one per logits row of ``step_input``): the logits row each
+        samples (i32) and, in a step that can verify proposals, the proposal each verifies (i32,
+        -1: none; else None)."""
+        size = len(step_input.logits_indices)
+        per_seq = size // len(step_input.context_lens)
         logit_rows, drafts = np.zeros(size, np.int32), np.full(size, -1, np.int32)
         r = 0
         for i, s in enumerate(seqs):
@@ -204,7 +212,7 @@ class InputBatcher:
             block_tables=np.zeros((s, b), np.int32),
             context_lens=np.zeros(s, np.int32),
             query_start_loc=np.zeros(s + 1, np.int32),
-            logits_indices=np.zeros(s * self.logits_per_seq, np.int32),
+            logits_indices=np.zeros(s * self.logits_per_step(shape.max_query_len == 1), np.int32),
             max_query_len=shape.max_query_len,
         )
 

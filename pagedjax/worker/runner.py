@@ -7,9 +7,10 @@ of each sequence's last token), and the sampler, ``sample_step(logits, logit_row
 SamplerOutput`` (one row per requested sample). Only the model's work (token / sequence / context
 / query buckets) picks a model program; sampling options pick among a few small sampler programs.
 ``warmup`` compiles the whole bucket set up front. Block copies and swaps requested by the
-scheduler run before the step that needs them. An engine that speculates takes the logits of
-1 + k rows per sequence (its last token and its proposals) and samples with the verify program
-(``pagedjax.spec_decode.rejection``), which also says which proposals were accepted.
+scheduler run before the step that needs them. An engine that speculates takes, in steps with
+queries longer than one token, the logits of 1 + k rows per sequence (its last token and its
+proposals) and samples them with the verify program (``pagedjax.spec_decode.rejection``), which
+also says which proposals were accepted; its decode steps are the plain engine's.
 
 Padding and buckets are input_batch's; the pool, its host mirror and block moves kv_cache's.
 
@@ -160,7 +161,7 @@ class Runner:
         with prof.phase("build"):
             step_input = self.build_step_input(seqs)
             rows = [row for s in seqs for row in s.samples]
-            logit_rows, drafts = self.batcher.sample_rows(seqs, len(step_input.logits_indices))
+            logit_rows, drafts = self.batcher.sample_rows(seqs, step_input)
             sampling = self._sampling_input(rows, len(logit_rows), num_top_logprobs)
             step_input, targets = prompt_logprobs.extend_logits_rows(step_input, seqs)
         count_padding(prof, seqs, step_input, self.block_size)
@@ -238,8 +239,10 @@ class Runner:
         for s in sorted({shape.num_seqs for shape in shapes}):
             for pen in (False, True):
                 for con in (False, True):  # con: logit bias or a grammar's allowed tokens
-                    name = f"sampler s{s}" + " penalties" * pen + " constrained" * con
-                    jobs.append((name, lambda s=s, p=pen, c=con: self._lower_sample(s, p, c)))
+                    for v in (False, True) if self.num_speculative_tokens else (False,):
+                        name = f"sampler s{s}" + " penalties" * pen + " constrained" * con
+                        args = (s, pen, con, v)  # v: a step that can verify proposals
+                        jobs.append((name + " verify" * v, lambda a=args: self._lower_sample(*a)))
         swap = self.num_host_blocks > 0 if swap is None else swap
         max_moves = next_pow2(min(self.num_blocks, max_num_seqs * self.max_blocks_per_seq), 8)
         lower_move = self.kv_cache.lower_block_op
@@ -296,16 +299,18 @@ class Runner:
             np.zeros((num_seqs, self.config.vocab_size), np.float32), self._inputs
         )
 
-    def _lower_sample(self, num_seqs: int, penalties: bool, constrained: bool = False):
+    def _lower_sample(
+        self, num_seqs: int, penalties: bool, constrained: bool = False, verify: bool = False
+    ):
         bias = ((0, 1.0),) if constrained else ()
         rows = [SamplingRow(repetition_penalty=1.5 if penalties else 1.0, logit_bias=bias)]
-        size = num_seqs * self.batcher.logits_per_seq  # the model step's logits rows
+        size = num_seqs * self.batcher.logits_per_step(decode=not verify)  # its logits rows
         args = (
             self._logits_like(size),
             jax.device_put(np.zeros(size, np.int32), self._inputs),
             jax.device_put(self._sampling_input(rows, size, 0), self._inputs),
         )
-        if self.num_speculative_tokens:
+        if verify:
             drafts = jax.device_put(np.full(size, -1, np.int32), self._inputs)
             return verify_step.lower(*args, drafts)
         return _sample.lower(*args)

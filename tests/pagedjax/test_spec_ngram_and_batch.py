@@ -90,9 +90,16 @@ def test_logits_rows_of_a_speculative_step():
     np.testing.assert_array_equal(
         step.logits_indices[:16], [0, 1, 2, 3, 8, 0, 0, 0] + [9, 10] + [0] * 2 + [11, 0, 0, 0]
     )
-    logit_rows, drafts = batcher.sample_rows(seqs, 32)
+    logit_rows, drafts = batcher.sample_rows(seqs, step)
     np.testing.assert_array_equal(logit_rows[:9], [0, 1, 2, 3, 4, 8, 9, 12, 12])
     np.testing.assert_array_equal(drafts[:9], [1, 2, 3, -1, -1, 8, -1, -1, -1])
     assert (drafts[9:] == -1).all()
     plain = InputBatcher(4, 64)
-    assert plain.sample_rows(seqs[1:2], 8)[1] is None  # without speculation: no draft column
+    assert plain.sample_rows(seqs[1:2], plain.build(seqs[1:2]))[1] is None  # no draft column
+    # A decode step verifies nothing: one logits row per sequence slot, no draft column.
+    decode = [ScheduledSeq([7], 9, [1, 2, 3], [row]), ScheduledSeq([8], 3, [4], [row] * 3)]
+    step = batcher.build(decode)
+    assert step.max_query_len == 1 and len(step.logits_indices) == 8
+    np.testing.assert_array_equal(step.logits_indices[:2], [0, 1])
+    logit_rows, drafts = batcher.sample_rows(decode, step)
+    assert drafts is None and logit_rows[:4].tolist() == [0, 1, 1, 1]
