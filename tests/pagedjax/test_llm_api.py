@@ -118,6 +118,6 @@ def test_bad_engine_config(model_dir, kwargs, message):
 
 def test_close_frees_device_memory(model_dir):
     llm = LLM(model_dir, block_size=8, num_blocks=16, max_model_len=96)
-    pool = llm.runner.kv_pool
+    pool = llm.runner.kv_cache.pages
     llm.close()
     assert all(pages.is_deleted() for pages in pool)  # (k_pages, v_pages)
