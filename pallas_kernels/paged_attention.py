@@ -55,30 +55,25 @@ def paged_attention_reference(
     soft_cap: float | None = None,
 ) -> jax.Array:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads, _, block_size, _ = k_pages.shape
+    num_kv_heads = k_pages.shape[0]
     group = num_heads // num_kv_heads
-    ctx = block_tables.shape[1] * block_size
-    # Head-major throughout ([kv_heads, seqs, ...], the pool's own order: no transposed copy of
-    # the gathered context), and the two products as broadcast multiply-and-sum, which XLA fuses
-    # into one pass over the gathered keys / values (a batched dot of `group` rows per sequence
-    # is far slower on CPU).
-    k = k_pages[:, block_tables].reshape(num_kv_heads, num_seqs, ctx, head_dim)
-    v = v_pages[:, block_tables].reshape(num_kv_heads, num_seqs, ctx, head_dim)
-    t = jnp.arange(ctx)
+    k = gather_context(k_pages, block_tables)  # [num_seqs, num_kv_heads, ctx, head_dim]
+    v = gather_context(v_pages, block_tables)
+    t = jnp.arange(k.shape[2])
     valid = t[None, :] < context_lens[:, None]  # [num_seqs, ctx]
     if sliding_window is not None:  # the query sits at position context_len - 1
         valid &= t[None, :] >= window_start(context_lens - 1, sliding_window)[:, None]
     # Stale slots may hold NaN: zero V there, not only the probabilities (exp(-inf) * NaN = NaN).
-    v = jnp.where(valid[None, :, :, None], v, 0).astype(jnp.float32)
-    qg = q.reshape(num_seqs, num_kv_heads, group, head_dim).swapaxes(0, 1).astype(jnp.float32)
-    s = (qg[:, :, :, None, :] * k.astype(jnp.float32)[:, :, None]).sum(-1) * scale  # [K,S,G,T]
-    s = jnp.where(valid[None, :, None, :], cap_logits(s, soft_cap), -jnp.inf)
+    v = jnp.where(valid[:, None, :, None], v, 0)
+    qg = q.reshape(num_seqs, num_kv_heads, group, head_dim).astype(jnp.float32)
+    s = jnp.einsum("skgd,sktd->skgt", qg, k.astype(jnp.float32)) * scale
+    s = jnp.where(valid[:, None, None, :], cap_logits(s, soft_cap), -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0))
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = (p[..., None] * v[:, :, None]).sum(-2)  # [K, S, G, D]
+    out = jnp.einsum("skgt,sktd->skgd", p, v.astype(jnp.float32))
     out = out / jnp.where(denom == 0, 1, denom)  # a sequence of length 0 gives zeros
-    return out.swapaxes(0, 1).reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+    return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
 
 def check_paged_inputs(q, k_pages, v_pages, block_tables, context_lens, *, q_rows_name):
