@@ -30,6 +30,7 @@ from pagedjax.output_processor import OutputProcessor
 from pagedjax.outputs import EngineStats, RequestOutput
 from pagedjax.request import Request
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
+from pagedjax.spec_decode.draft import with_draft_model
 from pagedjax.spec_decode.speculator import make_speculator, with_proposals
 from pagedjax.step_profile import StepProfile
 from pagedjax.worker import kv_cache
@@ -101,6 +102,7 @@ class LLMEngine(DriverOrFollower):
             profile=self.profile,
             num_speculative_tokens=self.speculator.k if self.speculator else 0,
         )
+        self.runner = with_draft_model(config, self.runner)  # as is, unless a draft model proposes
         self._stopped = False  # multi-process: the driver has told the followers to stop
         self.requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(config.seed)

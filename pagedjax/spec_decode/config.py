@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32  # proposals per sequence and step
 
 
@@ -20,12 +20,15 @@ class SpeculativeConfig:
     """How the engine speculates. ``"ngram"`` (prompt lookup): propose the
     ``num_speculative_tokens`` tokens that followed the longest earlier occurrence (between
     ``prompt_lookup_min`` and ``prompt_lookup_max`` tokens long) of the sequence's own suffix.
-    As in vLLM, a missing bound takes the other's value, and both default to 5."""
+    As in vLLM, a missing bound takes the other's value, and both default to 5.
+    ``"draft_model"``: ``model`` (a path or hub id, with the target's vocabulary) proposes
+    ``num_speculative_tokens`` tokens, one decode step each (spec_decode/draft.py)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    model: str | None = None  # the draft model (method "draft_model")
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -39,6 +42,19 @@ class SpeculativeConfig:
                 f"got {k}"
             )
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError(
+                    f"speculative_config method 'draft_model' needs a model path, "
+                    f"got model={self.model!r}"
+                )
+            if lo is not None or hi is not None:
+                raise ValueError("speculative_config prompt_lookup_* are for method 'ngram'")
+            return
+        if self.model is not None:
+            raise ValueError(
+                f"speculative_config model is for method 'draft_model', got method {self.method!r}"
+            )
         if lo is None and hi is None:
             lo = hi = 5
         lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)

@@ -92,9 +92,10 @@ def rejection_sample(
     )
 
 
-def _verify_step(logits, logit_rows, sampling, draft_ids):
-    # logits: f32[num_logits, vocab]; logit_rows, draft_ids: i32[num_rows]
-    return rejection_sample(logits[logit_rows], sampling, draft_ids)
+def _verify_step(logits, logit_rows, sampling, draft_ids, draft_probs=None):
+    # logits: f32[num_logits, vocab]; logit_rows, draft_ids: i32[num_rows]; draft_probs: None
+    # (n-gram: one-hot) or f32[num_rows, vocab] (a draft model's q on its proposals' rows)
+    return rejection_sample(logits[logit_rows], sampling, draft_ids, draft_probs)
 
 
 # The runner's sampler program when the engine speculates (one per sampler shape, as ``sample``).

@@ -33,6 +33,15 @@ from pagedjax.spec_decode.metrics import SpecDecodingStats
 from pagedjax.spec_decode.ngram import NgramProposer
 
 
+class PlaceholderProposer:
+    """The proposer when a draft model proposes: it reserves the slots (k tokens whenever
+    allowed), and spec_decode.draft.DraftModelRunner writes the drafts over these placeholders
+    before the step runs."""
+
+    def propose(self, token_ids, k: int) -> list[int]:
+        return [0] * k
+
+
 def with_proposals(chunk: SeqChunk, rows: list) -> tuple[list[int], list]:
     """A chunk's tokens to compute (the sequence's, then its proposals) and sampler rows: as
     given, or for p proposals p + 1 copies of its one row, row j sampling position + j with the
@@ -64,7 +73,10 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, token_stop=None):
         self.config = config
         self.k = config.num_speculative_tokens
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        if config.method == "ngram":
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        else:  # a draft model writes its proposals over these in the runner (draft.py)
+            self.proposer = PlaceholderProposer()
         self.token_stop = token_stop
         self.stats = SpecDecodingStats()
         self._per_request: weakref.WeakKeyDictionary[SequenceGroup, SpecDecodingStats] = (

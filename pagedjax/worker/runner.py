@@ -154,9 +154,15 @@ class Runner:
     def build_step_input(self, seqs: list[ScheduledSeq]) -> StepInput:
         return self.batcher.build(seqs)
 
-    def execute(self, seqs: list[ScheduledSeq], num_top_logprobs: int = 0) -> SamplerOutput:
+    # A draft model's runner (spec_decode/draft.py) sets this: its steps verify with q rows.
+    verifies_draft_probs = False
+
+    def execute(
+        self, seqs: list[ScheduledSeq], num_top_logprobs: int = 0, draft_probs=None
+    ) -> SamplerOutput:
         """Run one step. Returns the sampler's output as host arrays, one row per requested sample
-        (sequence by sequence, in order); ``num_top_logprobs`` most likely tokens per row."""
+        (sequence by sequence, in order); ``num_top_logprobs`` most likely tokens per row.
+        ``draft_probs``: f32[sampler rows, vocab], the proposer's q on each proposal's row."""
         prof = self.profile
         with prof.phase("build"):
             step_input = self.build_step_input(seqs)
@@ -166,7 +172,8 @@ class Runner:
             step_input, targets = prompt_logprobs.extend_logits_rows(step_input, seqs)
         count_padding(prof, seqs, step_input, self.block_size)
         with prof.phase("device"):
-            out, scored = self._call("run_step", step_input, logit_rows, sampling, targets, drafts)
+            args = (step_input, logit_rows, sampling, targets, drafts, draft_probs)
+            out, scored = self._call("run_step", *args)
             if prof.enabled:
                 jax.block_until_ready((out, scored))
         with prof.phase("fetch"):
@@ -194,6 +201,7 @@ class Runner:
         sampling: SamplingInput,
         targets: np.ndarray | None = None,
         drafts: np.ndarray | None = None,
+        draft_probs: np.ndarray | None = None,
     ) -> tuple[SamplerOutput, PromptLogprobsOutput | None]:
         logits, self.kv_cache.pages = _step(
             self.params,
@@ -210,7 +218,10 @@ class Runner:
         if drafts is None:
             return _sample(logits, *args), scored
         # Speculation: rows with a proposal verify it (VerifyOutput: SamplerOutput + accepted).
-        return verify_step(logits, *args, jax.device_put(drafts, self._inputs)), scored
+        args += (jax.device_put(drafts, self._inputs),)
+        if draft_probs is not None:
+            args += (jax.device_put(draft_probs, self._inputs),)
+        return verify_step(logits, *args), scored
 
     # ---- warm-up ---------------------------------------------------------------------------
 
@@ -311,8 +322,10 @@ class Runner:
             jax.device_put(self._sampling_input(rows, size, 0), self._inputs),
         )
         if verify:
-            drafts = jax.device_put(np.full(size, -1, np.int32), self._inputs)
-            return verify_step.lower(*args, drafts)
+            args += (jax.device_put(np.full(size, -1, np.int32), self._inputs),)
+            if self.verifies_draft_probs:
+                args += (self._logits_like(size),)  # q: placed like the logits
+            return verify_step.lower(*args)
         return _sample.lower(*args)
 
     # ---- block moves (before the step that needs them) ------------------------------------
@@ -340,8 +353,13 @@ class Runner:
         step_input = step_input.replace(logits_indices=rows.astype(np.int32))
         return np.asarray(self._call("run_forward", step_input))
 
-    def _run_forward(self, step_input: StepInput) -> jax.Array:
-        logits, self.kv_cache.pages = _forward(
+    def forward(self, seqs: list[ScheduledSeq]) -> jax.Array:
+        """The model step alone, with execute's (bucketed, warmed-up) program: writes the tokens'
+        K/V and returns, on the device, the logits of each sequence's last token (row i: seq i)."""
+        return self._call("run_forward", self.build_step_input(seqs), True)
+
+    def _run_forward(self, step_input: StepInput, bucketed: bool = False) -> jax.Array:
+        logits, self.kv_cache.pages = (_step if bucketed else _forward)(
             self.params,
             self.kv_cache.pages,
             jax.device_put(step_input, self._inputs),

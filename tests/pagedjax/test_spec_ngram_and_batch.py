@@ -70,6 +70,17 @@ def test_config_validation():
             r"prompt_lookup_min \(3\) must be <= prompt_lookup_max \(2\)",
         ),
         ("ngram", "must be a dict"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a model path"),
+        (
+            {
+                "method": "draft_model",
+                "num_speculative_tokens": 2,
+                "model": "m",
+                "prompt_lookup_max": 2,
+            },
+            "prompt_lookup_\\* are for method 'ngram'",
+        ),
+        ({"method": "ngram", "num_speculative_tokens": 2, "model": "m"}, "is for method"),
     ]:
         with pytest.raises(ValueError, match=match):
             EngineConfig(model="m", speculative_config=bad)
