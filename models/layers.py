@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .. import pallas_kernels
+from . import quant
 from .config import ModelConfig, longrope_attention_factor
 from .sharding import AXIS, POOL_SPEC
 from .step_input import StepInput
@@ -38,7 +39,8 @@ def activation(config: ModelConfig):
 class Dense(nn.Module):
     """``nn.Dense``'s parameters and arithmetic, plus weight-only quantization: when the
     parameters hold a ``kernel_scale`` (models/quant.py), the 8-bit kernel is converted to the
-    compute dtype inside the dot and each output column multiplied by its scale."""
+    compute dtype inside the dot and each output column multiplied by its scale (with grouped
+    scales, "int8-g64", the kernel is dequantized group by group before the dot)."""
 
     features: int
     use_bias: bool
@@ -50,9 +52,14 @@ class Dense(nn.Module):
         kernel = self.param("kernel", init, (x.shape[-1], self.features), self.dtype)
         x = x.astype(self.dtype)
         dims = (((x.ndim - 1,), (0,)), ((), ()))
-        y = jax.lax.dot_general(x, kernel.astype(self.dtype), dims)
+        scale = None
         if self.has_variable("params", "kernel_scale"):
-            y = y * self.get_variable("params", "kernel_scale").astype(self.dtype)
+            scale = self.get_variable("params", "kernel_scale")
+        if scale is not None and scale.ndim == kernel.ndim:  # grouped: dequantize, then the dot
+            kernel = quant.dequantize(kernel, scale, self.dtype)
+        y = jax.lax.dot_general(x, kernel.astype(self.dtype), dims)
+        if scale is not None and scale.ndim < kernel.ndim:  # per output column
+            y = y * scale.astype(self.dtype)
         if not self.use_bias:
             return y
         bias = self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)

@@ -46,13 +46,6 @@ _RULES = {
     ("gate_proj", "bias"): P(AXIS),
     ("up_proj", "bias"): P(AXIS),
     ("down_proj", "kernel"): P(AXIS, None),
-    # Quantized kernels' per-output-channel scales (models/quant.py): split like the output axis.
-    ("lm_head", "kernel_scale"): P(AXIS),
-    ("q_proj", "kernel_scale"): P(AXIS),
-    ("k_proj", "kernel_scale"): P(AXIS),
-    ("v_proj", "kernel_scale"): P(AXIS),
-    ("gate_proj", "kernel_scale"): P(AXIS),
-    ("up_proj", "kernel_scale"): P(AXIS),
     # Experts: each expert's intermediate dimension is split (models/moe.py says why).
     ("experts", "gate_proj"): P(None, None, AXIS),
     ("experts", "up_proj"): P(None, None, AXIS),
@@ -140,6 +133,8 @@ def param_shardings(params: dict, mesh: Mesh) -> dict:
     def sharding(path, x):
         keys = tuple(getattr(p, "key", str(p)) for p in path)
         spec = _RULES.get(keys[-2:], P())
+        if keys[-1] == "kernel_scale":  # a quantized kernel's scales (models/quant.py)
+            spec = _scale_spec(_RULES.get((keys[-2], "kernel"), P()), x.ndim - (keys[0] in STACKED))
         if keys[0] in STACKED and spec != P():
             spec = P(None, *spec)  # the stacked layer axis stays whole
         if any(axis and dim % tp for axis, dim in zip(spec, x.shape, strict=False)):
@@ -147,6 +142,13 @@ def param_shardings(params: dict, mesh: Mesh) -> dict:
         return NamedSharding(mesh, spec)
 
     return jax.tree_util.tree_map_with_path(sharding, params)
+
+
+def _scale_spec(kernel_spec: P, ndim: int) -> P:
+    """Scales per output channel ([out]) split like the kernel's output axis; grouped scales
+    ([in / g, out]) like the kernel itself."""
+    spec = kernel_spec if ndim == 2 else P(*tuple(kernel_spec)[1:])
+    return spec if any(spec) else P()
 
 
 def shard_params(params: dict, mesh: Mesh) -> dict:

@@ -7,7 +7,8 @@ import dataclasses
 from pagedjax.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16")
-QUANTIZATIONS = ("int8", "fp8")  # weight-only, per output channel (models/quant.py)
+# weight-only, a scale per output channel, or per 64 / 32 inputs of it (models/quant.py)
+QUANTIZATIONS = ("int8", "fp8", "int8-g64", "int8-g32")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DEFAULT_CPU_KV_SPACE_GIB = 1.0
 MAX_MODEL_LEN_CAP = 8192  # without an explicit max_model_len: the model's context, at most this

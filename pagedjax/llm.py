@@ -50,7 +50,8 @@ class LLM:
         ``Runner.warmup``), so that no request waits for a compilation. ``speculative_config``:
         vLLM's dict, e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
         "prompt_lookup_min": 2, "prompt_lookup_max": 4}`` (pagedjax.spec_decode).
-        ``quantization``: "int8" or "fp8" weight-only quantization of the linear layers
+        ``quantization``: "int8" or "fp8" weight-only quantization of the linear layers, a
+        scale per output channel; "int8-g64" / "int8-g32": per 64 / 32 inputs of each
         (models/quant.py)."""
         compilation.enable_persistent_cache()  # before anything compiles, the loader included
         mesh = tensor_parallel_mesh(tensor_parallel_size)

@@ -27,7 +27,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--quantization",
         default=None,
         choices=QUANTIZATIONS,
-        help="weight-only quantization of the linear layers (per-output-channel scales)",
+        help="weight-only quantization of the linear layers: a scale per output channel, or "
+        "per 64 / 32 inputs of it (int8-g64, int8-g32)",
     )
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     p.add_argument("--num-blocks", type=int, default=None)

@@ -56,6 +56,19 @@ def test_int8_kernel_against_float64_reference():
     assert np.abs(np.asarray(q)).max() == 127  # each column's largest weight is exact
 
 
+def test_grouped_int8_kernel_against_float64_reference():
+    w = np.random.default_rng(3).standard_normal((2, 128, 24)).astype(np.float32)
+    q, scale = quant.quantize_kernel(jnp.asarray(w), "int8-g32")
+    assert q.dtype == jnp.int8 and scale.shape == (2, 4, 24)
+    grouped = w.astype(np.float64).reshape(2, 4, 32, 24)
+    ref_scale = np.abs(grouped).max(axis=2) / 127.0
+    np.testing.assert_allclose(np.asarray(scale), ref_scale, rtol=1e-6)
+    deq = np.asarray(quant.dequantize_kernel(q, scale), np.float64).reshape(grouped.shape)
+    assert np.all(np.abs(deq - grouped) <= ref_scale[:, :, None] * 0.5 * (1 + 1e-5))
+    # a kernel whose inputs the group does not divide falls back to a scale per channel
+    assert quant.quantize_kernel(jnp.ones((48, 8)), "int8-g32")[1].shape == (8,)
+
+
 def test_fp8_kernel_against_float64_reference():
     w = np.random.default_rng(1).standard_normal((64, 48)).astype(np.float32)
     q, scale = quant.quantize_kernel(jnp.asarray(w), "fp8")
@@ -87,11 +100,10 @@ def test_what_is_quantized(tiny_dir, tied_dir, method):
         assert ("lm_head/kernel" in kernels) is not tied  # a tied head stays the embedding
         rest = set(flat) - kernels - {f"{k}_scale" for k in kernels}
         assert rest and all(flat[k].dtype == jnp.float32 for k in rest)  # embeddings, norms
-        layer_q = flat["layers/self_attn/q_proj/kernel_scale"]
-        assert layer_q.shape == (
-            loaded.config.num_layers,
-            flat["layers/self_attn/q_proj/kernel"].shape[-1],
-        )
+        kernel = flat["layers/self_attn/q_proj/kernel"]
+        groups = (kernel.shape[1] // int(method.split("-g")[1]),) if "-g" in method else ()
+        scale = flat["layers/self_attn/q_proj/kernel_scale"]
+        assert scale.shape == (loaded.config.num_layers, *groups, kernel.shape[-1])
 
 
 def test_quantized_params_come_from_the_orbax_cache(tmp_path, tiny_dir, monkeypatch):

@@ -26,12 +26,13 @@ WORKER = textwrap.dedent(
     prompts = [[5, 9, 33, 2, 71, 8], [100, 4, 7]]
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     report = {}
-    for tp in (1, 2, 4):
-        llm = LLM(path, quantization="int8", tensor_parallel_size=tp, num_blocks=32,
+    runs = [("int8", 1), ("int8", 2), ("int8", 4), ("int8-g32", 1), ("int8-g32", 2)]
+    for method, tp in runs:
+        llm = LLM(path, quantization=method, tensor_parallel_size=tp, num_blocks=32,
                   block_size=8, max_model_len=64)
         outs = llm.generate(prompts, greedy, use_tqdm=False)
         attn = llm.runner.params["layers"]["self_attn"]
-        report[tp] = {
+        report[f"{method} {tp}"] = {
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
             "q_scale_spec": str(getattr(attn["q_proj"]["kernel_scale"].sharding, "spec", None)),
             "o_scale_spec": str(getattr(attn["o_proj"]["kernel_scale"].sharding, "spec", None)),
@@ -58,8 +59,11 @@ def test_int8_tensor_parallel_matches_tp_1(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     line = next(x for x in result.stdout.splitlines() if x.startswith("REPORT "))
     report = json.loads(line[len("REPORT ") :])
-    assert report["2"]["tokens"] == report["1"]["tokens"]
-    assert report["4"]["tokens"] == report["1"]["tokens"]
-    assert report["2"]["q_dtype"] == "int8"
-    assert report["2"]["q_scale_spec"] == "P(None, 'tp')"
-    assert report["2"]["o_scale_spec"] == "P()"
+    assert report["int8 2"]["tokens"] == report["int8 1"]["tokens"]
+    assert report["int8 4"]["tokens"] == report["int8 1"]["tokens"]
+    assert report["int8 2"]["q_dtype"] == "int8"
+    assert report["int8 2"]["q_scale_spec"] == "P(None, 'tp')"  # per channel: [layers, out]
+    assert report["int8 2"]["o_scale_spec"] == "P()"
+    assert report["int8-g32 2"]["tokens"] == report["int8-g32 1"]["tokens"]
+    assert report["int8-g32 2"]["q_scale_spec"] == "P(None, None, 'tp')"  # [layers, groups, out]
+    assert report["int8-g32 2"]["o_scale_spec"] == "P(None, 'tp', None)"  # groups of inputs
