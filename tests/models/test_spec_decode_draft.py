@@ -23,7 +23,7 @@ def models(tmp_path_factory):
     target = tmp_path_factory.mktemp("draft_target")
     hf = make_tiny_model("llama_gqa", target)
     other = tmp_path_factory.mktemp("draft_other")
-    make_tiny_model("llama_mqa", other, seed=1)
+    make_tiny_model("llama_gqa", other, seed=1)  # other weights, the same programs
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 256, n).tolist() for n in (1, 5, 8, 16, 23)]
     prompts.append([17, 40, 93, 7, 250, 61] * 4)

@@ -83,9 +83,12 @@ def test_swap_and_prefix_cache_keep_greedy_tokens(tiny):
 
 def test_stops_are_checked_token_by_token(tiny, spec_llm):
     """A stop string, a stop token or max_tokens met inside a run of accepted proposals ends
-    the output right there, as without speculation."""
+    the output right there, as without speculation. (The reference engine looks up 32-grams, so
+    it never proposes and appends one token a step, through the plain path, while it runs the
+    same programs: no second set to compile.)"""
     path, prompts, want = tiny
-    plain = LLM(path, **POOL)
+    never = dict(SPEC, prompt_lookup_min=32, prompt_lookup_max=32)
+    plain = LLM(path, speculative_config=never, **POOL)
     params = []
     for ids in want:
         words = plain.tokenizer.decode(ids).split()
@@ -103,6 +106,7 @@ def test_stops_are_checked_token_by_token(tiny, spec_llm):
         assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
     assert sum(o.outputs[0].finish_reason == "stop" for o in got) >= 2 * len(prompts)
     assert spec_llm.get_stats().spec_decoding.num_accepted_tokens > 0
+    assert plain.get_stats().spec_decoding.num_drafts == 0
 
 
 def test_seeded_sampling_is_reproducible_and_batch_invariant(tiny, spec_llm):
