@@ -164,6 +164,7 @@ class LLMEngine(DriverOrFollower):
         self._require_driver("step")
         prof = self.profile
         with prof.phase("schedule"):
+            self.scheduler.speculator = self.speculator  # also on a restored scheduler's
             out = self.history.record(self, self.scheduler.schedule())
             for group in out.aborted:
                 req = self.requests.get(group.request_id)

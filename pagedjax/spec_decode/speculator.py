@@ -83,6 +83,11 @@ class Speculator:
             weakref.WeakKeyDictionary()
         )
 
+    def __reduce__(self):
+        # An engine snapshot pickles its scheduler: the speculator (engine hooks, live counts)
+        # stays with the engine, which hands it to a restored scheduler on its next step.
+        return _none, ()
+
     @staticmethod
     def eligible(params) -> bool:
         """Beam search and structured output go one token at a time."""
@@ -162,6 +167,10 @@ class Speculator:
         """The counts of one request (zeros if it never proposed)."""
         mine = self._per_request.get(group)
         return mine.copy() if mine is not None else SpecDecodingStats()
+
+
+def _none() -> None:
+    return None
 
 
 def make_speculator(config: SpeculativeConfig | None, engine) -> Speculator | None:

@@ -132,3 +132,26 @@ def test_after_warmup_speculation_compiles_nothing(tiny, spec_llm):
     stats = llm.get_stats()
     assert stats.spec_decoding.num_accepted_tokens > 0
     assert stats.num_compilations == warm, "a program compiled after warm-up"
+
+
+def test_snapshot_and_restore_while_speculating(tiny, spec_llm):
+    _, prompts, want = tiny
+    engine = spec_llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"s{i}", p, _greedy())
+    for _ in range(6):
+        engine.step()
+    assert len(engine.requests) == len(prompts)  # none finished yet
+    snap = engine.snapshot()
+
+    def finish():
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
+        return [outs[f"s{i}"] for i in range(len(prompts))]
+
+    drafts = engine.get_stats().spec_decoding.num_drafts
+    assert finish() == want
+    engine.restore(snap)
+    assert finish() == want
+    assert engine.get_stats().spec_decoding.num_drafts > drafts
