@@ -67,7 +67,7 @@ def step_programs(model: str | None, repeats: int) -> list[dict]:
                 t0 = time.perf_counter()
                 lowered = fn.lower(
                     r.params,
-                    r.kv_pool,
+                    r.kv_cache.pages,
                     jax.device_put(step_input),
                     r.config,
                     r.backend,
