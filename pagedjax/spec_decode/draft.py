@@ -183,8 +183,12 @@ class DraftModelRunner:
         self.draft.synchronize()
 
     def free_device_memory(self) -> None:
+        """Both pools, and the draft's parameters (the engine frees the target's)."""
         self.target.free_device_memory()
         self.draft.free_device_memory()
+        for leaf in jax.tree.leaves(self.draft.params):
+            leaf.delete()
+        self.draft.params = None
 
     # ---- warm-up -------------------------------------------------------------------------
 

@@ -59,6 +59,8 @@ def test_the_targets_own_weights_as_draft_are_accepted(models, mode):
     spec = stats.spec_decoding
     assert spec.num_draft_tokens > 100 and spec.acceptance_rate > 0.95, spec
     assert stats.num_blocks_used == 0
+    llm.close()  # both pools and both models' parameters
+    assert llm.runner.draft.params is None and not llm.runner.draft.kv_cache.pages
 
 
 def test_another_model_as_draft_keeps_the_targets_tokens(models):
