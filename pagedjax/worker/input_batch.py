@@ -219,8 +219,10 @@ class InputBatcher:
 
 def count_padding(profile, seqs: list[ScheduledSeq], step_input: StepInput, block_size: int):
     """Record a step's real and padded work in ``profile`` (a StepProfile). Attention work is
-    query rows x keys: real, each row's causal context; padded, what the reference attention
-    computes for the bucketed shape (every sequence slot x its query bucket x the table width)."""
+    query rows x keys: real, each row's causal context; padded, what the attention computes for
+    the bucketed shape: every padded row over the table width (a decode step, and the CPU
+    reference, whose query bound is the token bucket), or, for the kernels, every sequence slot
+    x its query bucket over the table width."""
     q_lens = [len(s.token_ids) for s in seqs]
     real_attn = 0
     for s, q in zip(seqs, q_lens, strict=True):
@@ -234,7 +236,9 @@ def count_padding(profile, seqs: list[ScheduledSeq], step_input: StepInput, bloc
         sum(q_lens),
         len(step_input.token_ids),
         real_attn,
-        num_slots * max_q * width * block_size,
+        (num_slots * max_q if max_q < len(step_input.token_ids) else len(step_input.token_ids))
+        * width
+        * block_size,
     )
 
 
