@@ -66,7 +66,7 @@ class LLMEngine(DriverOrFollower):
             )
         self.tokenizer = load_tokenizer(loaded)
         device_config = sharded_config(mc, tp)  # KV heads replicated when tp > num_kv_heads
-        num_blocks, num_host_blocks = kv_cache.pool_size(cache, device_config, config.dtype, tp)
+        num_blocks, num_host_blocks = kv_cache.pool_size(config, device_config, tp)
         self.block_manager = bm = BlockManager(
             num_blocks,
             cache.block_size,

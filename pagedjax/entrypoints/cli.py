@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    gen.set_defaults(func=_generate)
+    # One prompt, one sequence: the engine (and, on a CPU, its pool) is sized for one.
+    gen.set_defaults(func=_generate, max_num_seqs=1)
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     _add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")

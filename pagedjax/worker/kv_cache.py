@@ -9,16 +9,22 @@ import jax
 import numpy as np
 
 from pagedjax import pallas_kernels
-from pagedjax.config import DEFAULT_CPU_KV_SPACE_GIB, CacheConfig
+from pagedjax.config import DEFAULT_CPU_KV_SPACE_GIB, CacheConfig, EngineConfig
 from pagedjax.models.config import ModelConfig
 from pagedjax.models.llama import init_kv_pool, kv_pool_bytes_per_block
 from pagedjax.models.sharding import min_over_processes
+from pagedjax.utils import cdiv
 
 
-def num_device_blocks(cache: CacheConfig, block_bytes: int, tensor_parallel_size: int) -> int:
+def num_device_blocks(
+    cache: CacheConfig, block_bytes: int, tensor_parallel_size: int, useful_blocks: int
+) -> int:
     """Blocks for a pool sized by kv_cache_space_gib; else by 90% of the free device memory
     (each device holds 1/tp of every block: its heads); else, on a CPU, by
-    DEFAULT_CPU_KV_SPACE_GIB. (An explicit num_blocks needs none of this.)"""
+    DEFAULT_CPU_KV_SPACE_GIB, but no more than ``useful_blocks``, the most the engine's running
+    sequences can ever hold: on a CPU the pool's first touch costs about a second per GiB, which
+    a small engine (``pagedjax generate``: one sequence) need not pay. (An explicit num_blocks
+    needs none of this.)"""
     if cache.kv_cache_space_gib is not None:
         return int(cache.kv_cache_space_gib * 2**30 // block_bytes)
     device = jax.local_devices()[0]
@@ -26,18 +32,30 @@ def num_device_blocks(cache: CacheConfig, block_bytes: int, tensor_parallel_size
     if mem and "bytes_limit" in mem:
         free = 0.9 * (mem["bytes_limit"] - mem.get("bytes_in_use", 0))
         return int(free // (block_bytes // tensor_parallel_size))
-    return int(DEFAULT_CPU_KV_SPACE_GIB * 2**30 // block_bytes)
+    return min(int(DEFAULT_CPU_KV_SPACE_GIB * 2**30 // block_bytes), useful_blocks)
+
+
+def useful_blocks(config: EngineConfig, watermark: float = 0.01) -> int:
+    """Blocks that ``max_num_seqs`` sequences of ``max_model_len`` tokens (plus speculative
+    lookahead slots) hold at most, with the null block and the block manager's watermark."""
+    sched, block_size = config.scheduler, config.cache.block_size
+    spec = config.speculative_config
+    per_seq = cdiv(sched.max_model_len + (spec.num_speculative_tokens if spec else 0), block_size)
+    return int((sched.max_num_seqs * per_seq + 2) / (1 - watermark)) + 1
 
 
 def num_host_blocks(cache: CacheConfig, block_bytes: int) -> int:
     return int(cache.swap_space_gib * 2**30 // block_bytes)
 
 
-def pool_size(cache: CacheConfig, device_config: ModelConfig, dtype: str, tp: int):
+def pool_size(config: EngineConfig, device_config: ModelConfig, tp: int):
     """(device blocks, host blocks): an explicit num_blocks, else sized from memory and agreed
     by every process (the smallest)."""
-    block_bytes = kv_pool_bytes_per_block(device_config, cache.block_size, dtype)
-    num_blocks = cache.num_blocks or min_over_processes(num_device_blocks(cache, block_bytes, tp))
+    cache = config.cache
+    block_bytes = kv_pool_bytes_per_block(device_config, cache.block_size, config.dtype)
+    num_blocks = cache.num_blocks or min_over_processes(
+        num_device_blocks(cache, block_bytes, tp, useful_blocks(config))
+    )
     return num_blocks, num_host_blocks(cache, block_bytes)
 
 
