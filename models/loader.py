@@ -1,6 +1,14 @@
 """Load a model of any supported family (models/registry.py): a Hugging Face checkpoint
 directory, a hub id, or a GGUF file (Llama and Qwen2).
 
+A GGUF file's tensors are dequantized to the compute dtype, except a Q8_0 file's linear kernels:
+as vLLM serves a GGUF in the file's own quantization, they load as int8 with the file's float16
+block scales (one per 32 inputs: ``quantization="int8-g32"``'s layout, no second rounding), and
+dequantize inside the step to exactly the weights the dequantizing path gives. Such a file takes
+``quantization=None`` or ``"int8-g32"``; another method would round its weights a second time
+and is refused (``load_model(..., dequantize_gguf=True)`` loads it dequantized, which any method
+may then quantize).
+
 Weights are renamed by an explicit HF-name -> our-name map per family (models/weight_maps.py),
 checked against the model's parameter shapes, and cached as an orbax checkpoint so that a second
 load skips conversion. Our per-layer names ``layers_{i}/...`` name layer ``i``'s slice of the
@@ -83,6 +91,15 @@ def _gguf_map(permuted: bool) -> WeightMap:
 _GGUF_ARCHS = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
 
 
+@dataclasses.dataclass(frozen=True)
+class Q8Blocks:
+    """A GGUF Q8_0 tensor kept in 8 bits: ``values`` int8 [out, in] and ``scales`` float32
+    [out, in / 32] (the file's float16 block scales, exactly), ``values * scales`` per block."""
+
+    values: np.ndarray
+    scales: np.ndarray
+
+
 @dataclasses.dataclass
 class LoadedModel:
     config: ModelConfig
@@ -143,9 +160,12 @@ def load_model(
     use_cache: bool = True,
     mesh: Mesh | None = None,
     quantization: str | None = None,
+    dequantize_gguf: bool = False,
 ) -> LoadedModel:
     """Load ``model`` (directory, hub id or .gguf) as parameters in ``dtype``; with
-    ``quantization`` ("int8" or "fp8"), the linear kernels are quantized (models/quant.py).
+    ``quantization`` (models/quant.py's QUANTIZATIONS), the linear kernels are quantized. A Q8_0
+    GGUF's kernels stay int8 with the file's scales (module docstring) unless
+    ``dequantize_gguf``.
 
     Converted parameters are cached under ``cache_dir`` (default ``$PAGEDJAX_CACHE_DIR`` or
     ``~/.cache/pagedjax``) as an orbax checkpoint keyed by the source files and dtype. With a
@@ -159,17 +179,21 @@ def load_model(
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model file must be a .gguf file, got {str(path)!r}")
-        files, open_checkpoint = [path], _open_gguf
+        keep_q8_0 = not dequantize_gguf and _keeps_q8_0(path, quantization)
+        files = [path]
+        open_checkpoint = functools.partial(_open_gguf, keep_q8_0=keep_q8_0)
         tokenizer_dir, gguf_file = str(path.parent), path.name
     else:
-        files, open_checkpoint = _hf_files(path), _open_hf_dir
+        files, open_checkpoint, keep_q8_0 = _hf_files(path), _open_hf_dir, False
         has_tok = any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model"))
         tokenizer_dir, gguf_file = (str(path) if has_tok else None), None
 
-    cache_root = Path(
-        cache_dir or os.environ.get("PAGEDJAX_CACHE_DIR") or Path.home() / ".cache" / "pagedjax"
-    )
-    key = _cache_key(files, dtype if quantization is None else f"{dtype}:{quantization}")
+    if keep_q8_0:
+        quantization = quant.GGUF_Q8_0
+    cache_root = _cache_root(cache_dir)
+    variant = dtype if quantization is None else f"{dtype}:{quantization}"
+    # A Q8_0 file's own scales never share an entry with a tree quantized from float weights.
+    key = _cache_key(files, f"{variant}:gguf-q8_0" if keep_q8_0 else variant)
     ckpt = cache_root / "params" / key
     if jax.process_count() > 1 and use_cache:
         # One orbax checkpoint written by all processes: it needs one shared directory and the
@@ -180,8 +204,11 @@ def load_model(
         config, params = cached
     else:
         config, tensors, weight_map = open_checkpoint(path)
-        params = convert(tensors(), weight_map, config, dtype, mesh)
-        params = quant.quantize_params(params, quantization, mesh)
+        if keep_q8_0:  # the kernels arrive quantized (Q8Blocks)
+            params = convert(tensors(), weight_map, config, dtype, mesh, quantization)
+        else:
+            params = convert(tensors(), weight_map, config, dtype, mesh)
+            params = quant.quantize_params(params, quantization, mesh)
         if use_cache:
             _save(ckpt, config, params)
     return LoadedModel(config, params, str(path), tokenizer_dir, gguf_file)
@@ -193,14 +220,15 @@ def convert(
     config: ModelConfig,
     dtype: str,
     mesh: Mesh | None = None,
+    quantization: str | None = None,
 ) -> dict:
     """Rename and reshape checkpoint tensors into our parameter tree, checking every shape.
     A layer's (or an expert's) tensor is written into its slice of the stacked parameter on
-    device."""
-    expected = flatten_dict(param_shapes(config, dtype), sep="/")
-    placement = (
-        flatten_dict(param_shardings(param_shapes(config, dtype), mesh), sep="/") if mesh else {}
-    )
+    device. With ``quantization``, the tree is ``quant.quantized_shapes``' and each linear kernel
+    must arrive as ``Q8Blocks`` (its values and block scales are written as they are)."""
+    shapes = quant.quantized_shapes(param_shapes(config, dtype), quantization)
+    expected = flatten_dict(shapes, sep="/")
+    placement = flatten_dict(param_shardings(shapes, mesh), sep="/") if mesh else {}
     patterns = [(re.compile(k), v) for k, v in weight_map.items()]
     flat: dict[str, jax.Array] = {}
     seen: dict[str, set[tuple[int, ...]]] = {}  # stacked parameter -> indices written
@@ -210,32 +238,17 @@ def convert(
             if _HF_IGNORED.fullmatch(name):
                 continue
             raise ValueError(f"unexpected tensor {name!r} in checkpoint for {config.architecture}")
-        array = np.asarray(array, dtype=np.float32)
+        if not isinstance(array, Q8Blocks):
+            array = np.asarray(array, dtype=np.float32)
         for ours, transform in targets:
             if ours == "lm_head/kernel" and config.tie_word_embeddings:
                 continue  # tied: the head is the embedding
-            path, index = _place(ours, config)
-            if path not in expected:
-                raise ValueError(f"checkpoint tensor {name!r} maps to unknown parameter {ours!r}")
-            full = expected[path].shape
-            if any(i >= n for i, n in zip(index, full, strict=False)):
-                raise ValueError(f"checkpoint tensor {name!r} maps past the end of {path!r}")
-            shape = full[len(index) :]
-            value = transform(array, config)
-            if value.shape != shape:
-                raise ValueError(
-                    f"tensor {name!r} has shape {value.shape} after conversion, but {ours!r} "
-                    f"needs {shape}" + (" per layer" if index else "")
-                )
-            value = value.astype(jnp.dtype(dtype))
-            if not index:
-                flat[path] = jax.device_put(value, placement.get(path))
-                continue
-            if path not in flat:
-                flat[path] = jnp.zeros(full, dtype, device=placement.get(path))
-            set_rows = _set_rows(placement.get(path), len(index))
-            flat[path] = set_rows(flat[path], np.asarray(index, np.int32), value)
-            seen.setdefault(path, set()).add(index)
+            parts = [(ours, array)]
+            if isinstance(array, Q8Blocks):  # the 8-bit kernel and its scales, one transform
+                scale_name = ours.removesuffix("kernel") + quant.SCALE
+                parts = [(ours, array.values), (scale_name, array.scales)]
+            for part, raw in parts:
+                _write(flat, seen, name, part, transform(raw, config), config, expected, placement)
     missing = sorted(set(expected) - set(flat))
     for path, indices in sorted(seen.items()):
         stacked = expected[path].shape[: len(next(iter(indices)))]
@@ -245,6 +258,38 @@ def convert(
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} parameters, e.g. {missing[:5]}")
     return unflatten_dict(flat, sep="/")
+
+
+def _write(flat, seen, name: str, ours: str, value: np.ndarray, config, expected, placement):
+    """Checkpoint tensor ``name``'s ``value`` (after its transform) into our parameter ``ours``
+    (or its row of a stacked parameter), checked against the expected shape and kind."""
+    path, index = _place(ours, config)
+    if path not in expected:
+        raise ValueError(f"checkpoint tensor {name!r} maps to unknown parameter {ours!r}")
+    want = expected[path]
+    if (value.dtype == np.int8) != (want.dtype == jnp.int8):
+        raise ValueError(
+            f"checkpoint tensor {name!r} is {value.dtype}, but {ours!r} is {want.dtype} "
+            "(a kernel kept in 8 bits needs every layer's tensor in Q8_0)"
+        )
+    full = want.shape
+    if any(i >= n for i, n in zip(index, full, strict=False)):
+        raise ValueError(f"checkpoint tensor {name!r} maps past the end of {path!r}")
+    shape = full[len(index) :]
+    if value.shape != shape:
+        raise ValueError(
+            f"tensor {name!r} has shape {value.shape} after conversion, but {ours!r} "
+            f"needs {shape}" + (" per layer" if index else "")
+        )
+    value = value.astype(want.dtype)
+    if not index:
+        flat[path] = jax.device_put(value, placement.get(path))
+        return
+    if path not in flat:
+        flat[path] = jnp.zeros(full, want.dtype, device=placement.get(path))
+    set_rows = _set_rows(placement.get(path), len(index))
+    flat[path] = set_rows(flat[path], np.asarray(index, np.int32), value)
+    seen.setdefault(path, set()).add(index)
 
 
 def _place(ours: str, config: ModelConfig) -> tuple[str, tuple[int, ...]]:
@@ -322,7 +367,46 @@ def _open_hf_dir(path: Path):
     return config, tensors, HF_WEIGHT_MAPS[config.family]
 
 
-def _open_gguf(path: Path):
+def _gguf_kernel_types(reader, permuted: bool) -> set[str]:
+    """The GGUF types (e.g. "Q8_0") of the tensors that map to linear kernels."""
+    patterns = [(re.compile(k), v) for k, v in _gguf_map(permuted).items()]
+    types = set()
+    for t in reader.tensors:
+        targets = _match(t.name, patterns) or []
+        if any(ours.endswith("/kernel") for ours, _ in targets):
+            types.add(t.tensor_type.name)
+    return types
+
+
+def _keeps_q8_0(path: Path, quantization: str | None) -> bool:
+    """Whether the GGUF at ``path`` loads its linear kernels as int8 with the file's scales:
+    every one of them is Q8_0 (mixed or other files dequantize) and ``quantization`` is None or
+    that layout; any other method on such a file is refused (a second rounding)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    if arch not in _GGUF_ARCHS or _gguf_kernel_types(reader, _GGUF_ARCHS[arch][1]) != {"Q8_0"}:
+        return False  # an unsupported architecture is reported by _open_gguf
+    if quantization not in (None, quant.GGUF_Q8_0):
+        raise ValueError(
+            f"{str(path)!r} is a Q8_0 GGUF: its linear kernels load as int8 with the file's own "
+            f"scales per 32 inputs (quantization=None or {quant.GGUF_Q8_0!r}); "
+            f"quantization={quantization!r} would round them a second time"
+        )
+    return True
+
+
+def _q8_0_blocks(t) -> Q8Blocks:
+    """A Q8_0 reader tensor's values and scales, as stored (no arithmetic)."""
+    out, n_in = (int(d) for d in reversed(t.shape))  # ggml lists dims innermost first
+    blocks = np.asarray(t.data).reshape(-1, 34)  # per block: float16 scale, 32 int8 values
+    scales = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(out, n_in // 32)
+    values = blocks[:, 2:].copy().view(np.int8).reshape(out, n_in)
+    return Q8Blocks(values, scales)
+
+
+def _open_gguf(path: Path, keep_q8_0: bool = False):
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -369,12 +453,28 @@ def _open_gguf(path: Path):
         }
     config = ModelConfig.from_hf_dict(hf)
 
+    permuted = _GGUF_ARCHS[arch][1]
+    patterns = [(re.compile(k), v) for k, v in _gguf_map(permuted).items()]
+
+    def is_kernel(name: str) -> bool:
+        return any(ours.endswith("/kernel") for ours, _ in _match(name, patterns) or [])
+
     def tensors():
         for t in reader.tensors:
+            if keep_q8_0 and t.tensor_type.name == "Q8_0" and is_kernel(t.name):
+                yield t.name, _q8_0_blocks(t)
+                continue
             shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists dims innermost first
             yield t.name, dequantize(t.data, t.tensor_type).reshape(shape)
 
-    return config, tensors, _gguf_map(permuted=_GGUF_ARCHS[arch][1])
+    return config, tensors, _gguf_map(permuted)
+
+
+def _cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """``cache_dir``, else ``$PAGEDJAX_CACHE_DIR``, else ``~/.cache/pagedjax``."""
+    return Path(
+        cache_dir or os.environ.get("PAGEDJAX_CACHE_DIR") or Path.home() / ".cache" / "pagedjax"
+    )
 
 
 def _cache_key(files: list[Path], dtype: str) -> str:
@@ -477,8 +577,7 @@ def _cached_gguf_tokenizer(path: Path):
     configuration code and torch (about 1.2 s of a warm ``pagedjax generate``)."""
     from transformers import PreTrainedTokenizerFast
 
-    root = Path(os.environ.get("PAGEDJAX_CACHE_DIR") or Path.home() / ".cache" / "pagedjax")
-    saved = root / "tokenizers" / _cache_key([path], "tokenizer")
+    saved = _cache_root() / "tokenizers" / _cache_key([path], "tokenizer")
     if (saved / "tokenizer.json").exists():
         try:
             return PreTrainedTokenizerFast.from_pretrained(str(saved))

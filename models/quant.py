@@ -9,7 +9,8 @@ same model code serves quantized and unquantized trees: ``x @ kernel.astype(dtyp
 "int8-g64" / "int8-g32" keep a scale per 64 / 32 inputs of each column (``[..., in / g, out]``;
 per channel where g does not divide the inputs): the kernel is dequantized group by group inside
 the step, then the dot. On SmolLM2-135M per-channel int8 agrees with float32 on 0.96 of greedy
-next tokens, groups of 64 on 0.99 (docs/BENCHMARKS.md, "Quantization").
+next tokens, groups of 64 on 0.99 (docs/BENCHMARKS.md, "Quantization"). A GGUF Q8_0 file's
+kernels load straight into the "int8-g32" layout with the file's own scales (models/loader.py).
 
 What is quantized: every Dense kernel under ``layers`` (attention and a dense MLP), an untied LM
 head and OPT's embedding projections. What stays in the compute dtype: embeddings (so a tied LM
@@ -23,6 +24,9 @@ import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 QUANTIZATIONS = ("int8", "fp8", "int8-g64", "int8-g32")
+# A GGUF Q8_0 tensor is blocks of 32 int8 values along the input axis with a float16 scale each:
+# the layout of "int8-g32", which such a file's linear kernels load as (models/loader.py).
+GGUF_Q8_0 = "int8-g32"
 _QMAX = {"int8": 127.0, "fp8": 448.0}  # float8_e4m3fn's largest finite value
 _STORAGE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 # "int8-g64": a scale per 64 inputs of each output column ([..., in / 64, out]), where 64 divides
@@ -84,11 +88,14 @@ def quantize_kernel(w: jax.Array, quantization: str) -> tuple[jax.Array, jax.Arr
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """One kernel [in, out] (or stacked [..., in, out]) in ``dtype``, from its 8-bit values and
-    its grouped scale ([..., in / g, out]; a per-channel scale is applied after the dot)."""
+    its grouped scale ([..., in / g, out]; a per-channel scale is applied after the dot). The
+    product is taken in float32 and rounded once to ``dtype``: exact for an int8 value times a
+    float16 scale (GGUF Q8_0), so such a kernel equals the file's dequantized weights in
+    ``dtype`` bit for bit."""
     *lead, n_in, n_out = q.shape
     groups = scale.shape[-2]
-    w = q.astype(dtype).reshape(*lead, groups, n_in // groups, n_out)
-    return (w * scale[..., None, :].astype(dtype)).reshape(q.shape)
+    w = q.astype(jnp.float32).reshape(*lead, groups, n_in // groups, n_out)
+    return (w * scale[..., None, :].astype(jnp.float32)).astype(dtype).reshape(q.shape)
 
 
 def dequantize_kernel(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
