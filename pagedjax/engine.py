@@ -67,12 +67,7 @@ class LLMEngine(DriverOrFollower):
         self.tokenizer = load_tokenizer(loaded)
         device_config = sharded_config(mc, tp)  # KV heads replicated when tp > num_kv_heads
         num_blocks, num_host_blocks = kv_cache.pool_size(config, device_config, tp)
-        self.block_manager = bm = BlockManager(
-            num_blocks,
-            cache.block_size,
-            num_host_blocks=num_host_blocks,
-            enable_prefix_caching=cache.enable_prefix_caching,
-        )
+        self.block_manager = bm = BlockManager.for_model(num_blocks, num_host_blocks, cache, mc)
         capacity = Capacity.of(config, num_blocks, bm.watermark_blocks, num_host_blocks, mc)
         check_capacity(capacity)
         self.input_processor = InputProcessor(capacity, self.tokenizer)
@@ -88,6 +83,7 @@ class LLMEngine(DriverOrFollower):
             max_model_len=sched.max_model_len,
             eos_token_ids=self.eos_token_ids,
             speculator=self.speculator,
+            longrope_switch_len=mc.longrope_switch_len,
         )
         self.profile = StepProfile()  # padding counts; phase times while profile.enabled
         self.runner = (runner_factory or Runner)(

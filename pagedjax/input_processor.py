@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pagedjax.core.window import live_blocks, shared_window
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 from pagedjax.structured_output import GrammarCompiler
 from pagedjax.utils import cdiv
@@ -37,6 +38,7 @@ class Capacity:
     num_usable_blocks: int  # device blocks a request may hold at once (null and watermark out)
     num_host_blocks: int  # swap space, in blocks
     vocab_size: int
+    sliding_window: int | None = None  # one window shared by every layer: blocks before it free
 
     @classmethod
     def of(cls, config, num_blocks: int, watermark_blocks: int, num_host_blocks: int, model_config):
@@ -51,6 +53,7 @@ class Capacity:
             num_usable_blocks=num_blocks - 1 - watermark_blocks,
             num_host_blocks=num_host_blocks,
             vocab_size=model_config.vocab_size,
+            sliding_window=shared_window(model_config.layer_windows),
         )
 
 
@@ -63,7 +66,7 @@ def check_capacity(cap: Capacity) -> None:
             "recomputed after preemption) could never be scheduled; raise max_num_batched_tokens "
             "or enable chunked prefill"
         )
-    if peak_blocks(1, cap.max_model_len, 1, cap.block_size) > cap.num_usable_blocks:
+    if request_blocks(cap, 1, cap.max_model_len, 1) > cap.num_usable_blocks:
         raise ValueError(
             f"num_blocks={cap.num_blocks} ({cap.num_usable_blocks} usable, of block_size "
             f"{cap.block_size}) cannot hold one sequence of max_model_len={cap.max_model_len}; "
@@ -78,6 +81,19 @@ def peak_blocks(prompt_len: int, total_len: int, width: int, block_size: int) ->
     shared = prompt_len // block_size
     own = cdiv(total_len - 1, block_size) - shared
     return shared + width * max(own, 0)
+
+
+def request_blocks(cap: Capacity, prompt_len: int, total_len: int, width: int) -> int:
+    """Most device blocks a request holds at once: peak_blocks, or with a shared sliding window
+    (core/window.py) the live blocks around each sequence's window, if fewer: width decodes of
+    one token, and a prefill of one chunk (the block manager shrinks chunks to fit the pool)
+    or, without chunked prefill, of the longest prompt (a recompute: total_len - 1 tokens)."""
+    need = peak_blocks(prompt_len, total_len, width, cap.block_size)
+    if cap.sliding_window is None:
+        return need
+    w, bs = cap.sliding_window, cap.block_size
+    chunk = 1 if cap.enable_chunked_prefill else total_len - 1
+    return min(need, max(width * live_blocks(w, 1, bs), live_blocks(w, chunk, bs)))
 
 
 class InputProcessor:
@@ -151,7 +167,7 @@ class InputProcessor:
                 "sequences could not all decode in one step"
             )
         total = min(n + params.max_tokens, cap.max_model_len)
-        need = peak_blocks(n, total, width, cap.block_size)
+        need = request_blocks(cap, n, total, width)
         if need > cap.num_usable_blocks:
             raise ValueError(
                 f"the request may need {need} KV blocks at once ({width} sequence(s) of up to "

@@ -24,14 +24,23 @@ from pagedjax.core.block_pool import (
     HashFn,
     hash_block_tokens,
 )
+from pagedjax.core.block_swap import HOST_NULL, NULL_BLOCK, SwapMixin
 from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedjax.core.window import first_live_block, max_chunk_that_fits, shared_window
 from pagedjax.utils import cdiv
 
 __all__ = ["AllocStatus", "BlockManager", "BlockManagerStats", "hash_block_tokens"]
 
 
-class BlockManager(BlockPool):
-    """Block tables over a BlockPool: admission, growth, copy-on-write, prefix matching, swap."""
+class BlockManager(SwapMixin, BlockPool):
+    """Block tables over a BlockPool: admission, growth, copy-on-write, prefix matching, swap.
+
+    With ``sliding_window`` (every layer attends with that one window; see core/window.py), a
+    table covers at most ``max_chunk_tokens`` tokens past the sequence's computed ones, and
+    ``release_outside_window`` frees the blocks the next step can no longer read: their entries
+    become NULL_BLOCK (block 0, never allocated; the kernels skip it, the references read it and
+    mask it by position). A shared block stays alive while another table holds it.
+    """
 
     def __init__(
         self,
@@ -41,6 +50,8 @@ class BlockManager(BlockPool):
         watermark: float = 0.01,
         enable_prefix_caching: bool = False,
         hash_fn: HashFn = hash_block_tokens,
+        sliding_window: int | None = None,
+        rope_switch_len: int | None = None,
     ):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null one), got {num_blocks}")
@@ -50,6 +61,8 @@ class BlockManager(BlockPool):
             raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.watermark_blocks = int(watermark * num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn
@@ -59,13 +72,67 @@ class BlockManager(BlockPool):
         self._num_hashed_blocks: dict[int, int] = {}
         self._cache_queries = 0
         self._cache_hits = 0
+        self.sliding_window = sliding_window
+        # LongRoPE: KV computed with a context past this length uses other rope factors, so the
+        # prefix cache keeps the two kinds apart (its key includes which kind a block holds).
+        self.rope_switch_len = rope_switch_len
+        self.max_chunk_tokens = 2**62  # tokens a table covers past the computed ones (window)
+        if sliding_window is not None:
+            usable = num_blocks - 1 - self.watermark_blocks
+            fit = max_chunk_that_fits(sliding_window, usable, block_size)
+            if fit >= 1:  # else the window outgrows the pool: whole tables, as without one
+                self.max_chunk_tokens = fit
+
+    @classmethod
+    def for_model(cls, num_blocks: int, num_host_blocks: int, cache, model_config):
+        """The engine's block manager: cache is a CacheConfig, model_config a ModelConfig."""
+        return cls(
+            num_blocks,
+            cache.block_size,
+            num_host_blocks=num_host_blocks,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            sliding_window=shared_window(model_config.layer_windows),
+            rope_switch_len=model_config.longrope_switch_len,
+        )
+
+    def limit_chunk_tokens(self, num_tokens: int) -> None:
+        """Cap a windowed table's run-ahead at num_tokens (the scheduler's token budget)."""
+        if self.sliding_window is not None:
+            self.max_chunk_tokens = min(self.max_chunk_tokens, num_tokens)
 
     # ---- device blocks -------------------------------------------------------------------------
 
     def _num_table_tokens(self, table: list[int]) -> int:
         if not table:
             return 0
-        return (len(table) - 1) * self.block_size + self.blocks[table[-1]].num_tokens
+        last = self.blocks[table[-1]].num_tokens if table[-1] != NULL_BLOCK else self.block_size
+        return (len(table) - 1) * self.block_size + last
+
+    def _target_len(self, seq: Sequence, num_computed: int | None = None) -> int:
+        """Tokens seq's table must cover for its next step: all of them, or with a window at
+        most max_chunk_tokens past its computed ones."""
+        if num_computed is None:
+            num_computed = seq.num_computed_tokens
+        return min(seq.get_len(), num_computed + self.max_chunk_tokens)
+
+    def _first_live(self, num_computed: int) -> int:
+        if self.sliding_window is None:
+            return 0
+        return first_live_block(num_computed, self.sliding_window, self.block_size)
+
+    def release_outside_window(self, seq: Sequence) -> int:
+        """Free the blocks of seq that its next step cannot read (sliding window only): their
+        entries become NULL_BLOCK. Returns how many entries were released."""
+        if self.sliding_window is None or seq.seq_id not in self.block_tables:
+            return 0
+        table = self.block_tables[seq.seq_id]
+        released = 0
+        for i in range(min(self._first_live(seq.num_computed_tokens), len(table))):
+            if table[i] != NULL_BLOCK:
+                self._decref(self.blocks[table[i]])
+                table[i] = NULL_BLOCK
+                released += 1
+        return released
 
     def _grow_table(self, table: list[int], num_tokens: int) -> None:
         """Give table a slot for each of num_tokens tokens; its last block is not shared."""
@@ -127,32 +194,44 @@ class BlockManager(BlockPool):
             return hits
         tokens = seq.get_token_ids()
         bs = self.block_size
+        extra = self._cache_key(seq, seq.get_len())
         parent: Block | None = None
         for i in range((seq.get_len() - 1) // bs):
             block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
             parent_hash = parent.hash if parent else None
-            block_id = self.hash_to_block_id.get(
-                self.hash_fn(parent_hash, block_tokens, seq.extra_hash_key)
-            )
+            block_id = self.hash_to_block_id.get(self.hash_fn(parent_hash, block_tokens, extra))
             if block_id is None:
                 break
             block = self.blocks[block_id]
             # Hashes collide: a hit must have the same parent block, tokens and extra key.
             parent_identity = parent.identity() if parent else None
-            if block.key != (parent_identity, block_tokens, seq.extra_hash_key):
+            if block.key != (parent_identity, block_tokens, extra):
                 break
             hits.append(block)
             parent = block
         return hits
 
+    def _cache_key(self, seq: Sequence, context_len: int):
+        """The extra key of seq's cached blocks; with LongRoPE also whether their KV was (or will
+        be) computed with the long factors (context past rope_switch_len)."""
+        if self.rope_switch_len is None:
+            return seq.extra_hash_key
+        return seq.extra_hash_key, context_len > self.rope_switch_len
+
+    def _live_hits(self, hits: list[Block]) -> list[Block]:
+        """The hits the first step can read (all of them without a window)."""
+        return hits[self._first_live(len(hits) * self.block_size) :]
+
     def _num_free_blocks_taken(self, seq: Sequence, hits: list[Block]) -> int:
-        """Free blocks that allocating seq consumes: new ones, and cached hits nobody holds."""
-        num_new = self._num_blocks_for(seq.get_len()) - len(hits)
-        return num_new + sum(block.ref_count == 0 for block in hits)
+        """Free blocks that allocating seq consumes: new ones, and cached live hits nobody
+        holds."""
+        target = self._target_len(seq, len(hits) * self.block_size)
+        num_new = self._num_blocks_for(target) - len(hits)
+        return num_new + sum(block.ref_count == 0 for block in self._live_hits(hits))
 
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         seq = self._waiting_seqs(group)[0]
-        num_required = self._num_blocks_for(seq.get_len())
+        num_required = self._num_blocks_for(self._target_len(seq, 0))
         if self.num_blocks - 1 - num_required < self.watermark_blocks:
             return AllocStatus.NEVER
         num_taken = self._num_free_blocks_taken(seq, self._match_prefix(seq))
@@ -168,7 +247,7 @@ class BlockManager(BlockPool):
         """
         seqs = self._waiting_seqs(group)
         seq = seqs[0]
-        num_required = self._num_blocks_for(seq.get_len())
+        num_required = self._num_blocks_for(self._target_len(seq, 0))
         if self.num_blocks - 1 - num_required < self.watermark_blocks:  # can_allocate's NEVER
             raise ValueError(
                 f"request {group.request_id!r} needs {num_required} blocks, more than the pool's "
@@ -178,22 +257,24 @@ class BlockManager(BlockPool):
         num_taken = self._num_free_blocks_taken(seq, hits)
         if num_taken > self.get_num_free_blocks():
             raise ValueError(
-                f"request {group.request_id!r} needs {self._num_blocks_for(seq.get_len())} blocks "
+                f"request {group.request_id!r} needs {num_required} blocks "
                 f"({num_taken} of them free ones), but only {self.get_num_free_blocks()} of the "
                 f"pool's {self.num_blocks - 1} are free"
             )
         if self.enable_prefix_caching:
             self._cache_queries += (seq.get_len() - 1) // self.block_size
             self._cache_hits += len(hits)
-        table = []
-        for block in hits:
+        live = self._live_hits(hits)
+        table = [NULL_BLOCK] * (len(hits) - len(live))  # hits before the window: not held
+        for block in live:
             self._incref(block)
             table.append(block.block_id)
-        self._grow_table(table, seq.get_len())
+        self._grow_table(table, self._target_len(seq, len(hits) * self.block_size))
         for i, s in enumerate(seqs):
             if i:
                 for block_id in table:
-                    self._incref(self.blocks[block_id])
+                    if block_id != NULL_BLOCK:
+                        self._incref(self.blocks[block_id])
             self.block_tables[s.seq_id] = list(table)
             self._num_hashed_blocks[s.seq_id] = len(hits)
             s.num_computed_tokens = len(hits) * self.block_size
@@ -219,7 +300,7 @@ class BlockManager(BlockPool):
             table = tables[seq.seq_id]
             start = seq.num_computed_tokens // self.block_size  # first block the step writes
             writers.update(table[start:])
-            need += max(0, self._num_blocks_for(seq.get_len()) - len(table))
+            need += max(0, self._num_blocks_for(self._target_len(seq)) - len(table))
         for block_id, count in writers.items():
             refs = ref_count(block_id)
             if refs > 1:
@@ -257,7 +338,7 @@ class BlockManager(BlockPool):
                 self._decref(src)
                 table[i] = dst.block_id
                 copies.append((src.block_id, dst.block_id))
-        self._grow_table(table, seq.get_len())
+        self._grow_table(table, self._target_len(seq))
         return copies
 
     def append_lookahead_slots(self, seq: Sequence, num_slots: int) -> int:
@@ -297,7 +378,8 @@ class BlockManager(BlockPool):
         if self.has_blocks(child):
             raise ValueError(f"cannot fork into seq_id {child.seq_id}: it already holds blocks")
         for block_id in table:
-            self._incref(self.blocks[block_id])
+            if block_id != NULL_BLOCK:
+                self._incref(self.blocks[block_id])
         self.block_tables[child.seq_id] = list(table)
         self._num_hashed_blocks[child.seq_id] = self._num_hashed_blocks[parent.seq_id]
 
@@ -306,11 +388,13 @@ class BlockManager(BlockPool):
         outlives its tails in the LRU order."""
         if seq.seq_id in self.block_tables:
             for block_id in reversed(self.block_tables.pop(seq.seq_id)):
-                self._decref(self.blocks[block_id])
+                if block_id != NULL_BLOCK:
+                    self._decref(self.blocks[block_id])
             del self._num_hashed_blocks[seq.seq_id]
         elif seq.seq_id in self.host_block_tables:
             for host_id in self.host_block_tables.pop(seq.seq_id):
-                self._host_decref(host_id)
+                if host_id != HOST_NULL:
+                    self._host_decref(host_id)
             del self._num_hashed_blocks[seq.seq_id]
         else:
             raise ValueError(f"cannot free seq_id {seq.seq_id}: it holds no blocks")
@@ -330,100 +414,24 @@ class BlockManager(BlockPool):
         num_full = min(seq.num_computed_tokens // bs, self._num_table_tokens(table) // bs)
         start = self._num_hashed_blocks[seq.seq_id]
         tokens = seq.get_token_ids()
+        extra = self._cache_key(seq, seq.num_computed_tokens)
         for i in range(start, num_full):
+            # A block is cached only under a live, hashed parent: after a window freed the
+            # entries before it (and a swap-in dropped their hashes) the chain cannot continue.
+            if table[i] == NULL_BLOCK or (i and table[i - 1] == NULL_BLOCK):
+                break
             block = self.blocks[table[i]]
             if block.hash is not None:  # hashed already through another holder
                 continue
             parent = self.blocks[table[i - 1]] if i else None
+            if parent is not None and parent.hash is None:
+                break
             block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
             parent_hash = parent.hash if parent else None
-            block.hash = self.hash_fn(parent_hash, block_tokens, seq.extra_hash_key)
-            block.key = (parent.identity() if parent else None, block_tokens, seq.extra_hash_key)
+            block.hash = self.hash_fn(parent_hash, block_tokens, extra)
+            block.key = (parent.identity() if parent else None, block_tokens, extra)
             self.hash_to_block_id.setdefault(block.hash, block.block_id)
         self._num_hashed_blocks[seq.seq_id] = max(start, num_full)
-
-    # ---- swapping ------------------------------------------------------------------------------
-
-    def _distinct_blocks(self, group: SequenceGroup, tables: dict[int, list[int]]) -> set[int]:
-        return {b for seq in group.get_seqs() for b in tables.get(seq.seq_id, ())}
-
-    def can_swap_out(self, group: SequenceGroup) -> bool:
-        return len(self._distinct_blocks(group, self.block_tables)) <= len(self.free_host_block_ids)
-
-    def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
-        """Move every seq of group that holds device blocks to the host. Returns the
-        (device_block, host_block) copies to perform; a shared block moves once."""
-        seqs = [seq for seq in group.get_seqs() if seq.seq_id in self.block_tables]
-        if not seqs:
-            raise ValueError(f"request {group.request_id!r} holds no device blocks to swap out")
-        num_needed = len(self._distinct_blocks(group, self.block_tables))
-        if num_needed > len(self.free_host_block_ids):
-            raise ValueError(
-                f"request {group.request_id!r} needs {num_needed} host blocks to swap out, "
-                f"only {len(self.free_host_block_ids)} of {self.num_host_blocks} are free"
-            )
-        mapping: dict[int, int] = {}
-        for seq in seqs:
-            table = self.block_tables.pop(seq.seq_id)
-            host_table = []
-            for block_id in table:
-                host_id = mapping.get(block_id)
-                if host_id is None:
-                    host_id = self.free_host_block_ids.popleft()
-                    self.host_num_tokens[host_id] = self.blocks[block_id].num_tokens
-                    mapping[block_id] = host_id
-                self.host_ref_counts[host_id] += 1
-                host_table.append(host_id)
-            for block_id in reversed(table):
-                self._decref(self.blocks[block_id])
-            self.host_block_tables[seq.seq_id] = host_table
-            self._num_hashed_blocks[seq.seq_id] = 0  # new device blocks on swap-in: rehash
-        self._num_swapped_out += len(mapping)
-        return list(mapping.items())
-
-    def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
-        """Room for the group's blocks and for the slots its seqs append right after (exact, so
-        that a group that fitted the pool before it was swapped out always fits it again)."""
-        seqs = [seq for seq in group.get_seqs() if seq.seq_id in self.host_block_tables]
-        num_required = len(self._distinct_blocks(group, self.host_block_tables))
-        num_required += self._append_need(
-            seqs, self.host_block_tables, lambda h: self.host_ref_counts[h]
-        )
-        if num_required > self.num_blocks - 1 - self.watermark_blocks:
-            return AllocStatus.NEVER
-        if self.get_num_free_blocks() - num_required >= self.watermark_blocks:
-            return AllocStatus.OK
-        return AllocStatus.LATER
-
-    def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
-        """Move every seq of group that holds host blocks back to the device. Returns the
-        (host_block, device_block) copies to perform; a shared block moves once."""
-        seqs = [seq for seq in group.get_seqs() if seq.seq_id in self.host_block_tables]
-        if not seqs:
-            raise ValueError(f"request {group.request_id!r} holds no host blocks to swap in")
-        num_needed = len(self._distinct_blocks(group, self.host_block_tables))
-        if num_needed > self.get_num_free_blocks():
-            raise ValueError(
-                f"request {group.request_id!r} needs {num_needed} device blocks to swap in, "
-                f"only {self.get_num_free_blocks()} are free"
-            )
-        mapping: dict[int, int] = {}
-        for seq in seqs:
-            table = []
-            for host_id in self.host_block_tables.pop(seq.seq_id):
-                block_id = mapping.get(host_id)
-                if block_id is None:
-                    block = self._take_free_block()
-                    block.num_tokens = self.host_num_tokens[host_id]
-                    self._add_tokens(block.num_tokens)
-                    mapping[host_id] = block_id = block.block_id
-                else:
-                    self._incref(self.blocks[block_id])
-                self._host_decref(host_id)
-                table.append(block_id)
-            self.block_tables[seq.seq_id] = table
-        self._num_swapped_in += len(mapping)
-        return list(mapping.items())
 
     # ---- accounting ----------------------------------------------------------------------------
 

@@ -139,12 +139,16 @@ class Scheduler:
         max_model_len: int = 2**31 - 1,
         eos_token_ids: Collection[int] = (),
         speculator=None,  # proposes tokens and takes the verified ones (pagedjax.spec_decode)
+        longrope_switch_len: int | None = None,  # models/config.py ModelConfig's
     ):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}"
             )
         self.bm = block_manager
+        block_manager.limit_chunk_tokens(max_num_batched_tokens)  # a windowed table's run-ahead
+        self.longrope_switch_len = longrope_switch_len
+        self.num_longrope_recomputes = 0
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -206,9 +210,15 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Decodes first (one token each, after securing a slot), then prompt chunks."""
         queue = sorted(self.running, key=lambda g: g.arrival_time)
+        for group in queue:  # before any is preempted: only live blocks are swapped out
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                self.bm.release_outside_window(seq)  # blocks before the window (if any)
         kept, prefilling = [], []
         while queue:
             group = queue.pop(0)
+            if self._crosses_longrope_switch(group):
+                self._recompute(group)
+                continue
             while not self.bm.can_append_slots(group):
                 victim = self._pick_victim(queue, group)
                 self._preempt(victim, out)
@@ -219,7 +229,9 @@ class Scheduler:
                 for seq in group.get_seqs(SequenceStatus.RUNNING):
                     remaining = seq.get_len() - seq.num_computed_tokens
                     if remaining > 1:
-                        prefilling.append((group, seq, remaining))
+                        if self.bm.sliding_window is not None:  # its table runs ahead by a chunk
+                            out.blocks_to_copy += self.bm.append_slots(seq)
+                        prefilling.append((group, seq, min(remaining, self.bm.max_chunk_tokens)))
                         continue
                     out.blocks_to_copy += self.bm.append_slots(seq)
                     out.chunks.append(SeqChunk(group, seq, 1))
@@ -253,6 +265,7 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 out.blocks_to_copy += self.bm.append_slots(seq)
                 n = min(seq.get_len() - seq.num_computed_tokens, max(budget, 1))
+                n = min(n, self.bm.max_chunk_tokens)
                 out.chunks.append(SeqChunk(group, seq, n))
                 budget -= n
             self.running.append(group)
@@ -277,7 +290,7 @@ class Scheduler:
             self.bm.allocate(group)
             for s in group.get_seqs(SequenceStatus.WAITING):
                 s.status = SequenceStatus.RUNNING
-            n = min(seq.get_len() - seq.num_computed_tokens, budget)
+            n = min(seq.get_len() - seq.num_computed_tokens, budget, self.bm.max_chunk_tokens)
             out.chunks.append(SeqChunk(group, seq, n))
             budget -= n
             self.running.append(group)
@@ -370,6 +383,34 @@ class Scheduler:
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 group.finished_beams.append((list(seq.output_token_ids), seq.cumulative_logprob))
                 self.finish_seq(seq, "length")
+
+    # ---- LongRoPE's switch -----------------------------------------------------------------
+
+    def _crosses_longrope_switch(self, group: SequenceGroup) -> bool:
+        """Whether group's sequence is about to grow past LongRoPE's switch length with its
+        earlier KV computed with the short factors: HF's generate then drops its cache and
+        re-runs the whole sequence with the long factors (Phi3ForCausalLM
+        .prepare_inputs_for_generation: input length >= switch + 1 and past <= switch). Once per
+        sequence; a group of several sequences (n > 1, beams) keeps its KV."""
+        switch = self.longrope_switch_len
+        seqs = group.get_seqs(SequenceStatus.RUNNING)
+        if switch is None or len(seqs) != 1 or seqs[0].longrope_recomputed:
+            return False
+        seq = seqs[0]
+        # Only when the re-prefill fits one step: a chunked one would compute its first chunks
+        # with the short factors again (the model picks them by the step's context length).
+        one_step = seq.get_len() <= min(self.token_budget, self.bm.max_chunk_tokens)
+        return one_step and 0 < seq.num_computed_tokens <= switch < seq.get_len()
+
+    def _recompute(self, group: SequenceGroup) -> None:
+        """Free the group's one sequence and queue it first, to be prefilled anew."""
+        seq = group.get_seqs(SequenceStatus.RUNNING)[0]
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.longrope_recomputed = True
+        self.waiting.appendleft(group)
+        self.num_longrope_recomputes += 1
 
     # ---- preemption -----------------------------------------------------------------------
 

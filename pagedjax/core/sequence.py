@@ -62,6 +62,7 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)  # prompt + output, kept whole for O(1) slicing
         self.cumulative_logprob = 0.0
         self.num_computed_tokens = 0
+        self.longrope_recomputed = False  # re-prefilled once past LongRoPE's switch (scheduler)
         self.status = SequenceStatus.WAITING
         # Output state, kept by the engine.
         self.sample_index = 0  # which of the request's n samples this is

@@ -194,10 +194,8 @@ def _generate(path, prompts, **kwargs):
     return [o.outputs[0].token_ids for o in outs], stats
 
 
-# Recompute preemption re-runs a preempted sequence's whole prefix in one prefill. Phi-3's
-# LongRoPE picks its factors by the length of the sequence being run (as HF does), so a prefix
-# recomputed past 32 tokens is rotated with the long factors where the first run used the short
-# ones: its tokens may rightly differ, and swap preemption (which keeps the pool) is used instead.
+# Phi-3: the scheduler re-runs a sequence once as it grows past LongRoPE's switch length (32), as
+# HF's generate does, so both preemption modes match generate.
 PREEMPTION = dict(num_blocks=24)
 
 
@@ -219,15 +217,44 @@ def test_greedy_tokens_match_hf_generate(name, preempt, built):
     path, hf, prompts = built(name)
     kwargs = dict(num_blocks=64)
     if preempt:
-        mode = "swap" if name == "phi3" else "recompute"
-        kwargs = dict(preemption_mode=mode, **PREEMPTION)
+        kwargs = dict(preemption_mode="recompute", **PREEMPTION)
     tokens, stats = _generate(path, prompts, **kwargs)
     assert (stats.num_preemptions > 0) == preempt
-    switch = loaded_config(path).longrope_switch_len
     for p, ours in zip(prompts, tokens, strict=True):
-        crosses = switch is not None and len(p) <= switch < len(p) + len(ours)
-        expected = hf_greedy_cached(hf, p) if crosses else hf_greedy(hf, p)
-        assert ours == expected, f"{name} prompt len {len(p)}"
+        assert ours == hf_greedy(hf, p), f"{name} prompt len {len(p)}"
+
+
+@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow)])
+def test_mistral_window_frees_blocks_in_a_pool_smaller_than_one_sequence(mode, built):
+    """Window 8, block_size 8: a decode reads at most live_blocks(8, 1, 8) = 2 blocks. The pool
+    has 7 usable blocks (56 slots), less than one sequence of the longest prompt (40 + 32 = 72
+    tokens, 9 blocks) and far less than the batch (5 prompts, 23 blocks + 32 tokens each: 45
+    blocks), so it runs only by freeing the blocks behind the window, with preemption. The
+    tokens are still HF's."""
+    path, hf, prompts = built("mistral_window")
+    llm = LLM(str(path), block_size=BLOCK, max_model_len=128, num_blocks=8, preemption_mode=mode)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    stats = llm.get_stats()
+    assert stats.num_blocks_total == 7 and stats.num_blocks_used == 0
+    assert stats.num_preemptions > 0 and stats.num_blocks_peak <= 7
+    assert max(len(p) for p in prompts) + 32 > 7 * BLOCK
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, p), f"prompt len {len(p)}"
+
+
+def test_phi3_recomputes_once_past_the_longrope_switch(built):
+    """Prompts of 3 to 23 tokens grow past Phi-3's switch (32) while decoding: each is re-run
+    once with the long factors, and its tokens are HF generate's, not the cached forward's."""
+    path, hf, prompts = built("phi3")
+    llm = LLM(str(path), block_size=BLOCK, max_model_len=128, num_blocks=64)
+    outs = llm.generate(prompts[1:4], GREEDY, use_tqdm=False)
+    assert llm.engine.scheduler.num_longrope_recomputes == 3
+    differs = 0
+    for p, out in zip(prompts[1:4], outs, strict=True):
+        ours = out.outputs[0].token_ids
+        assert ours == hf_greedy(hf, p), f"prompt len {len(p)}"
+        differs += ours != hf_greedy_cached(hf, p)
+    assert differs  # the recompute matters: the cached forward's tokens are not generate's
 
 
 def _count_dots(jaxpr) -> int:

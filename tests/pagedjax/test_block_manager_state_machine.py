@@ -1,6 +1,7 @@
 """Random add / fork / append / finish / preempt / swap out / swap in / abort sequences against the
 BlockManager, with a simulated KV pool: the runner's copies are applied, each step writes its
-tokens' KV, and every computed token must read back as the KV of its own prefix."""
+tokens' KV, and every computed token must read back as the KV of its own prefix (with a sliding
+window: every token the next step can still read; the blocks before the window are released)."""
 
 from collections import Counter
 
@@ -16,7 +17,9 @@ from hypothesis.stateful import (
 )
 
 from pagedjax.core.block_manager import AllocStatus, BlockManager, hash_block_tokens
+from pagedjax.core.block_swap import HOST_NULL, NULL_BLOCK
 from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedjax.core.window import first_live_block, live_blocks
 
 RUNNING, SWAPPED, WAITING = SequenceStatus.RUNNING, SequenceStatus.SWAPPED, SequenceStatus.WAITING
 
@@ -32,6 +35,7 @@ def kv_of(seq, t):
 
 class BlockManagerMachine(RuleBasedStateMachine):
     enable_prefix_caching = False
+    windowed = False
 
     def __init__(self):
         super().__init__()
@@ -43,8 +47,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         num_host_blocks=st.one_of(st.just(0), st.integers(1, 32)),
         watermark=st.sampled_from([0.0, 0.1]),
         colliding=st.booleans(),
+        window=st.integers(1, 9),
     )
-    def setup(self, num_blocks, block_size, num_host_blocks, watermark, colliding):
+    def setup(self, num_blocks, block_size, num_host_blocks, watermark, colliding, window):
+        self.window = window if self.windowed else None
         self.bm = BlockManager(
             num_blocks,
             block_size,
@@ -52,6 +58,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             watermark=watermark,
             enable_prefix_caching=self.enable_prefix_caching,
             hash_fn=colliding_hash if colliding else hash_block_tokens,
+            sliding_window=self.window,
         )
         self.bs = block_size
         self.device = [[None] * block_size for _ in range(num_blocks)]
@@ -82,6 +89,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def running_seqs(self):
         return [s for g in self.groups for s in g.get_seqs(RUNNING)]
+
+    def first_live(self, seq) -> int:
+        if self.window is None:
+            return 0
+        return first_live_block(seq.num_computed_tokens, self.window, self.bs)
+
+    def target(self, seq) -> int:
+        """Tokens the table covers after allocate / append_slots (a window: one chunk ahead)."""
+        return min(seq.get_len(), seq.num_computed_tokens + self.bm.max_chunk_tokens)
 
     def new_id(self):
         self.next_id += 1
@@ -123,7 +139,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             if not self.enable_prefix_caching:
                 assert n == 0
             seq.status = RUNNING
-            self.covered[seq.seq_id] = seq.get_len()
+            self.covered[seq.seq_id] = self.target(seq)
         return True
 
     @precondition(lambda self: self.running_seqs())
@@ -143,6 +159,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         running group that fits (append slots, copy on write), execute (write the KV of at most
         chunk tokens per sequence: chunked prefill), sample a token for each sequence that has
         computed all its tokens."""
+        for seq in self.running_seqs():
+            released = self.bm.release_outside_window(seq)
+            assert self.window is not None or released == 0
         while self.waiting and self.admit_first():
             pass
         seqs = []
@@ -151,7 +170,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 seqs += self.schedule(group)
         for j, seq in enumerate(seqs):
             table = self.bm.get_block_table(seq)
-            end = min(seq.get_len(), seq.num_computed_tokens + chunk)
+            if self.window is not None:  # bounded by the window, not by the sequence's length
+                live = sum(b != NULL_BLOCK for b in table)
+                assert live <= live_blocks(self.window, self.bm.max_chunk_tokens, self.bs)
+            end = min(self.covered[seq.seq_id], seq.num_computed_tokens + chunk)
             for t in range(seq.num_computed_tokens, end):
                 block_id = table[t // self.bs]
                 assert block_id != 0
@@ -170,7 +192,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for src, dst in self.bm.append_slots(seq):
                 assert 0 not in (src, dst) and self.bm.blocks[dst].ref_count == 1
                 self.device[dst] = list(self.device[src])
-            self.covered[seq.seq_id] = seq.get_len()
+            self.covered[seq.seq_id] = self.target(seq)
         return seqs
 
     @precondition(lambda self: self.running_seqs())
@@ -263,12 +285,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if self.bm is None:
             return
         bm = self.bm
-        refs = Counter(b for table in bm.block_tables.values() for b in table)
+        tables = bm.block_tables.values()
+        if self.window is None:
+            assert not any(NULL_BLOCK in table for table in tables), "null block handed out"
+        # A released entry is NULL_BLOCK: the null block, held by nobody.
+        refs = Counter(b for table in tables for b in table if b != NULL_BLOCK)
         free, evictable = list(bm.free_block_ids), list(bm.evictable)
-        assert 0 not in refs and 0 not in free and 0 not in evictable, "null block handed out"
+        assert 0 not in free and 0 not in evictable, "null block handed out"
         assert len(set(free) | set(evictable)) == len(free) + len(evictable)
-        for table in bm.block_tables.values():
-            assert len(set(table)) == len(table)
+        for table in tables:
+            live = [b for b in table if b != NULL_BLOCK]
+            assert len(set(live)) == len(live)
         free_set = set(free) | set(evictable)
         for block in bm.blocks[1:]:
             assert (block.block_id in free_set) != (refs[block.block_id] > 0)
@@ -280,7 +307,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert bm.get_num_free_blocks() + len(refs) == bm.num_blocks - 1
         assert bm.get_stats().num_blocks_used == len(refs)
 
-        host_refs = Counter(b for table in bm.host_block_tables.values() for b in table)
+        host_tables = bm.host_block_tables.values()
+        host_refs = Counter(b for table in host_tables for b in table if b != HOST_NULL)
         host_free = set(bm.free_host_block_ids)
         assert len(host_free) == len(bm.free_host_block_ids)
         for host_id, ref_count in enumerate(bm.host_ref_counts):
@@ -305,14 +333,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
                     continue
                 covered = self.covered[seq.seq_id]
                 assert len(table) == -(-covered // bs)
-                for t in range(seq.num_computed_tokens):
+                null = NULL_BLOCK if pool is self.device else HOST_NULL
+                freed = [i for i, b in enumerate(table) if b == null]
+                # Only blocks the next step cannot read were released; all it can read are there.
+                first_live = self.first_live(seq)
+                assert all(i < first_live for i in freed), (seq, table)
+                for t in range(first_live * bs, seq.num_computed_tokens):
                     assert pool[table[t // bs]][t % bs] == kv_of(seq, t), (seq, t)
                 if pool is self.device:
                     for i, block_id in enumerate(table):
+                        if block_id == NULL_BLOCK:
+                            continue
                         fill = min(bs, covered - i * bs)
                         assert fills.setdefault(block_id, fill) == fill
                         block = bm.blocks[block_id]
-                        if block.key is not None:  # a cached block holds exactly its key
+                        if block.key is not None and not (i and table[i - 1] == NULL_BLOCK):
+                            # a cached block holds exactly its key
                             parent = bm.blocks[table[i - 1]].identity() if i else None
                             tokens = tuple(seq.get_token_ids()[i * bs : (i + 1) * bs])
                             assert block.key == (parent, tokens, seq.extra_hash_key)
@@ -335,6 +371,13 @@ class PrefixCachingMachine(BlockManagerMachine):
     enable_prefix_caching = True
 
 
+class SlidingWindowMachine(BlockManagerMachine):
+    """Every layer shares one window: blocks before it are released after each step."""
+
+    enable_prefix_caching = True
+    windowed = True
+
+
 _settings = settings(
     max_examples=150,
     stateful_step_count=60,
@@ -345,3 +388,5 @@ TestBlockManagerStateMachine = BlockManagerMachine.TestCase
 TestBlockManagerStateMachine.settings = _settings
 TestBlockManagerPrefixCachingStateMachine = PrefixCachingMachine.TestCase
 TestBlockManagerPrefixCachingStateMachine.settings = _settings
+TestBlockManagerSlidingWindowStateMachine = SlidingWindowMachine.TestCase
+TestBlockManagerSlidingWindowStateMachine.settings = _settings
