@@ -24,12 +24,20 @@ def cdiv(a, b):
     return jax.lax.div(a + b - 1, b)
 
 
-def attention_logits(q, k, scale: float, soft_cap: float | None = None):
-    """``q @ k.T * scale`` in float32, soft-capped: q [rows, head_dim], k [block_k, head_dim]."""
+def attention_logits(q, k, scale: float, soft_cap: float | None = None, k_scale=None):
+    """``q @ k.T * scale`` in float32, soft-capped: q [rows, head_dim], k [block_k, head_dim].
+
+    An 8-bit k is cast to q's dtype (exact for int8 and float8_e4m3fn in bf16/f32) and its
+    per-key scales ``k_scale`` f32[1, block_k] multiply the logits' columns."""
+    if k.dtype != q.dtype:
+        k = k.astype(q.dtype)
     s = jax.lax.dot_general(
         q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
     )  # [rows, block_k]
-    return cap_logits(s * scale, soft_cap)
+    s = s * scale
+    if k_scale is not None:
+        s = s * k_scale
+    return cap_logits(s, soft_cap)
 
 
 def cap_logits(s, soft_cap: float | None):
@@ -45,12 +53,14 @@ def window_start(pos, window):
     return jnp.maximum(pos - span + 1, 0)
 
 
-def online_softmax_step(s, v, m_prev, l_prev, acc_prev):
+def online_softmax_step(s, v, m_prev, l_prev, acc_prev, v_scale=None):
     """One flash-attention step over a block of keys.
 
     s: f32[rows, block_k], masked entries already -inf; v: [block_k, head_dim], rows past the
     sequence already zeroed; m_prev, l_prev: f32[rows, 1]; acc_prev: f32[rows, head_dim].
     A row whose logits so far are all -inf keeps m = -inf, den = 0, acc = 0 (no NaN from inf - inf).
+    An 8-bit v comes with ``v_scale`` f32[1, block_k] (zero past the sequence): the probabilities
+    are multiplied by it (v itself cast by the caller to the query's dtype, exactly).
     """
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [rows, 1]
     m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
@@ -58,7 +68,10 @@ def online_softmax_step(s, v, m_prev, l_prev, acc_prev):
     p = jnp.exp(s - m_safe)  # [rows, block_k]; 0 where masked
     l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
     pv = jax.lax.dot_general(
-        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        (p if v_scale is None else p * v_scale).astype(v.dtype),
+        v,
+        (((1,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32,
     )  # [rows, head_dim]
     return m_next, l_next, alpha * acc_prev + pv
 
@@ -168,3 +181,62 @@ def pad_block_tables(block_tables: jax.Array, num_cols: int) -> jax.Array:
     if extra < 0:
         raise AssertionError(f"cannot pad {block_tables.shape} down to {num_cols} columns")
     return jnp.pad(block_tables, ((0, 0), (0, extra))) if extra else block_tables
+
+
+# 8-bit KV pools: K/V pages in one of these dtypes, plus f32 scales [num_kv_heads, num_blocks,
+# block_size] (one per token per KV head, symmetric): value = pages.astype(f32) * scales[..., None].
+KV8_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+
+
+def is_kv8(dtype) -> bool:
+    return jnp.dtype(dtype) in KV8_DTYPES
+
+
+def check_kv_scales(k_pages, v_pages, k_scales, v_scales) -> bool:
+    """Validate an 8-bit pool's scales (or their absence); returns whether the pool is 8-bit."""
+    quantized = is_kv8(k_pages.dtype)
+    if is_kv8(v_pages.dtype) != quantized:
+        raise ValueError(
+            f"k_pages ({k_pages.dtype}) and v_pages ({v_pages.dtype}) "
+            "must both be 8-bit or both not"
+        )
+    given = (k_scales is not None, v_scales is not None)
+    if given[0] != given[1]:
+        raise ValueError("k_scales and v_scales must be given together")
+    if quantized and not given[0]:
+        raise ValueError(
+            f"an 8-bit pool ({k_pages.dtype}) needs k_scales and v_scales, "
+            f"f32{list(k_pages.shape[:3])}"
+        )
+    if given[0] and not quantized:
+        raise ValueError(
+            f"k_scales/v_scales given but the pool is {k_pages.dtype}, not int8 or float8_e4m3fn"
+        )
+    if quantized:
+        want = tuple(k_pages.shape[:3])  # [num_kv_heads, num_blocks, block_size]
+        for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if tuple(s.shape) != want or s.dtype != jnp.float32:
+                raise ValueError(
+                    f"{name} must be float32{list(want)} (the pool's [num_kv_heads, num_blocks, "
+                    f"block_size]), got {s.dtype}{list(s.shape)}"
+                )
+    return quantized
+
+
+def dequantize(pages, scales):
+    """8-bit pages (any leading shape) and their scales -> f32; float pages pass through."""
+    if scales is None:
+        return pages
+    return pages.astype(jnp.float32) * scales[..., None]
+
+
+def with_scale_refs(kernel, position: int, quantized: bool):
+    """A kernel taking ``ks_ref, vs_ref`` at ``position`` among its refs; for a float pool they
+    are not passed to ``pallas_call`` and the kernel sees None."""
+    if quantized:
+        return kernel
+
+    def body(*refs):
+        return kernel(*refs[:position], None, None, *refs[position:])
+
+    return body

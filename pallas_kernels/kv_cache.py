@@ -2,6 +2,8 @@
 
 Pool layout (per layer): ``[num_kv_heads, num_blocks, block_size, head_dim]``. A slot is
 ``block * block_size + offset``; a negative slot or block id means "skip this entry" (padding).
+An 8-bit pool (int8 or float8_e4m3fn pages) adds f32 scales ``[num_kv_heads, num_blocks,
+block_size]``, one per token and KV head; the block operations move them as leaves of the tree.
 
 These are scatters and gathers that XLA already emits in place, so they stay plain XLA (no Pallas
 kernel): what matters is that the pool is donated, so a step never copies the whole pool (the
@@ -16,6 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ._common import check_kv_scales
+
 
 def _check_pages(k_pages: jax.Array, v_pages: jax.Array) -> None:
     if k_pages.ndim != 4:
@@ -26,36 +30,67 @@ def _check_pages(k_pages: jax.Array, v_pages: jax.Array) -> None:
         raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ in shape")
 
 
+def quantize_kv(
+    x: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
+    dtype,  # int8 or float8_e4m3fn
+) -> tuple[jax.Array, jax.Array]:  # (x in dtype, same shape; f32[num_tokens, num_kv_heads])
+    """Symmetric per-(token, head) quantization: int8 ``round(x / s)`` with ``s = max|x| / 127``,
+    fp8 ``x / s`` with ``s = max|x| / 448``. A zero row gets scale 1 (and zeros)."""
+    dtype = jnp.dtype(dtype)
+    qmax = 127.0 if dtype == jnp.int8 else float(jnp.finfo(dtype).max)  # 448 for e4m3fn
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1)  # [num_tokens, num_kv_heads]
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    y = jnp.clip(x / scale[..., None], -qmax, qmax)  # e4m3fn has no inf: never overflow to NaN
+    if dtype == jnp.int8:
+        y = jnp.round(y)
+    return y.astype(dtype), scale
+
+
 def write_kv_reference(
     k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
     v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
     k_new: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
     v_new: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
     slot_mapping: jax.Array,  # i32[num_tokens], negative = drop
-) -> tuple[jax.Array, jax.Array]:
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size] (8-bit pool)
+    v_scales: jax.Array | None = None,
+):  # (k_pages, v_pages), or (k_pages, v_pages, k_scales, v_scales) for an 8-bit pool
     num_kv_heads, num_blocks, block_size, head_dim = k_pages.shape
     num_slots = num_blocks * block_size
     # Negative slots go out of range so that mode="drop" really drops them (-1 would wrap).
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
 
-    def write(pages, new):
-        flat = pages.reshape(num_kv_heads, num_slots, head_dim)
+    def write(pages, new):  # new [num_tokens, num_kv_heads, ...]
+        flat = pages.reshape(num_kv_heads, num_slots, *pages.shape[3:])
         flat = flat.at[:, slots].set(new.swapaxes(0, 1).astype(pages.dtype), mode="drop")
         return flat.reshape(pages.shape)
 
-    return write(k_pages, k_new), write(v_pages, v_new)
+    if k_scales is None:
+        return write(k_pages, k_new), write(v_pages, v_new)
+    k_q, k_s = quantize_kv(k_new, k_pages.dtype)
+    v_q, v_s = quantize_kv(v_new, v_pages.dtype)
+    return write(k_pages, k_q), write(v_pages, v_q), write(k_scales, k_s), write(v_scales, v_s)
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
+@functools.partial(jax.jit, donate_argnames=("k_pages", "v_pages", "k_scales", "v_scales"))
 def write_kv(
     k_pages: jax.Array,
     v_pages: jax.Array,
     k_new: jax.Array,
     v_new: jax.Array,
     slot_mapping: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
-    """Scatter ``k_new``/``v_new`` rows into the pool at ``slot_mapping``; the pool is donated."""
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+):
+    """Scatter ``k_new``/``v_new`` rows into the pool at ``slot_mapping``; the pool is donated.
+
+    An 8-bit pool (int8 or float8_e4m3fn pages) comes with ``k_scales``/``v_scales``
+    f32[num_kv_heads, num_blocks, block_size]: each new row is quantized per KV head
+    (``quantize_kv``) and its scale written at the same slot; then the call returns
+    ``(k_pages, v_pages, k_scales, v_scales)``, else ``(k_pages, v_pages)``."""
     _check_pages(k_pages, v_pages)
+    check_kv_scales(k_pages, v_pages, k_scales, v_scales)
     if k_new.shape != v_new.shape or k_new.ndim != 3:
         raise ValueError(
             f"k_new/v_new must both be [num_tokens, num_kv_heads, head_dim], "
@@ -70,19 +105,23 @@ def write_kv(
         raise ValueError(
             f"slot_mapping shape {slot_mapping.shape} must be ({k_new.shape[0]},), one per token"
         )
-    return write_kv_reference(k_pages, v_pages, k_new, v_new, slot_mapping)
+    return write_kv_reference(
+        k_pages, v_pages, k_new, v_new, slot_mapping, k_scales=k_scales, v_scales=v_scales
+    )
 
 
 def _check_pool_tree(pages) -> int:
-    """Every leaf is a [num_kv_heads, num_blocks, block_size, head_dim] pool; returns num_blocks."""
+    """Every leaf is a [num_kv_heads, num_blocks, block_size, head_dim] pool or an 8-bit pool's
+    scales [num_kv_heads, num_blocks, block_size], all with the same num_blocks; returns it."""
     leaves = jax.tree.leaves(pages)
     if not leaves:
         raise ValueError("pages holds no arrays")
-    num_blocks = {leaf.shape[1] if leaf.ndim == 4 else None for leaf in leaves}
+    num_blocks = {leaf.shape[1] if leaf.ndim in (3, 4) else None for leaf in leaves}
     if None in num_blocks or len(num_blocks) != 1:
         raise ValueError(
-            "every pool array must be [num_kv_heads, num_blocks, block_size, head_dim] with the "
-            f"same num_blocks, got shapes {[leaf.shape for leaf in leaves]}"
+            "every pool array must be [num_kv_heads, num_blocks, block_size, head_dim] (or scales "
+            f"[num_kv_heads, num_blocks, block_size]) with the same num_blocks, got shapes "
+            f"{[leaf.shape for leaf in leaves]}"
         )
     return num_blocks.pop()
 
@@ -118,7 +157,8 @@ def gather_blocks_reference(
 
     def gather(pool):
         rows = pool[:, jnp.clip(block_ids, 0, pool.shape[1] - 1)]
-        return jnp.where((block_ids >= 0)[None, :, None, None], rows, jnp.zeros_like(rows))
+        keep = (block_ids >= 0).reshape(1, -1, *(1,) * (rows.ndim - 2))
+        return jnp.where(keep, rows, jnp.zeros_like(rows))
 
     return jax.tree.map(gather, pages)
 

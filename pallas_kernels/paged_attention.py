@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ._common import cap_logits, check_window_and_cap, window_start
+from ._common import cap_logits, check_kv_scales, check_window_and_cap, dequantize, window_start
 from ._gpu_decode import paged_attention_gpu
 from ._tpu_decode import paged_attention_tpu
 
@@ -35,10 +35,13 @@ def resolve_backend(backend: str) -> str:
 def gather_context(
     pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
     block_tables: jax.Array,  # i32[num_seqs, max_blocks]
-) -> jax.Array:  # [num_seqs, num_kv_heads, max_blocks * block_size, head_dim]
+    scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size] (8-bit pool)
+) -> jax.Array:  # [num_seqs, num_kv_heads, max_blocks * block_size, head_dim]; f32 if dequantized
     num_kv_heads, _, block_size, head_dim = pages.shape
     num_seqs, max_blocks = block_tables.shape
     ctx = pages[:, block_tables]  # [num_kv_heads, num_seqs, max_blocks, block_size, head_dim]
+    if scales is not None:
+        ctx = dequantize(ctx, scales[:, block_tables])
     ctx = ctx.reshape(num_kv_heads, num_seqs, max_blocks * block_size, head_dim)
     return ctx.swapaxes(0, 1)
 
@@ -53,12 +56,14 @@ def paged_attention_reference(
     scale: float,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size] (8-bit pool)
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
     group = num_heads // num_kv_heads
-    k = gather_context(k_pages, block_tables)  # [num_seqs, num_kv_heads, ctx, head_dim]
-    v = gather_context(v_pages, block_tables)
+    k = gather_context(k_pages, block_tables, k_scales)  # [num_seqs, num_kv_heads, ctx, head_dim]
+    v = gather_context(v_pages, block_tables, v_scales)
     t = jnp.arange(k.shape[2])
     valid = t[None, :] < context_lens[:, None]  # [num_seqs, ctx]
     if sliding_window is not None:  # the query sits at position context_len - 1
@@ -154,6 +159,8 @@ def paged_attention(
     num_stages: int = 2,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size] (8-bit pool)
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [num_seqs, num_heads, head_dim]
     """Attention of one query token per sequence over its paged context.
 
@@ -166,6 +173,9 @@ def paged_attention(
     the last ``sliding_window`` tokens; a value <= 0 means no window. Slots before the window are
     ignored whatever they hold, and the kernels skip pages that lie entirely before it.
 
+    An 8-bit pool (int8 or float8_e4m3fn pages, as ``write_kv`` fills it) needs ``k_scales`` and
+    ``v_scales``; every path reads the pages dequantized, ``pages * scales[..., None]``.
+
     Tuning knobs (kernels only): ``pages_per_block`` pages per inner step (GPU: a power of two with
     at least 16 tokens; default 128 tokens on GPU, 256 on TPU); ``partition_size`` tokens per
     context partition (a multiple of the step; default: GPU splits until there are about 512
@@ -173,6 +183,7 @@ def paged_attention(
     ``interpret=True`` runs the chosen kernel in interpret mode (tests on CPU).
     """
     check_paged_inputs(q, k_pages, v_pages, block_tables, context_lens, q_rows_name="num_seqs")
+    check_kv_scales(k_pages, v_pages, k_scales, v_scales)
     check_window_and_cap(sliding_window, soft_cap)
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(
@@ -186,6 +197,8 @@ def paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
     )
+    if k_scales is not None and backend != "reference":
+        raise ValueError(f"8-bit pools run on backend 'reference' only so far, not {backend!r}")
     if backend == "gpu":
         return paged_attention_gpu(
             q,
@@ -217,4 +230,6 @@ def paged_attention(
         scale=scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        k_scales=k_scales,
+        v_scales=v_scales,
     )

@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ._common import check_window_and_cap
+from ._common import check_kv_scales, check_window_and_cap
 from ._gpu_ragged import ragged_paged_attention_gpu
 from ._tpu_ragged import ragged_paged_attention_tpu
 from .paged_attention import (
@@ -85,6 +85,8 @@ def ragged_paged_attention(
     num_stages: int = 2,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size] (8-bit pool)
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]
     """Causal attention of packed query rows of many sequences over their paged contexts.
 
@@ -98,12 +100,16 @@ def ragged_paged_attention(
     k <= p`` only; a value <= 0 means no window. Slots outside a query's window are ignored
     whatever they hold, and the kernels skip key blocks before every query's window.
 
+    An 8-bit pool (int8 or float8_e4m3fn pages, as ``write_kv`` fills it) needs ``k_scales`` and
+    ``v_scales``; every path reads the pages dequantized, ``pages * scales[..., None]``.
+
     Tuning knobs (kernels only): ``block_q`` query rows per tile (GPU: a power of two, times the
     GQA group padded to a power of two at least 16; TPU: a multiple of 8), ``pages_per_block``
     pages per key step, ``num_warps``/``num_stages`` for the GPU lowering. ``interpret=True`` runs
     the chosen kernel in interpret mode (tests on CPU).
     """
     check_paged_inputs(q, k_pages, v_pages, block_tables, context_lens, q_rows_name="num_tokens")
+    check_kv_scales(k_pages, v_pages, k_scales, v_scales)
     check_window_and_cap(sliding_window, soft_cap)
     if query_start_loc.shape != (block_tables.shape[0] + 1,):
         raise ValueError(
@@ -117,7 +123,11 @@ def ragged_paged_attention(
     max_q = q.shape[0] if max_query_len is None else max_query_len
     attn = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if backend == "reference" or q.shape[0] == 0:
-        return ragged_paged_attention_reference(*args, max_query_len=max_query_len, **attn)
+        return ragged_paged_attention_reference(
+            *args, max_query_len=max_query_len, k_scales=k_scales, v_scales=v_scales, **attn
+        )
+    if k_scales is not None:
+        raise ValueError(f"8-bit pools run on backend 'reference' only so far, not {backend!r}")
     if max_q == 1:
         return _decode_rows(
             *args,

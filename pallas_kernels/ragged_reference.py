@@ -41,6 +41,8 @@ def ragged_paged_attention_reference(
     max_query_len: int | None = None,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size] (8-bit pool)
+    v_scales: jax.Array | None = None,
     tile_rows: int = TILE_ROWS,
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]; rows of no sequence are zero
     """Float32 attention of packed query rows over their paged contexts (semantics of
@@ -61,6 +63,8 @@ def ragged_paged_attention_reference(
             scale=scale,
             sliding_window=sliding_window,
             soft_cap=soft_cap,
+            k_scales=k_scales,
+            v_scales=v_scales,
         )
         has_q = query_start_loc[1:] > query_start_loc[:-1]
         out = jnp.where(has_q[:, None, None], out, 0)
@@ -94,6 +98,8 @@ def ragged_paged_attention_reference(
         _attend_tile,
         k_pages=k_pages,
         v_pages=v_pages,
+        k_scales=k_scales,
+        v_scales=v_scales,
         block_tables=block_tables,
         scale=scale,
         sliding_window=sliding_window,
@@ -106,7 +112,9 @@ def ragged_paged_attention_reference(
     return out.reshape(rows, num_heads, head_dim)[:num_tokens].astype(q.dtype)
 
 
-def _attend_tile(tile, *, k_pages, v_pages, block_tables, scale, sliding_window, soft_cap):
+def _attend_tile(
+    tile, *, k_pages, v_pages, k_scales, v_scales, block_tables, scale, sliding_window, soft_cap
+):
     branch, tile_seq, q, seq, pos, ctx = tile  # q f32[tile_rows, Hkv, group, D]; rest i32[rows]
     span = block_tables.shape[1] * k_pages.shape[2]
     t = jnp.arange(span, dtype=jnp.int32)
@@ -129,16 +137,16 @@ def _attend_tile(tile, *, k_pages, v_pages, block_tables, scale, sliding_window,
 
     def one_sequence():  # the tile's live rows share one context, gathered once
         table = block_tables[tile_seq][None]
-        k = gather_context(k_pages, table).astype(jnp.float32)  # [1, Hkv, span, D]
-        v = gather_context(v_pages, table).astype(jnp.float32)
+        k = gather_context(k_pages, table, k_scales).astype(jnp.float32)  # [1, Hkv, span, D]
+        v = gather_context(v_pages, table, v_scales).astype(jnp.float32)
         v = jnp.where(seen.any(axis=0)[None, None, :, None], v, 0)  # stale slots may be NaN
         s = jnp.einsum("rkgd,ktd->rkgt", q, k[0])
         return softmax_pv(s, v, seen)
 
     def per_row():  # each row gathers its own sequence's context
         table = block_tables[seq]
-        k = gather_context(k_pages, table).astype(jnp.float32)  # [rows, Hkv, span, D]
-        v = gather_context(v_pages, table).astype(jnp.float32)
+        k = gather_context(k_pages, table, k_scales).astype(jnp.float32)  # [rows, Hkv, span, D]
+        v = gather_context(v_pages, table, v_scales).astype(jnp.float32)
         v = jnp.where(seen[:, None, :, None], v, 0)
         s = jnp.einsum("rkgd,rktd->rkgt", q, k)
         return softmax_pv(s, v, seen)
