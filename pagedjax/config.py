@@ -100,6 +100,8 @@ class EngineConfig:
             "quantization",
             self.quantization,
             f"must be None or one of {QUANTIZATIONS}",
+    # Schedule and dispatch step N+1 while step N runs (pagedjax/async_step.py), where it is safe
+    async_scheduling: bool = True
         )
         _require(isinstance(self.seed, int), "seed", self.seed, "must be an integer")
         _require(
@@ -107,4 +109,10 @@ class EngineConfig:
             "tensor_parallel_size",
             self.tensor_parallel_size,
             "must be an integer >= 1",
+        )
+        _require(
+            isinstance(self.async_scheduling, bool),
+            "async_scheduling",
+            self.async_scheduling,
+            "must be True or False",
         )

@@ -14,9 +14,10 @@ import jax
 import numpy as np
 
 from pagedjax import inspection
+from pagedjax.async_step import StepLoop
 from pagedjax.config import EngineConfig
 from pagedjax.core.block_manager import BlockManager
-from pagedjax.core.scheduler import Scheduler, SeqChunk
+from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.sequence import Sequence, SequenceGroup
 from pagedjax.distributed import Channel, DriverOrFollower
 from pagedjax.input_processor import Capacity, InputProcessor, check_capacity, eos_token_ids
@@ -31,10 +32,10 @@ from pagedjax.outputs import EngineStats, RequestOutput
 from pagedjax.request import Request
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 from pagedjax.spec_decode.draft import with_draft_model
-from pagedjax.spec_decode.speculator import make_speculator, with_proposals
+from pagedjax.spec_decode.speculator import make_speculator
 from pagedjax.step_profile import StepProfile
 from pagedjax.worker import kv_cache
-from pagedjax.worker.runner import Runner, ScheduledSeq
+from pagedjax.worker.runner import Runner
 
 Prompt = str | list[int]
 Params = SamplingParams | BeamSearchParams
@@ -97,8 +98,10 @@ class LLMEngine(DriverOrFollower):
             channel=Channel() if jax.process_count() > 1 else None,
             profile=self.profile,
             num_speculative_tokens=self.speculator.k if self.speculator else 0,
+            kv_cache_dtype=cache.kv_cache_dtype,
         )
         self.runner = with_draft_model(config, self.runner)  # as is, unless a draft model proposes
+        self.steps = StepLoop(self, config.async_scheduling)  # step(), overlapped where safe
         self._stopped = False  # multi-process: the driver has told the followers to stop
         self.requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(config.seed)
@@ -147,71 +150,19 @@ class LLMEngine(DriverOrFollower):
         if self.requests.pop(request_id, None) is not None:
             self.scheduler.abort(request_id)
 
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+    def has_unfinished_requests(self) -> bool:  # or outputs not yet returned by step()
+        return self.scheduler.has_unfinished() or self.steps.has_outputs()
 
     # ---- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and post-process one step; outputs of the requests it advanced.
+        """Schedule, run and post-process one step; outputs of the requests it advanced. With
+        async scheduling (pagedjax/async_step.py) a step's tokens come with the next call.
 
         A request that fails on its own (sampling rows, detokenisation, stops, beams, output)
         ends alone, with ``finish_reason="abort"`` and ``error`` set; the others go on."""
         self._require_driver("step")
-        prof = self.profile
-        with prof.phase("schedule"):
-            self.scheduler.speculator = self.speculator  # also on a restored scheduler's
-            out = self.history.record(self, self.scheduler.schedule())
-            for group in out.aborted:
-                req = self.requests.get(group.request_id)
-                if req is not None and req.error is None:
-                    req.error = f"the engine aborted the request: {group.abort_reason}"
-                    logger.warning("request %r: %s", req.request_id, req.error)
-            kv_cache.apply_block_moves(self.runner, out, self.scheduler.cost_model)
-        chunks, result = self._execute(out.chunks)
-        with prof.phase("update"):
-            update = self.scheduler.update_from_output(chunks, result) if chunks else None
-            for request_id, error in update.failed.items() if update else ():
-                self._fail(self.requests[request_id], error)
-            for group, seq in update.new_tokens if update else ():
-                req = self.requests[group.request_id]
-                try:
-                    if req.error is None and (why := self.output_processor.check_stop(req, seq)):
-                        self.scheduler.finish_seq(seq, why)
-                except Exception as e:
-                    self._fail(req, e)
-            self.block_manager.record_usage()
-            self.scheduler.drop_finished()
-        touched = {g.request_id for g in out.aborted} | {c.group.request_id for c in out.chunks}
-        with prof.phase("output"):
-            return [o for r in sorted(touched) if (o := self._output(r)) is not None]
-
-    def _execute(self, chunks: list[SeqChunk]):
-        """Run the chunks of requests whose sampling rows build; (chunks run, sampler output)."""
-        sched, ran, num_top = [], [], 0
-        for c in chunks:
-            req = self.requests[c.group.request_id]
-            try:
-                rows = req.sampling_rows(c, self.model_config.vocab_size)
-            except Exception as e:
-                self._fail(req, e)
-                continue
-            num_top = max(num_top, req.num_top_logprobs if rows else 0)
-            start, table = c.seq.num_computed_tokens, self.block_manager.get_block_table(c.seq)
-            ids, rows = with_proposals(c, rows)
-            num_spec = len(c.spec_token_ids)
-            sched.append(ScheduledSeq(ids, start, table, rows, req.prompt_rows(c), num_spec))
-            ran.append(c)
-        keep = [i for i, c in enumerate(ran) if self.requests[c.group.request_id].error is None]
-        if not keep:
-            return [], None
-        start = time.perf_counter()
-        result = self.runner.execute([sched[i] for i in keep], num_top)
-        ran = [ran[i] for i in keep]
-        if all(c.num_tokens - len(c.spec_token_ids) > 1 for c in ran):  # a pure prefill step
-            tokens = sum(c.num_tokens for c in ran)
-            self.scheduler.cost_model.observe_prefill(time.perf_counter() - start, tokens)
-        return ran, result
+        return self.steps.step()
 
     def _fail(self, req: Request, error: Exception) -> None:
         """End one request for a fault of its own; everything else keeps running."""
@@ -238,8 +189,19 @@ class LLMEngine(DriverOrFollower):
             del self.requests[request_id]
         return output
 
-    inspect, snapshot, restore = inspection.inspect, inspection.snapshot, inspection.restore
+    def inspect(self):
+        self.steps.drain()  # a step in flight shows placeholders: finish it (outputs come later)
+        return inspection.inspect(self)
+
+    def snapshot(self):
+        self.steps.drain()
+        return inspection.snapshot(self)
+
+    def restore(self, snap) -> None:
+        self.steps.pending = None  # its requests are dropped with the others in flight
+        inspection.restore(self, snap)
 
     def get_stats(self) -> EngineStats:
         bm = self.block_manager.get_stats()
-        return EngineStats.of(bm, self.scheduler, self.runner, self.profile)
+        num_overlapped = self.steps.num_overlapped
+        return EngineStats.of(bm, self.scheduler, self.runner, self.profile, num_overlapped)

@@ -15,6 +15,7 @@ from pagedjax.models.loader import default_model_path, load_model
 from pagedjax.models.sharding import tensor_parallel_mesh
 from pagedjax.outputs import EngineStats, RequestOutput
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
+from pagedjax.worker import token_fill
 from pagedjax.worker.runner import Runner
 
 Prompt = str | list[int]
@@ -46,13 +47,15 @@ class LLM:
         warmup: bool = False,
         speculative_config: dict | None = None,
     ):
+        async_scheduling: bool = True,
         """``warmup=True`` compiles every program the engine's limits allow up front (see
         ``Runner.warmup``), so that no request waits for a compilation. ``speculative_config``:
         vLLM's dict, e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
         "prompt_lookup_min": 2, "prompt_lookup_max": 4}`` (pagedjax.spec_decode).
         ``quantization``: "int8" or "fp8" weight-only quantization of the linear layers, a
         scale per output channel; "int8-g64" / "int8-g32": per 64 / 32 inputs of each
-        (models/quant.py)."""
+        (models/quant.py). ``async_scheduling``: schedule and dispatch each step while the one
+        before runs on the device, where that cannot change results (pagedjax/async_step.py)."""
         compilation.enable_persistent_cache()  # before anything compiles, the loader included
         mesh = tensor_parallel_mesh(tensor_parallel_size)
         loaded = load_model(
@@ -89,12 +92,15 @@ class LLM:
         self._request_ids = itertools.count()
         self._driver_stats: EngineStats | None = None  # a follower's copy of the driver's
 
+            async_scheduling=async_scheduling,
     @property
     def config(self) -> EngineConfig:
         return self.engine.config
 
     @property
     def tokenizer(self):
+            if self.engine.steps.enabled:  # the async steps' placeholder fill
+                token_fill.warmup(self.runner, sched.max_num_seqs, sched.token_budget)
         return self.engine.tokenizer
 
     @property

@@ -73,7 +73,8 @@ class EngineStats:
     spec_decoding: SpecDecodingStats | None = None  # all requests' counts, when it speculates
 
     @classmethod
-    def of(cls, bm, scheduler, runner, profile) -> EngineStats:
+    def of(cls, bm, scheduler, runner, profile, num_overlapped_steps: int = 0) -> EngineStats:
+    num_overlapped_steps: int = 0  # dispatched while the step before ran (async scheduling)
         """From the block manager's stats, the scheduler's and the runner's counters and the
         step profile's padding counts."""
         return cls(
@@ -99,3 +100,4 @@ class EngineStats:
             attention_padding_ratio=profile.attention_padding_ratio,
             spec_decoding=spec.stats.copy() if (spec := scheduler.speculator) else None,
         )
+            num_overlapped_steps=num_overlapped_steps,

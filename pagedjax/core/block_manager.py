@@ -3,6 +3,8 @@ and automatic prefix caching.
 
 Pure Python; imports no jax. The device pool holds num_blocks blocks; block 0 is the null block
 (never handed out, the target of the runner's padding). The host pool holds swapped-out blocks.
+Swapping lives in block_swap.py, prefix matching and hashing in prefix_cache.py, the
+sliding-window arithmetic in window.py.
 
 Invariants (tests/pagedjax/test_block_manager_state_machine.py checks them after every step):
 - every device block but the null block is free xor referenced, and its ref count equals the
@@ -25,6 +27,7 @@ from pagedjax.core.block_pool import (
     hash_block_tokens,
 )
 from pagedjax.core.block_swap import HOST_NULL, NULL_BLOCK, SwapMixin
+from pagedjax.core.prefix_cache import PrefixCacheMixin
 from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedjax.core.window import first_live_block, max_chunk_that_fits, shared_window
 from pagedjax.utils import cdiv
@@ -32,7 +35,7 @@ from pagedjax.utils import cdiv
 __all__ = ["AllocStatus", "BlockManager", "BlockManagerStats", "hash_block_tokens"]
 
 
-class BlockManager(SwapMixin, BlockPool):
+class BlockManager(PrefixCacheMixin, SwapMixin, BlockPool):
     """Block tables over a BlockPool: admission, growth, copy-on-write, prefix matching, swap.
 
     With ``sliding_window`` (every layer attends with that one window; see core/window.py), a
@@ -134,6 +137,10 @@ class BlockManager(SwapMixin, BlockPool):
                 released += 1
         return released
 
+    def num_released(self, seq: Sequence) -> int:
+        """Entries of seq's device table released by the window (NULL_BLOCK)."""
+        return self._device_table(seq).count(NULL_BLOCK)
+
     def _grow_table(self, table: list[int], num_tokens: int) -> None:
         """Give table a slot for each of num_tokens tokens; its last block is not shared."""
         covered = self._num_table_tokens(table)
@@ -185,38 +192,6 @@ class BlockManager(SwapMixin, BlockPool):
                     "have different tokens and cannot share the prompt's blocks"
                 )
         return seqs
-
-    def _match_prefix(self, seq: Sequence) -> list[Block]:
-        """Cached blocks holding seq's leading full blocks; never its last token, which must be
-        computed to yield logits."""
-        hits: list[Block] = []
-        if not self.enable_prefix_caching:
-            return hits
-        tokens = seq.get_token_ids()
-        bs = self.block_size
-        extra = self._cache_key(seq, seq.get_len())
-        parent: Block | None = None
-        for i in range((seq.get_len() - 1) // bs):
-            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
-            parent_hash = parent.hash if parent else None
-            block_id = self.hash_to_block_id.get(self.hash_fn(parent_hash, block_tokens, extra))
-            if block_id is None:
-                break
-            block = self.blocks[block_id]
-            # Hashes collide: a hit must have the same parent block, tokens and extra key.
-            parent_identity = parent.identity() if parent else None
-            if block.key != (parent_identity, block_tokens, extra):
-                break
-            hits.append(block)
-            parent = block
-        return hits
-
-    def _cache_key(self, seq: Sequence, context_len: int):
-        """The extra key of seq's cached blocks; with LongRoPE also whether their KV was (or will
-        be) computed with the long factors (context past rope_switch_len)."""
-        if self.rope_switch_len is None:
-            return seq.extra_hash_key
-        return seq.extra_hash_key, context_len > self.rope_switch_len
 
     def _live_hits(self, hits: list[Block]) -> list[Block]:
         """The hits the first step can read (all of them without a window)."""
@@ -401,37 +376,6 @@ class BlockManager(SwapMixin, BlockPool):
 
     def get_block_table(self, seq: Sequence) -> list[int]:
         return list(self._device_table(seq))
-
-    # ---- prefix caching ------------------------------------------------------------------------
-
-    def mark_blocks_computed(self, seq: Sequence) -> None:
-        """Offer seq's full blocks whose KV is written (by seq.num_computed_tokens) to the prefix
-        cache. Call after each executed step; a block is a prefix hit only once marked."""
-        if not self.enable_prefix_caching:
-            return
-        table = self._device_table(seq)
-        bs = self.block_size
-        num_full = min(seq.num_computed_tokens // bs, self._num_table_tokens(table) // bs)
-        start = self._num_hashed_blocks[seq.seq_id]
-        tokens = seq.get_token_ids()
-        extra = self._cache_key(seq, seq.num_computed_tokens)
-        for i in range(start, num_full):
-            # A block is cached only under a live, hashed parent: after a window freed the
-            # entries before it (and a swap-in dropped their hashes) the chain cannot continue.
-            if table[i] == NULL_BLOCK or (i and table[i - 1] == NULL_BLOCK):
-                break
-            block = self.blocks[table[i]]
-            if block.hash is not None:  # hashed already through another holder
-                continue
-            parent = self.blocks[table[i - 1]] if i else None
-            if parent is not None and parent.hash is None:
-                break
-            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
-            parent_hash = parent.hash if parent else None
-            block.hash = self.hash_fn(parent_hash, block_tokens, extra)
-            block.key = (parent.identity() if parent else None, block_tokens, extra)
-            self.hash_to_block_id.setdefault(block.hash, block.block_id)
-        self._num_hashed_blocks[seq.seq_id] = max(start, num_full)
 
     # ---- accounting ----------------------------------------------------------------------------
 

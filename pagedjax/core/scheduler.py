@@ -453,7 +453,7 @@ class Scheduler:
         mode = self.preemption_mode
         if mode == "auto":
             tokens = sum(s.get_len() for s in seqs)
-            blocks = sum(len(self.bm.get_block_table(s)) for s in seqs)
+            blocks = sum(len(self.bm.get_block_table(s)) - self.bm.num_released(s) for s in seqs)
             mode = "swap" if self.cost_model.prefer_swap(tokens, blocks) else "recompute"
         if mode == "swap" or not can_recompute:
             if self.bm.can_swap_out(group):

@@ -56,6 +56,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     multi = p.add_argument_group(
         "multi-process (multi-host)",
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule and dispatch each step while the one before runs on the device, where "
+        "that cannot change results (default: on)",
+    )
         "run the same command on every host; process 0 schedules (and serves HTTP), the others "
         "follow it. Defaults come from PAGEDJAX_COORDINATOR_ADDRESS, PAGEDJAX_NUM_PROCESSES and "
         "PAGEDJAX_PROCESS_ID; --tensor-parallel-size must then count the devices of all hosts",
@@ -86,6 +93,7 @@ def _speculative_config(text: str) -> dict:
 
     try:
         value = json.loads(text)
+        async_scheduling=args.async_scheduling,
         SpeculativeConfig.of(value)
     except ValueError as e:  # json.JSONDecodeError is a ValueError
         raise argparse.ArgumentTypeError(str(e)) from None

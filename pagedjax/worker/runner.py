@@ -53,8 +53,9 @@ from pagedjax.worker.input_batch import (
 from pagedjax.worker.kv_cache import KVCache
 from pagedjax.worker.prompt_logprobs import PromptLogprobsOutput
 from pagedjax.worker.sampler import SamplerOutput, SamplingInput, SamplingRow, sample
+from pagedjax.worker.token_fill import fill_tokens
 
-__all__ = ["Runner", "ScheduledSeq", "StepShape", "WarmupReport"]
+__all__ = ["Runner", "ScheduledSeq", "StepHandle", "StepShape", "WarmupReport"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,21 @@ def _count_compiles(event: str, duration_secs: float, **kwargs) -> None:
 
 jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 compilation.track_compile_seconds()
+
+
+@dataclasses.dataclass
+class StepHandle:
+    """A dispatched step (``Runner.dispatch``): its outputs still on the device."""
+
+    out: SamplerOutput  # device arrays, padded to the sampler's rows
+    scored: PromptLogprobsOutput | None
+    seqs: list[ScheduledSeq]
+    num_rows: int  # real sampler rows
+    num_top_logprobs: int
+
+    @property
+    def tokens(self) -> jax.Array:
+        return self.out.tokens  # i32[sampler rows], on the device
 
 
 @dataclasses.dataclass
@@ -163,6 +179,25 @@ class Runner:
         """Run one step. Returns the sampler's output as host arrays, one row per requested sample
         (sequence by sequence, in order); ``num_top_logprobs`` most likely tokens per row.
         ``draft_probs``: f32[sampler rows, vocab], the proposer's q on each proposal's row."""
+        handle = self.dispatch(seqs, num_top_logprobs, draft_probs)
+        if self.profile.enabled:
+            with self.profile.phase("device"):
+                jax.block_until_ready((handle.out, handle.scored))
+        return self.fetch(handle)
+
+    def dispatch(
+        self,
+        seqs: list[ScheduledSeq],
+        num_top_logprobs: int = 0,
+        draft_probs=None,
+        prev_tokens: jax.Array | None = None,
+    ) -> StepHandle:
+        """Start one step on the device and return without waiting for it (JAX dispatches
+        asynchronously); ``fetch`` brings its output to the host. ``prev_tokens``: the device
+        tokens of the step before (``StepHandle.tokens``): a token id -1 - r in ``seqs`` is
+        replaced, on the device, by row r of them (async scheduling, pagedjax/async_step.py)."""
+        if prev_tokens is not None and self.channel is not None:
+            raise ValueError("prev_tokens: followers cannot replay a device array (one process)")
         prof = self.profile
         with prof.phase("build"):
             step_input = self.build_step_input(seqs)
@@ -173,14 +208,17 @@ class Runner:
         count_padding(prof, seqs, step_input, self.block_size)
         with prof.phase("device"):
             args = (step_input, logit_rows, sampling, targets, drafts, draft_probs)
+            args += () if prev_tokens is None else (prev_tokens,)
             out, scored = self._call("run_step", *args)
-            if prof.enabled:
-                jax.block_until_ready((out, scored))
-        with prof.phase("fetch"):
-            if scored is not None:
-                prompt_logprobs.deliver(seqs, jax.device_get(scored))
-            out = jax.tree.map(lambda x: np.asarray(x)[: len(rows)], out)
-        k = min(num_top_logprobs, out.top_token_ids.shape[1])
+        return StepHandle(out, scored, seqs, len(rows), num_top_logprobs)
+
+    def fetch(self, handle: StepHandle) -> SamplerOutput:
+        """Wait for a dispatched step; its sampler output as host arrays (see ``execute``)."""
+        with self.profile.phase("fetch"):
+            if handle.scored is not None:
+                prompt_logprobs.deliver(handle.seqs, jax.device_get(handle.scored))
+            out = jax.tree.map(lambda x: np.asarray(x)[: handle.num_rows], handle.out)
+        k = min(handle.num_top_logprobs, out.top_token_ids.shape[1])
         return out.replace(
             top_token_ids=out.top_token_ids[:, :k], top_logprobs=out.top_logprobs[:, :k]
         )
@@ -202,11 +240,16 @@ class Runner:
         targets: np.ndarray | None = None,
         drafts: np.ndarray | None = None,
         draft_probs: np.ndarray | None = None,
+        prev_tokens: jax.Array | None = None,
     ) -> tuple[SamplerOutput, PromptLogprobsOutput | None]:
+        step_input = jax.device_put(step_input, self._inputs)
+        if prev_tokens is not None:  # placeholders take the step before's tokens, on the device
+            filled = fill_tokens(step_input.token_ids, prev_tokens)
+            step_input = step_input.replace(token_ids=filled)
         logits, self.kv_cache.pages = _step(
             self.params,
             self.kv_cache.pages,
-            jax.device_put(step_input, self._inputs),
+            step_input,
             self.config,
             self.backend,
             self.mesh,

@@ -7,6 +7,7 @@ its output (or raises): its next token is a hash of exactly the tokens it was gi
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from typing import NamedTuple
 
@@ -79,8 +80,25 @@ class FakeRunner:
             pos % self.block_size
         )
 
+    def dispatch(self, seqs, num_top_logprobs: int = 0, prev_tokens=None) -> Picks:
+        """Async scheduling: runs at once (the fake's "device" runs in dispatch order); token id
+        -1 - r stands for row r of the step before's tokens (``prev_tokens``)."""
+        if prev_tokens is not None:
+            seqs = [
+                dataclasses.replace(
+                    s, token_ids=[int(prev_tokens[-1 - t]) if t < 0 else t for t in s.token_ids]
+                )
+                for s in seqs
+            ]
+        return self.execute(seqs, num_top_logprobs)
+
+    def fetch(self, handle: Picks) -> Picks:
+        return handle
+
     def execute(self, seqs, num_top_logprobs: int = 0) -> Picks:
         self.num_steps += 1
+        if any(t < 0 for s in seqs for t in s.token_ids):
+            raise AssertionError(f"a placeholder token reached the model: {seqs}")
         k = max(num_top_logprobs, 1)
         tokens, logprobs, top_ids, top_lps = [], [], [], []
         for s in seqs:
@@ -143,6 +161,7 @@ def fake_engine(
     enable_prefix_caching: bool = True,
     preemption_mode: str = "recompute",
     seed: int = 0,
+    async_scheduling: bool = True,
 ) -> LLMEngine:
     bytes_per_block = BYTES_PER_TOKEN * block_size
     config = EngineConfig(
@@ -162,6 +181,7 @@ def fake_engine(
             enable_chunked_prefill,
             preemption_mode,
         ),
+        async_scheduling=async_scheduling,
     )
     loaded = LoadedModel(config=FAKE_CONFIG, params={}, source="fake", tokenizer_dir=None)
     return LLMEngine(config, loaded, runner_factory=FakeRunner)
