@@ -90,6 +90,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     # vLLM's dict ({"method": "ngram", "num_speculative_tokens": k, ...}) or SpeculativeConfig
     speculative_config: SpeculativeConfig | None = None
+    # Schedule and dispatch step N+1 while step N runs (pagedjax/async_step.py), where it is safe
+    async_scheduling: bool = True
 
     def __post_init__(self):
         spec = SpeculativeConfig.of(self.speculative_config)
@@ -100,19 +102,17 @@ class EngineConfig:
             "quantization",
             self.quantization,
             f"must be None or one of {QUANTIZATIONS}",
-    # Schedule and dispatch step N+1 while step N runs (pagedjax/async_step.py), where it is safe
-    async_scheduling: bool = True
         )
         _require(isinstance(self.seed, int), "seed", self.seed, "must be an integer")
-        _require(
-            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
-            "tensor_parallel_size",
-            self.tensor_parallel_size,
-            "must be an integer >= 1",
-        )
         _require(
             isinstance(self.async_scheduling, bool),
             "async_scheduling",
             self.async_scheduling,
             "must be True or False",
+        )
+        _require(
+            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+            "tensor_parallel_size",
+            self.tensor_parallel_size,
+            "must be an integer >= 1",
         )

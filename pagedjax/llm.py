@@ -46,8 +46,8 @@ class LLM:
         cache_dir: str | None = None,
         warmup: bool = False,
         speculative_config: dict | None = None,
-    ):
         async_scheduling: bool = True,
+    ):
         """``warmup=True`` compiles every program the engine's limits allow up front (see
         ``Runner.warmup``), so that no request waits for a compilation. ``speculative_config``:
         vLLM's dict, e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
@@ -83,24 +83,24 @@ class LLM:
                 preemption_mode,
             ),
             speculative_config=speculative_config,
+            async_scheduling=async_scheduling,
         )
         self.engine = LLMEngine(config, loaded)
         if warmup:
             sched = config.scheduler  # groups of several sequences swap in any mode
             swap = self.engine.block_manager.num_host_blocks > 0
             self.runner.warmup(sched.max_num_seqs, sched.token_budget, swap=swap)
+            if self.engine.steps.enabled:  # the async steps' placeholder fill
+                token_fill.warmup(self.runner, sched.max_num_seqs, sched.token_budget)
         self._request_ids = itertools.count()
         self._driver_stats: EngineStats | None = None  # a follower's copy of the driver's
 
-            async_scheduling=async_scheduling,
     @property
     def config(self) -> EngineConfig:
         return self.engine.config
 
     @property
     def tokenizer(self):
-            if self.engine.steps.enabled:  # the async steps' placeholder fill
-                token_fill.warmup(self.runner, sched.max_num_seqs, sched.token_budget)
         return self.engine.tokenizer
 
     @property

@@ -71,10 +71,10 @@ class EngineStats:
     token_padding_ratio: float = 1.0
     attention_padding_ratio: float = 1.0
     spec_decoding: SpecDecodingStats | None = None  # all requests' counts, when it speculates
+    num_overlapped_steps: int = 0  # dispatched while the step before ran (async scheduling)
 
     @classmethod
     def of(cls, bm, scheduler, runner, profile, num_overlapped_steps: int = 0) -> EngineStats:
-    num_overlapped_steps: int = 0  # dispatched while the step before ran (async scheduling)
         """From the block manager's stats, the scheduler's and the runner's counters and the
         step profile's padding counts."""
         return cls(
@@ -99,5 +99,5 @@ class EngineStats:
             token_padding_ratio=profile.token_padding_ratio,
             attention_padding_ratio=profile.attention_padding_ratio,
             spec_decoding=spec.stats.copy() if (spec := scheduler.speculator) else None,
-        )
             num_overlapped_steps=num_overlapped_steps,
+        )

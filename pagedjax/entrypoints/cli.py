@@ -49,6 +49,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\'',
     )
     p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule and dispatch each step while the one before runs on the device, where "
+        "that cannot change results (default: on)",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -56,13 +63,6 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     multi = p.add_argument_group(
         "multi-process (multi-host)",
-    p.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="schedule and dispatch each step while the one before runs on the device, where "
-        "that cannot change results (default: on)",
-    )
         "run the same command on every host; process 0 schedules (and serves HTTP), the others "
         "follow it. Defaults come from PAGEDJAX_COORDINATOR_ADDRESS, PAGEDJAX_NUM_PROCESSES and "
         "PAGEDJAX_PROCESS_ID; --tensor-parallel-size must then count the devices of all hosts",
@@ -84,6 +84,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=args.speculative_config,
+        async_scheduling=args.async_scheduling,
     )
 
 
@@ -93,7 +94,6 @@ def _speculative_config(text: str) -> dict:
 
     try:
         value = json.loads(text)
-        async_scheduling=args.async_scheduling,
         SpeculativeConfig.of(value)
     except ValueError as e:  # json.JSONDecodeError is a ValueError
         raise argparse.ArgumentTypeError(str(e)) from None
