@@ -16,11 +16,13 @@ from jax.sharding import PartitionSpec as P
 from .. import pallas_kernels
 from . import quant
 from .config import ModelConfig, longrope_attention_factor
-from .sharding import AXIS, POOL_SPEC
+from .sharding import AXIS, pool_specs
 from .step_input import StepInput
 
-# (k_pages, v_pages), each [num_kv_heads, num_layers * num_blocks, block_size, head_dim].
-KVPool = tuple[jax.Array, jax.Array]
+# (k_pages, v_pages), each [num_kv_heads, num_layers * num_blocks, block_size, head_dim]; an
+# 8-bit pool (int8 / float8_e4m3fn pages) adds (k_scales, v_scales), each
+# f32[num_kv_heads, num_layers * num_blocks, block_size].
+KVPool = tuple[jax.Array, ...]
 
 ACTIVATIONS = {
     "silu": nn.silu,
@@ -225,28 +227,32 @@ def paged_attention(
         options["sliding_window"] = window
     traced_window = window is not None and not isinstance(window, int)
 
-    def attend(q, k, v, k_pages, v_pages, slots, tables, lens, qsl, *window):
+    def attend(q, k, v, pool, slots, tables, lens, qsl, *window):
         kw = {**options, "sliding_window": window[0]} if window else options
-        k_pages, v_pages = pallas_kernels.write_kv(k_pages, v_pages, k, v, slots)
+        # An 8-bit pool (k, v, k_scales, v_scales): write_kv quantizes the new rows and writes
+        # their scales; the attention dequantizes with them.
+        pool = pallas_kernels.write_kv(pool[0], pool[1], k, v, slots, *pool[2:])
+        if len(pool) == 4:
+            kw = {**kw, "k_scales": pool[2], "v_scales": pool[3]}
         if max_q == 1 and q.shape[0] == tables.shape[0]:
             # Decode layout: row i is sequence i's only query.
-            out = pallas_kernels.paged_attention(q, k_pages, v_pages, tables, lens, **kw)
+            out = pallas_kernels.paged_attention(q, pool[0], pool[1], tables, lens, **kw)
         else:
             out = pallas_kernels.ragged_paged_attention(
-                q, k_pages, v_pages, tables, lens, qsl, max_query_len=max_q, **kw
+                q, pool[0], pool[1], tables, lens, qsl, max_query_len=max_q, **kw
             )
-        return out, k_pages, v_pages
+        return out, tuple(pool)
 
-    args = (q, k, v, *kv, slots, tables, step.context_lens, step.query_start_loc)
+    kv = tuple(kv)
+    args = (q, k, v, kv, slots, tables, step.context_lens, step.query_start_loc)
     args += (window,) if traced_window else ()
     if mesh is not None:
-        heads, pool, rep = P(None, AXIS, None), POOL_SPEC, P()
+        heads, pool, rep = P(None, AXIS, None), pool_specs(len(kv) == 4), P()
         attend = jax.shard_map(
             attend,
             mesh=mesh,
-            in_specs=(heads, heads, heads, pool, pool) + (rep,) * (len(args) - 5),
-            out_specs=(heads, pool, pool),
+            in_specs=(heads, heads, heads, pool) + (rep,) * (len(args) - 4),
+            out_specs=(heads, pool),
             check_vma=False,
         )
-    out, k_pages, v_pages = attend(*args)
-    return out, (k_pages, v_pages)
+    return attend(*args)

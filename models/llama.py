@@ -23,24 +23,33 @@ from .config import ModelConfig
 from .decoder import DecoderModel
 from .layers import KVPool, apply_rope, rope_inv_freq  # noqa: F401 (re-exported)
 from .quant import compute_dtype
+from .sharding import scales_sharding
 from .step_input import StepInput
+
+
+def is_kv8(dtype) -> bool:
+    """Whether a pool of ``dtype`` is 8-bit (int8 or float8_e4m3fn pages with f32 scales)."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 
 def init_kv_pool(
     config: ModelConfig, num_blocks: int, block_size: int, dtype, sharding=None
 ) -> KVPool:
-    """Zeroed pool of ``num_blocks`` blocks per layer; with a sharding, each device allocates
-    only its slice."""
+    """Zeroed pool of ``num_blocks`` blocks per layer: ``(k_pages, v_pages)``, and for an 8-bit
+    ``dtype`` also ``(k_scales, v_scales)``, f32[num_kv_heads, num_layers * num_blocks,
+    block_size] (one scale per token and kv head). With a sharding (the pages'), each device
+    allocates only its slice; the scales are split by kv heads like the pages."""
     if config.num_layers * num_blocks * block_size >= 2**31:
         raise ValueError(
             f"num_blocks={num_blocks} x block_size={block_size} x {config.num_layers} layers "
             "exceeds the int32 slot range of the pool"
         )
     shape = (config.num_kv_heads, config.num_layers * num_blocks, block_size, config.head_dim)
-    return (
-        jnp.zeros(shape, dtype, device=sharding),
-        jnp.zeros(shape, dtype, device=sharding),
-    )
+    pages = (jnp.zeros(shape, dtype, device=sharding), jnp.zeros(shape, dtype, device=sharding))
+    if not is_kv8(dtype):
+        return pages
+    scales = scales_sharding(sharding) if sharding is not None else None
+    return pages + tuple(jnp.ones(shape[:3], jnp.float32, device=scales) for _ in range(2))
 
 
 def layer_block(pool: jax.Array, config: ModelConfig, layer: int, block):
@@ -56,8 +65,11 @@ def layer_pages(pool: jax.Array, config: ModelConfig, layer: int) -> jax.Array:
 
 
 def kv_pool_bytes_per_block(config: ModelConfig, block_size: int, dtype) -> int:
-    per_layer = 2 * config.num_kv_heads * block_size * config.head_dim
-    return per_layer * config.num_layers * jnp.dtype(dtype).itemsize
+    """Bytes of one block in every layer, K and V: the pages, plus an 8-bit pool's f32 scales
+    (one per token and kv head)."""
+    slots = 2 * config.num_layers * config.num_kv_heads * block_size  # K and V token rows
+    scale_bytes = jnp.dtype(jnp.float32).itemsize if is_kv8(dtype) else 0
+    return slots * (config.head_dim * jnp.dtype(dtype).itemsize + scale_bytes)
 
 
 def forward(

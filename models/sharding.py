@@ -28,6 +28,9 @@ from .config import ModelConfig
 AXIS = "tp"
 # [num_kv_heads, num_layers * num_blocks, block_size, head_dim]
 POOL_SPEC = P(AXIS, None, None, None)
+# An 8-bit pool's scales, f32[num_kv_heads, num_layers * num_blocks, block_size]: split by kv
+# heads like the pages, so each device holds the scales of its own heads
+SCALES_SPEC = P(AXIS, None, None)
 
 # Parameter path suffix -> partition spec of one layer's array (Dense kernels are [in, out];
 # experts [experts, in, out]).
@@ -158,3 +161,16 @@ def shard_params(params: dict, mesh: Mesh) -> dict:
 
 def pool_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, POOL_SPEC)
+
+
+def pool_specs(quantized: bool) -> tuple[P, ...]:
+    """The pool tuple's specs: (k_pages, v_pages), plus (k_scales, v_scales) when 8-bit."""
+    return (POOL_SPEC,) * 2 + ((SCALES_SPEC,) * 2 if quantized else ())
+
+
+def scales_sharding(pages_sharding):
+    """The scales' placement beside pages placed by ``pages_sharding`` (one device, or split by
+    kv heads on a mesh)."""
+    if isinstance(pages_sharding, NamedSharding):
+        return NamedSharding(pages_sharding.mesh, SCALES_SPEC)
+    return pages_sharding

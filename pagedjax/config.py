@@ -10,6 +10,9 @@ DTYPES = ("float32", "bfloat16")
 # weight-only, a scale per output channel, or per 64 / 32 inputs of it (models/quant.py)
 QUANTIZATIONS = ("int8", "fp8", "int8-g64", "int8-g32")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
+# The KV pool's dtype: "auto" = the compute dtype; "int8" / "fp8" (float8_e4m3fn) pages with a
+# float32 scale per token and kv head (pagedjax/worker/kv_cache.py)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 DEFAULT_CPU_KV_SPACE_GIB = 1.0
 MAX_MODEL_LEN_CAP = 8192  # without an explicit max_model_len: the model's context, at most this
 
@@ -32,6 +35,7 @@ class CacheConfig:
     kv_cache_space_gib: float | None = None  # None: 1 GiB on CPU, 90% of free memory on GPU/TPU
     swap_space_gib: float = 4.0  # host memory for swapped-out blocks
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
     def __post_init__(self):
         _require(
@@ -51,6 +55,12 @@ class CacheConfig:
             "kv_cache_space_gib",
             self.kv_cache_space_gib,
             "must be None or > 0",
+        )
+        _require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            self.kv_cache_dtype,
+            f"must be one of {KV_CACHE_DTYPES}",
         )
 
 

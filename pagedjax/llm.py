@@ -31,6 +31,7 @@ class LLM:
         *,
         dtype: str = "float32",
         quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_space_gib: float | None = None,
@@ -52,6 +53,9 @@ class LLM:
         ``Runner.warmup``), so that no request waits for a compilation. ``speculative_config``:
         vLLM's dict, e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
         "prompt_lookup_min": 2, "prompt_lookup_max": 4}`` (pagedjax.spec_decode).
+        ``kv_cache_dtype``: "auto" (the compute dtype), or "int8" / "fp8" for a KV pool of 8-bit
+        pages with a float32 scale per token and kv head (about a quarter of float32's bytes
+        per block, so more blocks fit).
         ``quantization``: "int8" or "fp8" weight-only quantization of the linear layers, a
         scale per output channel; "int8-g64" / "int8-g32": per 64 / 32 inputs of each
         (models/quant.py). ``async_scheduling``: schedule and dispatch each step while the one
@@ -73,7 +77,12 @@ class LLM:
             seed=seed,
             tensor_parallel_size=tensor_parallel_size,
             cache=CacheConfig(
-                block_size, num_blocks, kv_cache_space_gib, swap_space_gib, enable_prefix_caching
+                block_size,
+                num_blocks,
+                kv_cache_space_gib,
+                swap_space_gib,
+                enable_prefix_caching,
+                kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs,

@@ -59,6 +59,9 @@ class EngineStats:
     num_swapped_out: int  # blocks moved device -> host
     prefix_cache_hit_rate: float
     num_compilations: int
+    # The KV pool's page dtype ("float32", "bfloat16", "int8", "float8_e4m3fn"): with
+    # num_blocks_total, what kv_cache_dtype bought
+    kv_cache_dtype: str = ""
     num_swapped_in: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -88,6 +91,7 @@ class EngineStats:
             num_swapped_out=bm.num_swapped_out,
             prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
             num_compilations=runner.num_compilations,
+            kv_cache_dtype=_pool_dtype(runner),
             num_swapped_in=bm.num_swapped_in,
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
@@ -101,3 +105,10 @@ class EngineStats:
             spec_decoding=spec.stats.copy() if (spec := scheduler.speculator) else None,
             num_overlapped_steps=num_overlapped_steps,
         )
+
+
+def _pool_dtype(runner) -> str:
+    """The name of the runner's KV pool dtype ("" for a runner without a device pool: the
+    tests' fake model)."""
+    kv_cache = getattr(runner, "kv_cache", None)
+    return str(kv_cache.dtype) if kv_cache is not None else ""

@@ -8,6 +8,7 @@ import sys
 
 from pagedjax.config import (
     DTYPES,
+    KV_CACHE_DTYPES,
     MAX_MODEL_LEN_CAP,
     QUANTIZATIONS,
     CacheConfig,
@@ -29,6 +30,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         help="weight-only quantization of the linear layers: a scale per output channel, or "
         "per 64 / 32 inputs of it (int8-g64, int8-g32)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=CacheConfig.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+        help="the KV cache's dtype: auto (the compute dtype), or int8 / fp8 pages with a float32 "
+        "scale per token and kv head (more blocks in the same memory)",
     )
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     p.add_argument("--num-blocks", type=int, default=None)
@@ -77,6 +85,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         max_model_len=args.max_model_len,
@@ -135,8 +144,9 @@ def _generate(args: argparse.Namespace) -> int:
     print(completion.text)
     bs = llm.config.cache.block_size
     print(
-        f"\nKV pool: {st.num_blocks_total} blocks x {bs} tokens; peak {st.num_blocks_peak} blocks "
-        f"used ({st.kv_slots_allocated_peak} slots for {st.kv_tokens_stored_peak} tokens), "
+        f"\nKV pool: {st.num_blocks_total} blocks x {bs} tokens of {st.kv_cache_dtype}; "
+        f"peak {st.num_blocks_peak} blocks used ({st.kv_slots_allocated_peak} slots for "
+        f"{st.kv_tokens_stored_peak} tokens), "
         f"utilization {st.kv_utilization:.3f}, now used {st.num_blocks_used}; "
         f"preemptions {st.num_preemptions}; compiled programs {st.num_compilations}"
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pagedjax import pallas_kernels
@@ -14,6 +15,19 @@ from pagedjax.models.config import ModelConfig
 from pagedjax.models.llama import init_kv_pool, kv_pool_bytes_per_block
 from pagedjax.models.sharding import min_over_processes
 from pagedjax.utils import cdiv
+
+# kv_cache_dtype -> the pool's page dtype ("auto": the compute dtype)
+KV8_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+
+def pool_dtype(kv_cache_dtype: str, compute_dtype) -> jnp.dtype:
+    """The pool's page dtype for ``kv_cache_dtype`` (CacheConfig): "auto" is the compute dtype;
+    "int8" / "fp8" pages come with f32 scales (one per token and kv head)."""
+    if kv_cache_dtype == "auto":
+        return jnp.dtype(compute_dtype)
+    if kv_cache_dtype not in KV8_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be 'auto', 'int8' or 'fp8', got {kv_cache_dtype!r}")
+    return jnp.dtype(KV8_DTYPES[kv_cache_dtype])
 
 
 def num_device_blocks(
@@ -52,7 +66,8 @@ def pool_size(config: EngineConfig, device_config: ModelConfig, tp: int):
     """(device blocks, host blocks): an explicit num_blocks, else sized from memory and agreed
     by every process (the smallest)."""
     cache = config.cache
-    block_bytes = kv_pool_bytes_per_block(device_config, cache.block_size, config.dtype)
+    dtype = pool_dtype(cache.kv_cache_dtype, config.dtype)
+    block_bytes = kv_pool_bytes_per_block(device_config, cache.block_size, dtype)
     num_blocks = cache.num_blocks or min_over_processes(
         num_device_blocks(cache, block_bytes, tp, useful_blocks(config))
     )
@@ -81,6 +96,8 @@ class KVCache:
     The pool (models/llama.py) holds every layer: layer ``l``'s block ``b`` is pool block
     ``l * num_blocks + b``, so a block move names that block in every layer. With a mesh the pool
     is split by kv heads; each process mirrors only its own devices' slices on the host.
+    ``dtype`` is the pool's (pool_dtype): an 8-bit pool is ``(k, v, k_scales, v_scales)`` and
+    every block move and the host mirror carry the scales with the pages.
     """
 
     def __init__(
@@ -102,8 +119,10 @@ class KVCache:
             config, num_blocks, block_size, dtype, sharding
         )
         # Swapped-out blocks, per slice of the kv heads held on this process's devices:
-        # (first head, end head) -> (k, v), numpy [heads, num_layers, num_host_blocks, bs, hd].
-        self.host_pool: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        # (first head, end head) -> one numpy array per pool array: (k, v) pages
+        # [heads, num_layers, num_host_blocks, bs, hd], then an 8-bit pool's (k, v) scales
+        # f32[heads, num_layers, num_host_blocks, bs].
+        self.host_pool: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
 
     def layer_ids(self, blocks: np.ndarray) -> np.ndarray:
         """Block ids (-1 = padding) -> the same blocks in every layer, layer-major."""
@@ -124,7 +143,7 @@ class KVCache:
         # a slice held by several devices is kept once.
         blocks = pallas_kernels.gather_blocks(self.pages, self.layer_ids(dev))
         n = int((dev >= 0).sum())
-        moves = {  # (k or v, head slice) -> device array [heads, num_layers * n_b, bs, hd]
+        moves = {  # (pool array, head slice) -> device array [heads, num_layers * n_b, bs, ...]
             (kv, _heads(shard)): shard.data
             for kv, gathered in enumerate(blocks)
             for shard in gathered.addressable_shards
@@ -142,7 +161,7 @@ class KVCache:
             # This process's slices of the blocks, assembled into one array sharded like the pool.
             shards = []
             for s in pages.addressable_shards:
-                blocks = self.host_blocks(_heads(s))[kv][:, :, host]  # [h, L, n_b, bs, hd]
+                blocks = self.host_blocks(_heads(s))[kv][:, :, host]  # [h, L, n_b, bs, ...]
                 blocks = blocks.reshape(blocks.shape[0], -1, *blocks.shape[3:])
                 shards.append(jax.device_put(blocks, s.device))
             shape = (pages.shape[0], self.config.num_layers * len(host), *pages.shape[2:])
@@ -151,13 +170,15 @@ class KVCache:
         blocks = tuple(load(pages, kv) for kv, pages in enumerate(self.pages))
         self.pages = pallas_kernels.scatter_blocks(self.pages, self.layer_ids(dev), blocks)
 
-    def host_blocks(self, heads: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-        """The host mirror of kv heads ``[heads[0], heads[1])``, allocated on first use."""
+    def host_blocks(self, heads: tuple[int, int]) -> tuple[np.ndarray, ...]:
+        """The host mirror of kv heads ``[heads[0], heads[1])``, one array per pool array,
+        allocated on first use."""
         if heads not in self.host_pool:
-            shape = (heads[1] - heads[0], self.config.num_layers, self.num_host_blocks)
-            shape += (self.block_size, self.config.head_dim)
-            dtype = np.dtype(self.dtype)
-            self.host_pool[heads] = (np.zeros(shape, dtype), np.zeros(shape, dtype))
+            lead = (heads[1] - heads[0], self.config.num_layers, self.num_host_blocks)
+            self.host_pool[heads] = tuple(
+                np.zeros(lead + tuple(pages.shape[2:]), np.dtype(pages.dtype))
+                for pages in self.pages
+            )
         return self.host_pool[heads]
 
     def lower_block_op(self, op: str, ids: np.ndarray):

@@ -50,7 +50,7 @@ from pagedjax.worker.input_batch import (
     count_padding,
     padded_ids,
 )
-from pagedjax.worker.kv_cache import KVCache
+from pagedjax.worker.kv_cache import KVCache, pool_dtype
 from pagedjax.worker.prompt_logprobs import PromptLogprobsOutput
 from pagedjax.worker.sampler import SamplerOutput, SamplingInput, SamplingRow, sample
 from pagedjax.worker.token_fill import fill_tokens
@@ -126,9 +126,12 @@ class Runner:
         channel: Channel | None = None,
         profile: StepProfile | None = None,
         num_speculative_tokens: int = 0,
+        kv_cache_dtype: str = "auto",
     ):
         """``num_speculative_tokens``: proposals a sequence may verify per step (each step then
-        returns logits for 1 + that many rows per sequence and samples with ``verify_step``)."""
+        returns logits for 1 + that many rows per sequence and samples with ``verify_step``).
+        ``kv_cache_dtype``: the pool's ("auto": the compute dtype; "int8" / "fp8": 8-bit pages
+        with scales, worker/kv_cache.py)."""
         compilation.enable_persistent_cache()
         self.config = config
         self.params = params
@@ -157,7 +160,7 @@ class Runner:
             num_blocks=num_blocks,
             block_size=block_size,
             num_host_blocks=num_host_blocks,
-            dtype=self.dtype,
+            dtype=pool_dtype(kv_cache_dtype, self.dtype),
             sharding=pool,
         )
         self.num_host_blocks = num_host_blocks

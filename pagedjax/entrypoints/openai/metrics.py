@@ -69,6 +69,12 @@ class _EngineCollector:
             yield GaugeMetricFamily(f"pagedjax_{name}", help_, value=read(stats))
         for name, help_, read in _COUNTERS:
             yield CounterMetricFamily(f"pagedjax_{name}", help_, value=read(stats))
+        if stats.kv_cache_dtype:  # vLLM's cache_config_info: the settings as labels, value 1
+            info = GaugeMetricFamily(
+                "pagedjax_cache_config_info", "The KV cache's settings.", labels=["kv_cache_dtype"]
+            )
+            info.add_metric([stats.kv_cache_dtype], 1)
+            yield info
         spec = stats.spec_decoding  # only when the engine speculates (vLLM's spec_decode_*)
         for name, help_, value in _spec_decode_metrics(spec) if spec is not None else ():
             family = CounterMetricFamily if isinstance(value, int) else GaugeMetricFamily
