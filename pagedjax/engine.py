@@ -84,7 +84,6 @@ class LLMEngine(DriverOrFollower):
             max_model_len=sched.max_model_len,
             eos_token_ids=self.eos_token_ids,
             speculator=self.speculator,
-            longrope_switch_len=mc.longrope_switch_len,
         )
         self.profile = StepProfile()  # padding counts; phase times while profile.enabled
         self.runner = (runner_factory or Runner)(

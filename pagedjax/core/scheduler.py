@@ -139,7 +139,6 @@ class Scheduler:
         max_model_len: int = 2**31 - 1,
         eos_token_ids: Collection[int] = (),
         speculator=None,  # proposes tokens and takes the verified ones (pagedjax.spec_decode)
-        longrope_switch_len: int | None = None,  # models/config.py ModelConfig's
     ):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
@@ -147,7 +146,9 @@ class Scheduler:
             )
         self.bm = block_manager
         block_manager.limit_chunk_tokens(max_num_batched_tokens)  # a windowed table's run-ahead
-        self.longrope_switch_len = longrope_switch_len
+        # LongRoPE (models/config.py ModelConfig.longrope_switch_len), as the block manager keys
+        # its prefix cache by it
+        self.longrope_switch_len = block_manager.rope_switch_len
         self.num_longrope_recomputes = 0
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
@@ -284,7 +285,8 @@ class Scheduler:
                 self._abort(group, out, "its prompt no longer fits the device pool")
                 continue
             seq = group.get_seqs(SequenceStatus.WAITING)[0]
-            if not self.enable_chunked_prefill and seq.get_len() > budget:
+            one_step = not self.enable_chunked_prefill or self._longrope_one_step(seq)
+            if one_step and seq.get_len() > budget:
                 self.waiting.appendleft(group)
                 break
             self.bm.allocate(group)
@@ -397,10 +399,16 @@ class Scheduler:
         if switch is None or len(seqs) != 1 or seqs[0].longrope_recomputed:
             return False
         seq = seqs[0]
-        # Only when the re-prefill fits one step: a chunked one would compute its first chunks
-        # with the short factors again (the model picks them by the step's context length).
-        one_step = seq.get_len() <= min(self.token_budget, self.bm.max_chunk_tokens)
-        return one_step and 0 < seq.num_computed_tokens <= switch < seq.get_len()
+        return self._longrope_one_step(seq) and 0 < seq.num_computed_tokens <= switch
+
+    def _longrope_one_step(self, seq: Sequence) -> bool:
+        """Whether seq is past the switch and its prefill fits one step, and so is prefilled
+        in one (waiting for the budget if need be), as HF runs a prompt: all with the long
+        factors. A longer one is chunked: its first chunks use the short factors (the model
+        picks them by the step's context length)."""
+        switch = self.longrope_switch_len
+        limit = min(self.token_budget, self.bm.max_chunk_tokens)
+        return switch is not None and switch < seq.get_len() <= limit
 
     def _recompute(self, group: SequenceGroup) -> None:
         """Free the group's one sequence and queue it first, to be prefilled anew."""

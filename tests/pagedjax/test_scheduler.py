@@ -190,3 +190,51 @@ def test_abort_ends_unfinished_sequences_with_abort_and_keeps_finished_ones():
     assert (seq.finish_reason, seq.status) == ("abort", SequenceStatus.FINISHED_ABORTED)
     assert (other.finish_reason, other.status) == ("stop", SequenceStatus.FINISHED_STOPPED)
     assert bm.get_num_free_blocks() == bm.num_blocks - 1
+
+
+def make_longrope(switch: int, budget: int = 64):
+    bm = BlockManager(64, BS, watermark=0.0, enable_prefix_caching=True, rope_switch_len=switch)
+    return bm, Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=budget)
+
+
+def test_longrope_sequence_is_re_prefilled_once_as_it_crosses_the_switch():
+    """HF's Phi-3 generate re-runs the whole sequence (long factors) at the step whose input
+    reaches switch + 1 tokens with at most switch cached; so does the scheduler, once, and the
+    prefix cache does not hand it back its own short-factor blocks."""
+    bm, sched = make_longrope(switch=12)
+    g = group("r", 10, 0.0)
+    seq = g.get_seqs()[0]
+    sched.add(g)
+    chunks = []
+    for _ in range(6):
+        out = sched.schedule()
+        chunks.append([(c.seq.num_computed_tokens, c.num_tokens) for c in out.chunks])
+        run_step(sched, out)
+        for c in out.chunks:
+            bm.mark_blocks_computed(c.seq)
+    # prefill 10; decodes at 10, 11; at len 13 (12 computed): all 13 again; then decodes.
+    assert chunks == [[(0, 10)], [(10, 1)], [(11, 1)], [(0, 13)], [(13, 1)], [(14, 1)]]
+    assert sched.num_longrope_recomputes == 1 and seq.longrope_recomputed
+    assert sched.num_preemptions == 0
+
+
+def test_longrope_prompt_past_the_switch_waits_for_one_step_rather_than_chunks():
+    bm, sched = make_longrope(switch=12, budget=20)
+    sched.add(group("a", 8, 0.0))
+    sched.add(group("b", 16, 1.0))  # past the switch: one step of 16, or nothing
+    out = sched.schedule()
+    assert [(c.group.request_id, c.num_tokens) for c in out.chunks] == [("a", 8)]
+    run_step(sched, out)
+    out = sched.schedule()  # a decodes (1), b's 16 fit the 19 left
+    assert [(c.group.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 16)]
+
+
+def test_longrope_prompt_longer_than_the_budget_is_chunked_and_not_recomputed():
+    bm, sched = make_longrope(switch=12, budget=8)
+    sched.add(group("r", 20, 0.0))
+    sizes = []
+    for _ in range(4):
+        out = sched.schedule()
+        sizes.append([c.num_tokens for c in out.chunks])
+        run_step(sched, out)
+    assert sizes == [[8], [8], [4], [1]] and sched.num_longrope_recomputes == 0
