@@ -4,7 +4,7 @@
         [--model NAME] [--dataset-name sharegpt-like|random|json] [--num-prompts N]
         [--request-rate R] [--burstiness B] [--max-concurrency C] [--slo ttft=MS,tpot=MS] [--json]
     pagedjax bench serve --compare transformers [--disable-eos-copy DIR]
-        [--sweep-concurrency 1,4,16]
+        [--sweep-concurrency 1,4,16 [--sweep-num-prompts 4,16,64]] [--repeats N]
 
 Requests stream (temperature 0 unless --temperature) at arrival times drawn from a gamma process
 of mean rate R (shape B; B=1 is Poisson; R=inf sends all at once), at most C in flight. Exact
@@ -16,9 +16,12 @@ Output tokens come from the server's usage, else from the tokenizer. Warm-up req
 
 --compare NAMES starts ``pagedjax serve`` and each named peer (transformers, vllm, sglang; or
 --peer NAME=COMMAND) on the same weights on this machine, one at a time (each stopped before the
-next starts), runs the identical workload against each and prints them side by side with ratios.
+next starts), runs the identical workload against each and prints them side by side with ratios
+(--start-pagedjax: pagedjax serve alone, started the same way; --no-pagedjax: the peers alone).
 --sweep-rates / --sweep-concurrency repeat the run per value: one table and a PNG (--plot) of
-throughput against latency per server.
+throughput against latency per server; --sweep-num-prompts sends fewer of the workload's
+requests at the small values. --repeats N times each row N times (workloads of seeds --seed,
+--seed+1, ...): the row is the run of median output tok/s, with the min, median and max.
 """
 
 from __future__ import annotations
@@ -89,7 +92,12 @@ def _tokenizer_source(args, model: str) -> str:
     raise ValueError(f"no tokenizer for the model name {model!r}: pass --tokenizer PATH")
 
 
-def build_workload(args, tokenizer):
+def build_workloads(args, tokenizer) -> list:
+    """--repeats workloads: the first drawn with --seed, each next one with the next seed."""
+    return [build_workload(args, tokenizer, args.seed + r) for r in range(args.repeats)]
+
+
+def build_workload(args, tokenizer, seed: int):
     if args.dataset_name == "random":
         return random_requests(
             tokenizer,
@@ -97,7 +105,7 @@ def build_workload(args, tokenizer):
             args.random_input_len,
             args.random_output_len,
             args.random_range_ratio,
-            args.seed,
+            seed,
         )
     if args.dataset_name == "json":
         if not args.dataset_path:
@@ -106,7 +114,7 @@ def build_workload(args, tokenizer):
             args.dataset_path, tokenizer, args.num_prompts, args.max_prompt_len, args.max_output_len
         )
     return sharegpt_like_requests(
-        tokenizer, args.num_prompts, args.max_prompt_len, args.max_output_len, args.seed
+        tokenizer, args.num_prompts, args.max_prompt_len, args.max_output_len, seed
     )
 
 
@@ -120,6 +128,25 @@ def _sweep(args) -> tuple[str | None, list]:
     return None, [None]
 
 
+def _prompts_per_value(args, values: list) -> list[int]:
+    """How many of the workload's requests each sweep value sends: all, or --sweep-num-prompts
+    (one count per value, each at most --num-prompts: the workload's first ones)."""
+    if not args.sweep_num_prompts:
+        return [args.num_prompts] * len(values)
+    counts = _numbers(args.sweep_num_prompts, "--sweep-num-prompts", int)
+    if len(counts) != len(values) or values == [None]:
+        raise ValueError(
+            f"--sweep-num-prompts needs one count per sweep value ({len(values)} values), "
+            f"got {args.sweep_num_prompts!r}"
+        )
+    if max(counts) > args.num_prompts:
+        raise ValueError(
+            f"--sweep-num-prompts {args.sweep_num_prompts!r}: each count must be at most "
+            f"--num-prompts ({args.num_prompts})"
+        )
+    return counts
+
+
 def _numbers(text: str, flag: str, kind) -> list:
     try:
         values = [kind(x) for x in text.split(",") if x.strip()]
@@ -131,35 +158,43 @@ def _numbers(text: str, flag: str, kind) -> list:
 
 
 def bench_server(
-    name: str, target: Target, requests, tokenizer, args, slo, knob, values, eos_free=False
+    name: str, target: Target, workloads, tokenizer, args, slo, knob, values, eos_free=False
 ) -> dict:
-    """Probe, warm up, then the timed runs (one per sweep value) against one server."""
+    """Probe, warm up, then the timed runs against one server: per sweep value, one run per
+    workload (``workloads``: --repeats lists of requests, the random ones each drawn with its own
+    seed, so that a repeat does not resend the prompts a prefix cache has just seen)."""
     from tqdm import tqdm
 
+    requests = workloads[0]
     found, warm = asyncio.run(
         probe_and_warm(target, requests, args.num_warmups, args.request_timeout)
     )
     _note_probe(name, found, eos_free)
     rows = []
-    for value in values:
+    for value, count in zip(values, _prompts_per_value(args, values), strict=True):
         rate = value if knob == "request_rate" else args.request_rate
         conc = value if knob == "max_concurrency" else args.max_concurrency
-        arrivals = arrival_times(len(requests), rate, args.burstiness, args.seed)
         label = name + (f" {knob}={value}" if knob else "")
-        bar = tqdm(total=len(requests), desc=label, disable=args.disable_tqdm, file=sys.stderr)
-        results, duration = asyncio.run(
-            run_requests(
-                target,
-                requests,
-                arrivals,
-                max_concurrency=conc,
-                timeout_s=args.request_timeout,
-                progress=bar,
+        runs = []
+        for rep, workload in enumerate(workloads):
+            reqs = workload[:count]
+            arrivals = arrival_times(len(reqs), rate, args.burstiness, args.seed + rep)
+            desc = label + (f" run {rep + 1}/{len(workloads)}" if len(workloads) > 1 else "")
+            bar = tqdm(total=len(reqs), desc=desc, disable=args.disable_tqdm, file=sys.stderr)
+            results, duration = asyncio.run(
+                run_requests(
+                    target,
+                    reqs,
+                    arrivals,
+                    max_concurrency=conc,
+                    timeout_s=args.request_timeout,
+                    progress=bar,
+                )
             )
-        )
-        bar.close()
-        _count_output_tokens(results, tokenizer)
-        row = metrics.summarize(results, duration, slo)
+            bar.close()
+            _count_output_tokens(results, tokenizer)
+            runs.append(metrics.summarize(results, duration, slo))
+        row = metrics.pick_median_run(runs)
         row.update(server=name, request_rate=rate, max_concurrency=conc, burstiness=args.burstiness)
         rows.append(row)
     _count_output_tokens(warm, tokenizer)
@@ -212,13 +247,15 @@ def run_single(args, slo, knob, values) -> dict:
     if not target.model:
         target.model = _model_from_server(target)
     tokenizer = load_tokenizer(_tokenizer_source(args, target.model))
-    requests = build_workload(args, tokenizer)
-    server = bench_server(args.server_name, target, requests, tokenizer, args, slo, knob, values)
+    workloads = build_workloads(args, tokenizer)
+    server = bench_server(args.server_name, target, workloads, tokenizer, args, slo, knob, values)
     return {"servers": [server]}
 
 
 def server_specs(args, settings: ServerSettings) -> list:
     extra = parse_server_args(args.server_args)
+    if args.no_pagedjax and args.start_pagedjax:
+        raise ValueError("--start-pagedjax and --no-pagedjax contradict each other")
     names = [] if args.no_pagedjax else ["pagedjax"]
     names += [n.strip() for n in (args.compare or "").split(",") if n.strip()]
     specs = [known_spec(n, settings, extra.get(n, [])) for n in names]
@@ -247,7 +284,7 @@ def run_compare(args, slo, knob, values) -> dict:
     settings = ServerSettings(model, "127.0.0.1", args.dtype, args.seed, args.max_model_len)
     specs = server_specs(args, settings)
     tokenizer = load_tokenizer(args.tokenizer or model)
-    requests = build_workload(args, tokenizer)
+    workloads = build_workloads(args, tokenizer)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pagedjax-bench-serve-"))
     servers = []
     for spec in specs:  # one at a time: each is stopped before the next starts
@@ -272,7 +309,7 @@ def run_compare(args, slo, knob, values) -> dict:
             res = bench_server(
                 spec.name,
                 target,
-                requests,
+                workloads,
                 tokenizer,
                 args,
                 slo,
@@ -326,6 +363,18 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     t.add_argument("--max-concurrency", type=int, default=None, help="requests in flight")
     t.add_argument("--sweep-rates", default=None, help="e.g. 1,2,4: one run per request rate")
     t.add_argument("--sweep-concurrency", default=None, help="e.g. 1,4,16: one run per limit")
+    t.add_argument(
+        "--sweep-num-prompts",
+        default=None,
+        help="e.g. 8,32,64: prompts per sweep value (the workload's first; default all)",
+    )
+    t.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed runs per row, each on a workload of its own seed (--seed, --seed+1, ...): "
+        "the row is the run of median output tok/s, with min/median/max over the runs",
+    )
     t.add_argument("--temperature", type=float, default=0.0)
     t.add_argument("--extra-body", default=None, help="JSON merged into every request body")
     t.add_argument("--num-warmups", type=int, default=2, help="excluded, reported apart")
@@ -345,6 +394,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     c.add_argument("--compare", default=None, help=f"peers to start: {','.join(KNOWN_PEERS)}")
     c.add_argument("--peer", action="append", help="NAME=COMMAND with {port} ({host}, {model})")
     c.add_argument("--no-pagedjax", action="store_true", help="start only the peers")
+    c.add_argument(
+        "--start-pagedjax",
+        action="store_true",
+        help="start pagedjax serve with these settings and measure it (alone, without --compare)",
+    )
     c.add_argument("--server-args", action="append", help="NAME=ARGS: extra flags for NAME")
     c.add_argument(
         "--disable-eos-copy",
@@ -364,6 +418,7 @@ def _validate(args) -> None:
     for flag, value, low in (
         ("--num-prompts", args.num_prompts, 1),
         ("--num-warmups", args.num_warmups, 0),
+        ("--repeats", args.repeats, 1),
         ("--random-input-len", args.random_input_len, 1),
         ("--random-output-len", args.random_output_len, 1),
         ("--max-prompt-len", args.max_prompt_len, 1),
@@ -378,22 +433,33 @@ def _validate(args) -> None:
     _extra_body(args)  # a bad --extra-body fails before any server starts
 
 
-def run(args) -> int:
+def execute(args) -> dict | None:
+    """Run what ``args`` ask, print the report, and return the result (None when only the
+    EOS-free copy was asked for)."""
     _validate(args)
     slo = metrics.parse_slo(args.slo)
     knob, values = _sweep(args)
+    _prompts_per_value(args, values)  # a bad --sweep-num-prompts fails before any server starts
     arrival_times(1, args.request_rate, args.burstiness, 0)  # validates rate and burstiness
-    if args.compare or args.peer:
+    if args.compare or args.peer or args.start_pagedjax:
         result = run_compare(args, slo, knob, values)
     elif args.disable_eos_copy:
         path, made = write_eos_free_copy(args.model or _embedded_model(), args.disable_eos_copy)
         print(f"{'wrote' if made else 'already there:'} {path}")
         print(f"serve it, e.g. `transformers serve --continuous-batching {path}`")
-        return 0
+        return None
     else:
         result = run_single(args, slo, knob, values)
     result["args"] = {k: v for k, v in vars(args).items() if k != "func"}
+    result["knob"] = knob
     metrics.report(result, knob, args)
+    return result
+
+
+def run(args) -> int:
+    result = execute(args)
+    if result is None:
+        return 0
     return 1 if any("start_error" in s for s in result["servers"]) else 0
 
 

@@ -102,6 +102,25 @@ def summarize(results: list[RequestResult], duration_s: float, slo: dict[str, fl
     return row
 
 
+def pick_median_run(runs: list[dict]) -> dict:
+    """One row for several timed runs of the same settings: the run of median output tok/s
+    (the lower of the middle two for an even count), with ``repeats``: every run's output tok/s
+    and their min, median and max."""
+    if not runs:
+        raise ValueError("pick_median_run needs at least one run")
+    tps = [r["output_throughput"] for r in runs]
+    order = sorted(range(len(runs)), key=lambda i: tps[i])
+    row = dict(runs[order[(len(runs) - 1) // 2]])
+    row["repeats"] = {
+        "runs": len(runs),
+        "output_throughput": tps,
+        "min": min(tps),
+        "median": float(np.median(tps)),
+        "max": max(tps),
+    }
+    return row
+
+
 def warmup_summary(results: list[RequestResult]) -> dict:
     """The warm-up requests, reported apart: the first one pays for any lazy start."""
     return {
@@ -137,6 +156,10 @@ def _rows(row: dict) -> list[tuple[str, object]]:
         ("output throughput (tok/s)", row["output_throughput"]),
         ("total throughput (tok/s)", row["total_token_throughput"]),
     ]
+    rep = row.get("repeats")
+    if rep and rep["runs"] > 1:
+        lines.append((f"output tok/s min of {rep['runs']} runs", rep["min"]))
+        lines.append((f"output tok/s median of {rep['runs']} runs", rep["median"]))
     if "goodput" in row:
         lines.append(("goodput (req/s)", row["goodput"]))
         lines.append(("requests within the SLO", f"{row['good_requests']}/{row['completed']}"))
@@ -207,6 +230,8 @@ def _get(row: dict, key):
 def print_sweep(rows: list[dict], knob: str) -> None:
     """One line per (server, rate or concurrency); latencies in ms."""
     cols = [(h, k) for h, k in SWEEP_COLS if k != "goodput" or any("goodput" in r for r in rows)]
+    if any(r.get("repeats", {}).get("runs", 1) > 1 for r in rows):  # the spread of the runs
+        cols[2:2] = [("tok/s min", ("repeats", "min")), ("tok/s med", ("repeats", "median"))]
     head = f"{'server':<14}{knob:>16}{'ok':>6}{'fail':>6}{'exact':>7}"
     print(head + "".join(f"{h:>11}" for h, _ in cols) + "   (latencies in ms)")
     for r in rows:

@@ -331,6 +331,64 @@ def test_compare_starts_pagedjax_serve_and_a_peer(stub_script, tiny_dir, tmp_pat
     assert all(r["completed"] == 4 and r["exact_lengths"] == 4 for r in res["rows"])
 
 
+def test_repeats_and_fewer_prompts_at_the_small_sweep_values(server, tiny_dir, capsys):
+    res = bench_json(
+        capsys,
+        *("--base-url", server, "--model", MODEL, "--tokenizer", tiny_dir),
+        *("--dataset-name", "random", "--random-input-len", "8", "--random-output-len", "4"),
+        *("--num-prompts", "4", "--sweep-concurrency", "1,2", "--sweep-num-prompts", "2,4"),
+        *("--repeats", "3", "--num-warmups", "0"),
+    )
+    assert [(r["max_concurrency"], r["completed"]) for r in res["rows"]] == [(1, 2), (2, 4)]
+    for row in res["rows"]:
+        assert row["failed"] == 0 and row["exact_lengths"] == row["completed"]
+        rep = row["repeats"]
+        assert rep["runs"] == 3 and len(rep["output_throughput"]) == 3
+        assert rep["min"] <= rep["median"] <= rep["max"]
+        assert row["output_throughput"] == sorted(rep["output_throughput"])[1] == rep["median"]
+
+
+def test_each_repeat_draws_its_own_prompts_of_the_same_lengths(tiny_dir):
+    from pagedjax.bench import serve
+
+    argv = ["--dataset-name", "random", "--random-input-len", "9", "--num-prompts", "3"]
+    args = serve.build_parser().parse_args([*argv, "--repeats", "2"])
+    first, second = serve.build_workloads(args, serve_workload.load_tokenizer(tiny_dir))
+    assert [r.prompt_len for r in first] == [r.prompt_len for r in second] == [9, 9, 9]
+    assert not {r.prompt for r in first} & {r.prompt for r in second}
+
+
+def test_pick_median_run_keeps_the_middle_run_and_the_spread():
+    runs = [{"output_throughput": x, "tag": i} for i, x in enumerate((3.0, 1.0, 2.0, 4.0))]
+    row = serve_metrics.pick_median_run(runs)
+    assert row["tag"] == 2  # the lower of the middle two
+    assert row["repeats"] == {
+        "runs": 4,
+        "output_throughput": [3.0, 1.0, 2.0, 4.0],
+        "min": 1.0,
+        "median": 2.5,
+        "max": 4.0,
+    }
+    with pytest.raises(ValueError, match="at least one run"):
+        serve_metrics.pick_median_run([])
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--sweep-concurrency", "1,2", "--sweep-num-prompts", "2"], "one count per sweep value"),
+        (["--sweep-num-prompts", "2"], "one count per sweep value"),
+        (["--sweep-concurrency", "1,2", "--sweep-num-prompts", "2,9"], "at most --num-prompts"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--start-pagedjax", "--no-pagedjax"], "contradict"),
+    ],
+)
+def test_bad_sweep_prompts_repeats_or_servers_fail_before_a_start(tiny_dir, capsys, flags, message):
+    argv = ["bench", "serve", "--model", tiny_dir, "--num-prompts", "4", "--disable-tqdm"]
+    assert main([*argv, *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_server_specs_and_their_flags(tiny_dir):
     s = serve_peers.ServerSettings(tiny_dir, max_model_len=512, seed=3)
     spec = serve_peers.known_spec("pagedjax", s, ["--max-num-seqs", "8"])
