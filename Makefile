@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: install demo test test-all lint clean device-check
+.PHONY: install demo test test-all lint clean device-check wheelhouse
 
 install: $(STAMP)
 
@@ -33,6 +33,20 @@ OUT ?= device_check_out
 device-check:
 	PYTHONUNBUFFERED=1 $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) \
 		benchmarks/device_check.py --out $(OUT) $(ARGS)
+
+# Wheels of what `pagedjax serve`, `pagedjax bench serve` and `transformers serve` need and the H200
+# device image lacks (or has too old), for Python 3.12 on manylinux x86-64, into wheelhouse/ (ignored
+# by git). A device run carries it (carry: ["wheelhouse"]); the device check's stage 6 installs it.
+WHEELHOUSE_PACKAGES ?= fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 \
+	annotated-types==0.8.0 typing-inspection==0.4.5 opentelemetry-api==1.45.2 uvicorn==0.54.0 \
+	httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 openai==3.57.0 jiter==0.19.0 \
+	sniffio==1.3.1 anyio==4.16.0 idna==3.20 typing-extensions==4.16.0
+WHEEL_PLATFORMS := $(foreach n,17 24 27 28 31 34 35,--platform manylinux_2_$(n)_x86_64) \
+	--platform manylinux2014_x86_64
+wheelhouse: install
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(WHEEL_PLATFORMS) -d wheelhouse $(WHEELHOUSE_PACKAGES)
+	ls wheelhouse
 
 lint: install
 	$(BIN)/ruff check .

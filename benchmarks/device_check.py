@@ -21,6 +21,12 @@ each with its own time budget (the whole run is sized for 8 minutes on one H200)
               of a device copy measured in the same run, ratio to JAX's shipped op
   5 peer      the stage-3b workload through transformers (PyTorch) on the same device, batch
               sweep, best batch size against pagedjax
+  6 serve     online serving over HTTP: ``pagedjax bench serve`` against ``pagedjax serve`` and
+              ``transformers serve --continuous-batching`` on the same GPU, one at a time, on a
+              Llama-3.2-1B-shaped random-weight model (bfloat16, built on the device, a word-level
+              tokenizer, no EOS: exact output lengths on both sides), random 256-token prompts,
+              128-token outputs, concurrency 1/16/64: output tok/s, TTFT, TPOT per concurrency and
+              the pagedjax / transformers ratios
 
 Prints one summary table at the end (and each stage's lines as it goes); writes
 ``device_check.json`` (after every stage) and ``device_check.log`` under --out.
@@ -28,13 +34,23 @@ Prints one summary table at the end (and each stage's lines as it goes); writes
     python3 benchmarks/device_check.py --out device_check_out      # on a GPU (make device-check)
     python3 benchmarks/device_check.py --toy --out /tmp/dc          # CPU: toy sizes, interpret mode
 
-No install is needed: the script puts the repository root on sys.path, so it runs on a machine's
-Python as it is (jax with CUDA, torch, transformers, flax, orbax), without network.
+No install is needed: the script puts the repository on sys.path (for a checkout that is not
+installed, through a temporary tree of links that lays out ``pagedjax.models`` and
+``pagedjax.pallas_kernels`` as an install does), so it runs on a machine's Python as it is (jax
+with CUDA, torch, transformers, flax, orbax), without network. Stage 6 also needs the HTTP
+packages, which the H200 image lacks (fastapi, starlette, pydantic, uvicorn; httpx2 for the
+client; openai for transformers serve): ``make wheelhouse`` downloads their wheels (Python 3.12,
+manylinux x86-64) into ``wheelhouse/`` (ignored by git), a device run carries it
+(``carry: ["wheelhouse"]``), and stage 6 installs them from there into a temporary directory
+(``pip install --no-index --no-deps --target``). Without them stage 6 is skipped with the names
+of what is missing; without a ``transformers`` executable (or its serving packages) it measures
+pagedjax alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import functools
@@ -44,6 +60,8 @@ import json
 import os
 import pkgutil
 import platform
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,9 +80,56 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
 for _p in (ROOT, ROOT / "benchmarks"):  # run from anywhere, nothing installed
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
+
+
+def installed_layout() -> bool:
+    """Whether ``import pagedjax.pallas_kernels`` works here as things stand: pagedjax installed
+    (pallas_kernels/ inside the package, or an editable install's finder mapping it)."""
+    import importlib.machinery
+    import importlib.util
+
+    spec = importlib.util.find_spec("pagedjax")  # a top-level spec: nothing is executed
+    if spec is None or spec.origin is None:
+        return False
+    if (Path(spec.origin).parent / "pallas_kernels").is_dir():
+        return True
+    for finder in sys.meta_path:
+        if finder is importlib.machinery.PathFinder or not hasattr(finder, "find_spec"):
+            continue
+        with contextlib.suppress(Exception):
+            if finder.find_spec("pagedjax.pallas_kernels", None) is not None:
+                return True
+    return False
+
+
+def source_tree() -> Path | None:
+    """For a checkout that is not installed: a temporary directory holding ``pagedjax/`` as an
+    install lays it out (links to each entry of pagedjax/, plus models/ and pallas_kernels/,
+    which pyproject's package-dir maps to pagedjax.models and pagedjax.pallas_kernels), put
+    first on sys.path; None when pagedjax is installed."""
+    if installed_layout():
+        return None
+    tree = Path(tempfile.mkdtemp(prefix="pagedjax-source-"))
+    atexit.register(shutil.rmtree, tree, True)  # the links only: rmtree follows none
+    (tree / "pagedjax").mkdir()
+    for child in (ROOT / "pagedjax").iterdir():
+        if child.name != "__pycache__":
+            (tree / "pagedjax" / child.name).symlink_to(child)
+    for name in ("models", "pallas_kernels"):
+        (tree / "pagedjax" / name).symlink_to(ROOT / name)
+    sys.path.insert(0, str(tree))
+    # Imported now, so that it stays the package even after a module that puts the checkout
+    # itself first on sys.path (benchmarks/paged_attention_gpu.py does).
+    importlib.import_module("pagedjax")
+    return tree
+
+
+SOURCE_TREE = source_tree()
 
 import paged_attention_gpu as decode_bench  # noqa: E402
 from pagedjax.pallas_kernels import (  # noqa: E402
@@ -114,6 +179,51 @@ TOY_LLAMA = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+# Stage 6's model: Llama-3.2-1B's shape with a 32000-word vocabulary (random weights, built on
+# the device: no weights can be downloaded there, and the word tokenizer needs none).
+SERVE_LLAMA_1B = dict(
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+)
+SERVE_TOY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeSizes:
+    """Stage 6: the workload of ``pagedjax bench serve`` and the servers' settings."""
+
+    model: dict  # transformers.LlamaConfig fields (random weights)
+    dtype: str
+    input_len: int
+    output_len: int
+    concurrency: tuple[int, ...]
+    num_prompts: tuple[int, ...]  # per concurrency: the workload's first ones
+    max_model_len: int
+    max_num_seqs: int
+    num_blocks: int  # pagedjax's pool, explicit: the same on every run, whatever memory is free
+    peers: tuple[str, ...]  # started after pagedjax, if installed
+    pagedjax_args: tuple[str, ...] = ()
+    server_timeout_s: float = 120.0  # to /health (pagedjax compiles its step programs first)
+    request_timeout_s: float = 60.0  # for each next byte: a stalled server cannot hang the stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +250,8 @@ class Sizes:
     bench_argv: tuple[str, ...]
     # stage 5
     hf_batch_sizes: tuple[int, ...]
+    # stage 6
+    serve: ServeSizes
     # seconds per stage (soft: checked between steps; a stage is stopped at 1.5x + 30 s)
     budgets: dict
 
@@ -160,6 +272,18 @@ DEVICE = Sizes(
     kv_cache_space_gib=16.0,
     bench_argv=("--batches", "8", "64", "--contexts", "2048", "16384"),
     hf_batch_sizes=(128, 64, 32),
+    serve=ServeSizes(
+        model=SERVE_LLAMA_1B,
+        dtype="bfloat16",
+        input_len=256,
+        output_len=128,
+        concurrency=(1, 16, 64),
+        num_prompts=(4, 32, 64),
+        max_model_len=512,
+        max_num_seqs=64,
+        num_blocks=2560,  # 64 sequences of 512 tokens need 2048 blocks of 16 (640 MiB in all)
+        peers=("transformers",),
+    ),
     budgets={
         "env": 15,
         "kernels": 90,
@@ -167,6 +291,7 @@ DEVICE = Sizes(
         "engine_8b": 150,
         "decode": 60,
         "peer": 75,
+        "serve": 150,
     },
 )
 TOY = Sizes(
@@ -185,6 +310,20 @@ TOY = Sizes(
     kv_cache_space_gib=0.01,
     bench_argv=("--interpret", "--small", "--batches", "3", "--skip-jax"),  # JAX op: stage 2
     hf_batch_sizes=(4,),
+    serve=ServeSizes(
+        model=SERVE_TOY,
+        dtype="float32",
+        input_len=12,
+        output_len=6,
+        concurrency=(1, 2),
+        num_prompts=(2, 4),
+        max_model_len=64,
+        max_num_seqs=4,
+        num_blocks=64,
+        peers=(),  # pagedjax alone: transformers serve takes a minute to start on this CPU
+        pagedjax_args=("--no-warmup",),
+        server_timeout_s=180.0,
+    ),
     budgets={
         "env": 60,
         "kernels": 240,
@@ -192,6 +331,7 @@ TOY = Sizes(
         "engine_8b": 240,
         "decode": 240,
         "peer": 240,
+        "serve": 240,
     },
 )
 
@@ -1070,6 +1210,237 @@ def stage_peer(ctx: Context, budget: Budget, data: dict):
     return True, summary
 
 
+# ---- stage 6: online serving over HTTP -----------------------------------------------------
+
+WHEELHOUSE = ROOT / "wheelhouse"  # `make wheelhouse`; carried to the device, never committed
+SERVE_MODULES = ("fastapi", "starlette", "pydantic", "uvicorn", "prometheus_client", "httpx2")
+PEER_MODULES = {"transformers": ("fastapi", "uvicorn", "pydantic", "openai")}  # its serve command
+SERVER_MEM_FRACTION = "0.25"  # a server's JAX share of the GPU; this process holds 0.5
+
+
+def missing_modules(names) -> list[str]:
+    import importlib.util
+
+    return [n for n in names if importlib.util.find_spec(n) is None]
+
+
+def install_wheelhouse(data: dict) -> Path | None:
+    """pip-install the carried wheels (no index, no dependencies) into a temporary directory put
+    first on sys.path; that directory, or None when there are no wheels."""
+    wheels = sorted(WHEELHOUSE.glob("*.whl"))
+    if not wheels:
+        return None
+    target = Path(tempfile.mkdtemp(prefix="pagedjax-wheels-"))
+    atexit.register(shutil.rmtree, target, True)
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps"]
+    cmd += ["--no-compile", "--no-cache-dir", "--target", str(target), *map(str, wheels)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    if done.returncode != 0:
+        raise RuntimeError(f"pip could not install {WHEELHOUSE}:\n{done.stderr[-2000:]}")
+    sys.path.insert(0, str(target))
+    importlib.invalidate_caches()
+    data["wheelhouse"] = [w.name for w in wheels]
+    say(f"  installed {len(wheels)} wheels from {WHEELHOUSE} into {target}")
+    return target
+
+
+@contextlib.contextmanager
+def server_environment(ctx: Context, wheels: Path | None):
+    """What the started servers need in their environment: this checkout and the wheels on
+    PYTHONPATH (PYTHONSAFEPATH: ``python -m pagedjax`` run from the checkout must not import
+    its uninstalled pagedjax/ first), and on a GPU a JAX share of its memory that fits beside
+    this process's."""
+    paths = [str(p) for p in (SOURCE_TREE, wheels) if p is not None]
+    env = {"PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]).strip(":")}
+    if SOURCE_TREE is not None:
+        env["PYTHONSAFEPATH"] = "1"
+    if ctx.platform == "gpu":
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = SERVER_MEM_FRACTION
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def serve_peers(ctx: Context, data: dict) -> list[str]:
+    """The peers that can start here (a NAME=COMMAND entry is a --peer command); the others
+    are recorded under ``peers_skipped`` with the reason."""
+    from pagedjax.bench.serve_peers import _find_exe
+
+    ready, skipped = [], {}
+    for peer in ctx.sizes.serve.peers:
+        if "=" in peer:
+            ready.append(peer)
+            continue
+        lacking = missing_modules(PEER_MODULES.get(peer, ()))
+        if _find_exe(peer) is None:
+            skipped[peer] = f"no {peer!r} executable beside {sys.executable} or on PATH"
+        elif lacking:
+            skipped[peer] = f"{peer} serve needs {', '.join(lacking)} (make wheelhouse; carry it)"
+        else:
+            ready.append(peer)
+    if skipped:
+        data["peers_skipped"] = skipped
+        for peer, why in skipped.items():
+            say(f"  peer {peer} skipped: {why}")
+    return ready
+
+
+def serve_common_argv(ctx: Context, model_dir: Path, scratch: Path) -> list[str]:
+    sv = ctx.sizes.serve
+    pagedjax_flags = ["--max-num-seqs", str(sv.max_num_seqs), "--num-blocks", str(sv.num_blocks)]
+    return [
+        *("--model", str(model_dir), "--dtype", sv.dtype, "--max-model-len", str(sv.max_model_len)),
+        *("--server-args", "pagedjax=" + " ".join([*pagedjax_flags, *sv.pagedjax_args])),
+        *("--dataset-name", "random", "--random-input-len", str(sv.input_len)),
+        *("--random-output-len", str(sv.output_len), "--num-prompts", str(max(sv.num_prompts))),
+        *("--sweep-concurrency", ",".join(map(str, sv.concurrency))),
+        *("--sweep-num-prompts", ",".join(map(str, sv.num_prompts))),
+        *("--num-warmups", "2", "--seed", "0", "--request-timeout", f"{sv.request_timeout_s:g}"),
+        *("--disable-tqdm", "--log-dir", str(ctx.out / "serve_logs")),
+        *("--plot", str(scratch / "sweep.png")),  # one server's; the stage draws both together
+    ]
+
+
+def run_bench_serve(argv: list[str]) -> dict:
+    from pagedjax.bench import serve
+
+    say(f"  $ pagedjax bench serve {shlex.join(argv)}")
+    return serve.execute(serve.build_parser().parse_args(argv))
+
+
+def serve_row_line(row: dict) -> str:
+    return (
+        f"  {row['server']:<14}{row['max_concurrency']:>6}{row['completed']:>6}{row['failed']:>6}"
+        f"{row['exact_lengths']:>7}{row['output_throughput']:>11.1f}"
+        f"{_f(row['ttft']['median']):>11}{_f(row['tpot']['median']):>11}"
+        f"{_f(row['e2el']['median']):>11}"
+    )
+
+
+def stage_serve(ctx: Context, budget: Budget, data: dict):
+    from pagedjax.bench import serve_metrics
+    from pagedjax.bench.serve_model import save_random_llama
+
+    sv = ctx.sizes.serve
+    if ctx.platform == "tpu":
+        raise StageSkipped("the serving comparison runs its peers on a GPU (torch), not a TPU")
+    wheels = None
+    if missing_modules(SERVE_MODULES):
+        wheels = install_wheelhouse(data)
+    lacking = missing_modules(SERVE_MODULES)
+    if lacking:
+        raise StageSkipped(
+            f"pagedjax serve / bench serve need {', '.join(lacking)}, absent here and not in "
+            f"{WHEELHOUSE}: run `make wheelhouse` on a machine with an index and carry "
+            "wheelhouse/ with the run"
+        )
+    peers = serve_peers(ctx, data)
+    scratch = Path(tempfile.mkdtemp(prefix="pagedjax-serve-"))
+    try:
+        t = time.perf_counter()
+        model_dir = save_random_llama(
+            scratch / "model", sv.model, dtype=sv.dtype, device=ctx.torch_device
+        )
+        if ctx.torch_device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+        data["model"] = f"random Llama {sv.model['hidden_size']}x{sv.model['num_hidden_layers']}"
+        data["model"] += f" (vocab {sv.model['vocab_size']}), {sv.dtype}, no EOS"
+        data["build_model_s"] = time.perf_counter() - t
+        common = serve_common_argv(ctx, model_dir, scratch)
+        known = ",".join(p for p in peers if "=" not in p)
+        compare = (["--compare", known] if known else []) + [
+            a for p in peers if "=" in p for a in ("--peer", p)
+        ]
+        data["command"] = "pagedjax bench serve " + shlex.join(
+            [*compare, *common, "--server-timeout", f"{sv.server_timeout_s:g}"]
+        )
+        results = []
+        with server_environment(ctx, wheels):
+            budget.check("pagedjax serve")
+            timeout = min(sv.server_timeout_s, max(budget.left() - 10, 10))
+            argv = [*common, "--start-pagedjax", "--server-timeout", f"{timeout:g}"]
+            results.append(run_bench_serve(argv))
+            for peer in peers:
+                if budget.left() < 30:
+                    data["partial"] = f"peer {peer} not run: the budget was spent on the others"
+                    break
+                flag = ["--peer", peer] if "=" in peer else ["--compare", peer]
+                timeout = min(sv.server_timeout_s, budget.left())
+                argv = [*common, "--no-pagedjax", *flag, "--server-timeout", f"{timeout:g}"]
+                results.append(run_bench_serve(argv))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    servers = [srv for res in results for srv in res["servers"]]
+    rows = [row for srv in servers for row in srv["rows"]]
+    data["servers"] = [
+        serve_metrics._jsonable({k: v for k, v in srv.items() if k != "rows"}) for srv in servers
+    ]
+    data["rows"] = serve_metrics._jsonable(rows)
+    say(
+        f"  {'server':<14}{'conc':>6}{'ok':>6}{'fail':>6}{'exact':>7}{'out tok/s':>11}"
+        f"{'TTFT p50':>11}{'TPOT p50':>11}{'E2E p50':>11}   (ms)"
+    )
+    for row in rows:
+        say(serve_row_line(row))
+    if rows:
+        data["plot"] = serve_metrics.plot_sweep(
+            rows, "max_concurrency", str(ctx.out / "bench_serve.png")
+        )
+    ours = {r["max_concurrency"]: r for r in rows if r["server"] == "pagedjax"}
+    data["ratios"] = [
+        {
+            "peer": r["server"],
+            "max_concurrency": c,
+            "output_throughput": ours[c]["output_throughput"] / r["output_throughput"],
+            "ttft_median": _ratio(ours[c]["ttft"]["median"], r["ttft"]["median"]),
+        }
+        for r in rows
+        if r["server"] != "pagedjax"
+        and (c := r["max_concurrency"]) in ours
+        and r["output_throughput"] > 0
+    ]
+    for q in data["ratios"]:
+        say(
+            f"  pagedjax / {q['peer']} at concurrency {q['max_concurrency']}: output tok/s "
+            f"{q['output_throughput']:.2f}x, TTFT p50 {_f(q['ttft_median'])}x"
+        )
+    started = [srv for srv in servers if "start_error" not in srv]
+    failed = [srv["server"] for srv in servers if "start_error" in srv]
+    ok = bool(rows) and not failed and all(r["failed"] == 0 for r in rows)
+    parts = [
+        f"{srv['server']} " + "/".join(f"{r['output_throughput']:.0f}" for r in srv["rows"])
+        for srv in started
+    ]
+    summary = (
+        f"out tok/s at concurrency {'/'.join(map(str, sv.concurrency))}: {'; '.join(parts)}"
+        + "".join(
+            f"; x {q['peer']} at {q['max_concurrency']}: {q['output_throughput']:.2f}"
+            for q in data["ratios"]
+        )
+        + f"; exact lengths {sum(r['exact_lengths'] for r in rows)}/"
+        f"{sum(r['completed'] for r in rows)}"
+        + (f"; did not start: {', '.join(failed)}" if failed else "")
+        + (f"; skipped: {', '.join(data['peers_skipped'])}" if "peers_skipped" in data else "")
+    )
+    summary += TOY_NOTE * ctx.interpret
+    if "partial" in data:
+        raise BudgetSpent(summary)
+    return ok, summary
+
+
+def _ratio(a, b):
+    return None if a is None or not b else a / b
+
+
 # ---- main -------------------------------------------------------------------------------------
 
 STAGES = {  # key -> (number, title, function)
@@ -1083,6 +1454,7 @@ STAGES = {  # key -> (number, title, function)
     "engine_8b": ("3b", "engine: Llama-3-8B-shaped bfloat16 throughput", stage_engine_8b),
     "decode": ("4", "decode-kernel benchmark", stage_decode),
     "peer": ("5", "transformers on the same device", stage_peer),
+    "serve": ("6", "online serving: pagedjax serve vs transformers serve", stage_serve),
 }
 
 
@@ -1091,7 +1463,7 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=Path("device_check_out"), help="JSON + log here")
     p.add_argument("--toy", action="store_true", help="toy sizes, Pallas kernels interpreted (CPU)")
     p.add_argument(
-        "--stages", default="1,2,3,4,5", help="comma-separated stage numbers or names to run"
+        "--stages", default="1,2,3,4,5,6", help="comma-separated stage numbers or names to run"
     )
     p.add_argument("--big-layers", type=int, help="layers of the 8B-shaped model (of 32)")
     p.add_argument("--num-requests", type=int, help="requests in the stage-3b/5 workload")
@@ -1101,7 +1473,7 @@ def parse_args(argv=None):
     picks = {w: [k for k, (n, _, _) in STAGES.items() if w in (k, n, n[0])] for w in wanted}
     unknown = sorted(w for w, keys in picks.items() if not keys)
     if unknown:
-        p.error(f"unknown stages {unknown}; choose numbers 1-5 (3a, 3b) or names {list(STAGES)}")
+        p.error(f"unknown stages {unknown}; choose numbers 1-6 (3a, 3b) or names {list(STAGES)}")
     args.stage_keys = [k for k in STAGES if any(k in keys for keys in picks.values())]
     return args
 

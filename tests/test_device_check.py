@@ -3,6 +3,7 @@ guarding that lets one stage fail, overrun or stop early while the next still ru
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -116,5 +117,55 @@ def test_a_failing_overrunning_or_spent_stage_is_recorded_and_the_next_runs(
 def test_stage_selection_by_number_group_or_name(dc):
     assert dc.parse_args(["--stages", "3"]).stage_keys == ["engine_tiny", "engine_8b"]
     assert dc.parse_args(["--stages", "peer,1"]).stage_keys == ["env", "peer"]
+    assert dc.parse_args(["--stages", "6"]).stage_keys == ["serve"]
     with pytest.raises(SystemExit):
         dc.parse_args(["--stages", "7"])
+
+
+@pytest.mark.slow  # about 30 s on a loaded 2-core machine: a pagedjax server starts
+def test_toy_serve_stage_measures_pagedjax_serve_and_a_peer_side_by_side(dc, tmp_path, monkeypatch):
+    """Stage 6 on CPU: the tiny random model served by ``pagedjax serve`` and by a stub
+    OpenAI-like peer (started with --peer), one after the other; an uninstalled peer is skipped
+    with its reason. Both servers' rows, the ratios and the plot land in the JSON and the log."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parents[1] / "tests" / "pagedjax"))
+    from test_bench_serve import STUB
+
+    stub = tmp_path / "stub_server.py"
+    stub.write_text(STUB)
+    peer = f"stub={sys.executable} {stub} --port {{port}} --usage"
+    serve = dataclasses.replace(dc.TOY.serve, peers=(peer, "sglang"))
+    monkeypatch.setattr(dc, "TOY", dataclasses.replace(dc.TOY, serve=serve))
+    out = tmp_path / "out"
+    ctx = dc.main(["--toy", "--stages", "6", "--out", str(out)])
+    r = ctx.results["serve"]
+    assert r.status == "PASS", f"{r.status} {r.summary}\n{r.error}"
+    data = r.data
+    assert "sglang" in data["peers_skipped"]
+    rows = {(row["server"], row["max_concurrency"]): row for row in data["rows"]}
+    assert set(rows) == {(s, c) for s in ("pagedjax", "stub") for c in serve.concurrency}
+    for (server, conc), row in rows.items():
+        n = serve.num_prompts[serve.concurrency.index(conc)]
+        assert (row["completed"], row["failed"], row["exact_lengths"]) == (n, 0, n), server
+        assert row["total_output_tokens"] == n * serve.output_len
+    assert [s["server"] for s in data["servers"]] == ["pagedjax", "stub"]
+    assert all(s["ready_s"] > 0 for s in data["servers"])
+    for q in data["ratios"]:
+        c = q["max_concurrency"]
+        want = rows["pagedjax", c]["output_throughput"] / rows["stub", c]["output_throughput"]
+        assert q["peer"] == "stub" and q["output_throughput"] == pytest.approx(want)
+    assert sorted(q["max_concurrency"] for q in data["ratios"]) == list(serve.concurrency)
+    assert data["command"].startswith("pagedjax bench serve --peer ")
+    assert (out / "bench_serve.png").stat().st_size > 0
+    assert (out / "serve_logs" / "pagedjax.log").exists()
+    stages = json.loads((out / "device_check.json").read_text())["stages"]
+    assert len(stages["serve"]["data"]["rows"]) == 2 * len(serve.concurrency)
+    assert "| 6 | serve | PASS |" in (out / "device_check.log").read_text()
+
+
+def test_serve_stage_without_its_packages_is_skipped_with_their_names(dc, tmp_path, monkeypatch):
+    monkeypatch.setattr(dc, "SERVE_MODULES", (*dc.SERVE_MODULES, "no_such_module_for_serve"))
+    monkeypatch.setattr(dc, "WHEELHOUSE", tmp_path / "no-wheels")
+    ctx = dc.main(["--toy", "--stages", "serve", "--out", str(tmp_path)])
+    r = ctx.results["serve"]
+    assert r.status == "SKIP" and "no_such_module_for_serve" in r.summary
+    assert "make wheelhouse" in r.summary
