@@ -5,7 +5,9 @@ rows (padded to 16, Triton's smallest dot). Each program walks its partition's p
 ``pages_per_block`` at a time with an online softmax and writes its normalised output with the
 running max and denominator; partitions are merged afterwards (vLLM's paged-attention v2).
 Logits AND value rows past the sequence's length (or before its sliding window) are masked: stale
-slots may hold NaN. Key blocks wholly before the window are skipped.
+slots may hold NaN. Key blocks wholly before the window are skipped. An 8-bit pool's pages are
+cast to the query's dtype (exact) and their per-token scales, loaded with the pages, multiply the
+logits' columns (K) and the probabilities (V).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ._common import (
     softmax_init,
     window_operand,
     window_start,
+    with_scale_refs,
 )
 
 # Enough programs to fill an H100/H200 (132 SMs) a few times over before splitting contexts.
@@ -42,6 +45,8 @@ def _decode_kernel(
     q_ref,  # [group_p, head_dim]: the GQA group's query heads (rows past `group` are zero)
     k_ref,  # [num_blocks, block_size, head_dim]: this KV head's pool
     v_ref,  # [num_blocks, block_size, head_dim]
+    ks_ref,  # f32[num_blocks, block_size]: K scales of an 8-bit pool (None for a float pool)
+    vs_ref,  # f32[num_blocks, block_size]: V scales
     o_ref,  # [group_p, head_dim]: normalised partial output
     m_ref,  # f32[group_p]: running max of the logits (-inf if the partition saw no key)
     l_ref,  # f32[group_p]: softmax denominator relative to m
@@ -79,10 +84,16 @@ def _decode_kernel(
         v = v_ref[ids].reshape(block_k, head_dim)
         token0 = first_token + i * block_k
         col = token0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-        s = jnp.where(seen(col, col), attention_logits(q, k, scale, soft_cap), -jnp.inf)
+        k_scale = v_scale = None
+        if ks_ref is not None:  # 8-bit pool: scale the logits' columns and the probabilities
+            k_scale = ks_ref[ids].reshape(1, block_k)
+            v_scale = jnp.where(seen(col, col), vs_ref[ids].reshape(1, block_k), 0.0)
+            v = v.astype(q.dtype)
+        s = attention_logits(q, k, scale, soft_cap, k_scale)
+        s = jnp.where(seen(col, col), s, -jnp.inf)
         row = token0 + jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
         v = jnp.where(seen(row, row), v, jnp.zeros_like(v))  # stale slots may be NaN
-        return online_softmax_step(s, v, *carry)
+        return online_softmax_step(s, v, *carry, v_scale=v_scale)
 
     m, den, acc = jax.lax.fori_loop(
         first_step, cdiv(num_tokens, block_k), step, softmax_init(rows, head_dim)
@@ -110,6 +121,8 @@ def paged_attention_gpu(
     interpret: bool = False,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size] (8-bit pool)
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [num_seqs, num_heads, head_dim]
     """Build the grid and BlockSpecs, run the kernel, merge the partitions."""
     num_seqs, num_heads, head_dim = q.shape
@@ -138,6 +151,7 @@ def paged_attention_gpu(
 
     out_dtype = q.dtype if num_splits == 1 else jnp.float32
     partial_shape = (num_splits, num_seqs, num_kv_heads, group_p)
+    quantized = k_scales is not None
     kernel = functools.partial(
         _decode_kernel,
         scale=scale,
@@ -147,8 +161,10 @@ def paged_attention_gpu(
         soft_cap=soft_cap,
     )
     pool_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim), lambda s, h, p: (h, 0, 0, 0))
+    scales_spec = pl.BlockSpec((None, num_blocks, block_size), lambda s, h, p: (h, 0, 0))
+    scales = (k_scales, v_scales) if quantized else ()
     o, m, den = pl.pallas_call(
-        kernel,
+        with_scale_refs(kernel, 6, quantized),
         grid=(num_seqs, num_kv_heads, num_splits),
         in_specs=[
             pl.BlockSpec((1,), lambda s, h, p: (s,)),
@@ -157,6 +173,7 @@ def paged_attention_gpu(
             pl.BlockSpec((None, None, group_p, head_dim), lambda s, h, p: (s, h, 0, 0)),
             pool_spec,
             pool_spec,
+            *[scales_spec for _ in scales],
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, group_p, head_dim), lambda s, h, p: (p, s, h, 0, 0)),
@@ -171,6 +188,6 @@ def paged_attention_gpu(
         compiler_params=_gpu.compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"paged_decode_bs{block_size}_ppb{pages_per_block}_g{group}",
-    )(lens, window_operand(sliding_window), block_tables, qg, k_pages, v_pages)
+    )(lens, window_operand(sliding_window), block_tables, qg, k_pages, v_pages, *scales)
     out = merge_partitions(o[..., :group, :], m[..., :group], den[..., :group])
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)

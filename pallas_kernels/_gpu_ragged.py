@@ -5,6 +5,8 @@ the GQA group's heads are the matmul rows. Keys are walked from the first token 
 bound of the tile's last row; each row sees keys ``0 ..= context_len - query_len + j``, or only
 the last ``sliding_window`` of them (key blocks before the window of the tile's first row are
 skipped). Rows are read and written with masks, so a tile never touches another sequence's rows.
+An 8-bit pool's per-token scales are loaded with its pages and multiply the logits' columns (K)
+and the probabilities (V).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ._common import (
     softmax_init,
     window_operand,
     window_start,
+    with_scale_refs,
 )
 
 
@@ -37,6 +40,8 @@ def _ragged_kernel(
     q_ref,  # [padded_tokens, group_p, head_dim]: this KV head's query heads, all rows
     k_ref,  # [num_blocks, block_size, head_dim]: this KV head's pool
     v_ref,
+    ks_ref,  # f32[num_blocks, block_size]: K scales of an 8-bit pool (None for a float pool)
+    vs_ref,  # f32[num_blocks, block_size]: V scales
     o_ref,  # [padded_tokens, group_p, head_dim]
     *,
     scale: float,
@@ -79,13 +84,19 @@ def _ragged_kernel(
         seen = (col <= q_pos) & (col < ctx)
         if windowed:
             seen &= col >= window_start(q_pos, window)
-        s = jnp.where(seen, attention_logits(q, k, scale, soft_cap), -jnp.inf)
+        k_scale = v_scale = None
+        if ks_ref is not None:  # 8-bit pool: scale the logits' columns and the probabilities
+            k_scale = ks_ref[ids].reshape(1, block_k)
+            used_col = (col < ctx) & (col >= lo) if windowed else col < ctx
+            v_scale = jnp.where(used_col, vs_ref[ids].reshape(1, block_k), 0.0)
+            v = v.astype(q.dtype)
+        s = jnp.where(seen, attention_logits(q, k, scale, soft_cap, k_scale), -jnp.inf)
         key = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
         used = key < ctx
         if windowed:
             used &= key >= lo
         v = jnp.where(used, v, jnp.zeros_like(v))  # stale slots may be NaN
-        return online_softmax_step(s, v, *carry)
+        return online_softmax_step(s, v, *carry, v_scale=v_scale)
 
     first_step = jax.lax.div(lo, block_k) if windowed else 0
     _, den, acc = jax.lax.fori_loop(
@@ -116,6 +127,8 @@ def ragged_paged_attention_gpu(
     interpret: bool = False,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size] (8-bit pool)
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]; rows owned by no sequence are unspecified
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_pages.shape
@@ -155,8 +168,10 @@ def ragged_paged_attention_gpu(
     )
     rows_spec = pl.BlockSpec((padded, None, group_p, head_dim), lambda s, h, t: (0, h, 0, 0))
     pool_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim), lambda s, h, t: (h, 0, 0, 0))
+    scales_spec = pl.BlockSpec((None, num_blocks, block_size), lambda s, h, t: (h, 0, 0))
+    scales = (k_scales, v_scales) if k_scales is not None else ()
     out = pl.pallas_call(
-        kernel,
+        with_scale_refs(kernel, 7, bool(scales)),
         grid=(num_seqs, num_kv_heads, cdiv(max_query_len, block_q)),
         in_specs=[
             pl.BlockSpec((num_seqs,), lambda s, h, t: (0,)),
@@ -166,6 +181,7 @@ def ragged_paged_attention_gpu(
             rows_spec,
             pool_spec,
             pool_spec,
+            *[scales_spec for _ in scales],
         ],
         out_specs=rows_spec,
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
@@ -180,5 +196,6 @@ def ragged_paged_attention_gpu(
         qg,
         k_pages,
         v_pages,
+        *scales,
     )
     return out[:num_tokens, :, :group].reshape(num_tokens, num_heads, head_dim)

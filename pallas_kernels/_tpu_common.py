@@ -26,8 +26,17 @@ def kv_buffers(*, pages_per_block: int, block_size: int, head_dim: int, dtype):
     return [buf, buf, pltpu.SemaphoreType.DMA((2, 2))]
 
 
-def page_copies(k_hbm, v_hbm, k_buf, v_buf, sems, *, head, page_ids, slot):
-    """Copy descriptors bringing pages ``page_ids`` (scalars) of KV head ``head`` into ``slot``.
+def scale_buffers(*, pages_per_block: int, block_size: int):
+    """Scratch of an 8-bit pool: K and V scale double buffers f32[2, 1, block_k], a block's
+    scales in one row (they multiply the logits' columns and the probabilities)."""
+    buf = pltpu.VMEM((2, 1, pages_per_block * block_size), jnp.float32)
+    return [buf, buf]
+
+
+def page_copies(k_hbm, v_hbm, k_buf, v_buf, sems, *, head, page_ids, slot, scales=None):
+    """Copy descriptors bringing pages ``page_ids`` (scalars) of KV head ``head`` into ``slot``;
+    ``scales`` (an 8-bit pool's ``(ks_hbm, vs_hbm, ks_buf, vs_buf)``) adds the pages' scales,
+    signalling the same semaphores.
 
     The same call builds the descriptors to ``start`` and, later, to ``wait`` on.
     """
@@ -41,6 +50,14 @@ def page_copies(k_hbm, v_hbm, k_buf, v_buf, sems, *, head, page_ids, slot):
         copies.append(
             pltpu.make_async_copy(v_hbm.at[head, page], v_buf.at[slot, rows], sems.at[1, slot])
         )
+        if scales is not None:
+            ks_hbm, vs_hbm, ks_buf, vs_buf = scales
+            for kv, (src, dst) in enumerate(((ks_hbm, ks_buf), (vs_hbm, vs_buf))):
+                copies.append(
+                    pltpu.make_async_copy(
+                        src.at[head, pl.ds(page, 1)], dst.at[slot, :, rows], sems.at[kv, slot]
+                    )
+                )
     return copies
 
 

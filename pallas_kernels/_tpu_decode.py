@@ -4,7 +4,9 @@ One program per (sequence, KV head, partition); the query heads of a GQA group a
 rows. Context lengths and block table are scalar-prefetched into SMEM; pages are copied from the
 HBM pool into a double-buffered VMEM tile (next block's DMAs in flight while this one computes).
 Partitions are merged afterwards. Logits AND value rows past the length (or before the sliding
-window) are masked; key blocks wholly before the window are skipped.
+window) are masked; key blocks wholly before the window are skipped. An 8-bit pool's per-token
+scales are copied with its pages (one row per block) and multiply the logits' columns (K) and the
+probabilities (V); the pages are cast to the query's dtype (exact).
 
 SMEM is small, so the batch is cut into chunks whose block table fits ``max_table_entries``, one
 ``pallas_call`` per chunk, instead of prefetching a huge table whole.
@@ -31,6 +33,7 @@ from ._common import (
     softmax_init,
     window_operand,
     window_start,
+    with_scale_refs,
 )
 
 MAX_TABLE_ENTRIES = 32768  # i32 entries of block table prefetched per call (128 KiB of SMEM)
@@ -45,6 +48,8 @@ def _decode_kernel(
     q_ref,  # [group, head_dim] (VMEM block)
     k_hbm,  # [num_kv_heads, num_blocks, block_size, head_dim] (HBM, copied by hand)
     v_hbm,
+    ks_hbm,  # f32[num_kv_heads, num_blocks, block_size]: an 8-bit pool's K scales (HBM), or None
+    vs_hbm,
     # outputs
     o_ref,  # [group, head_dim]: normalised partial output
     m_ref,  # f32[group, 1]: running max (-inf if the partition saw no key)
@@ -53,6 +58,8 @@ def _decode_kernel(
     k_buf,  # [2, block_k, head_dim]
     v_buf,
     sems,  # DMA[2 (k, v), 2 (slot)]
+    ks_buf=None,  # f32[2, 1, block_k]: an 8-bit pool's K scales (absent for a float pool)
+    vs_buf=None,
     *,
     scale: float,
     pages_per_block: int,
@@ -78,7 +85,10 @@ def _decode_kernel(
             tpu.live_page_id(table_ref, seq * table_cols + page, page, length, block_size, lo)
             for page in pages
         ]
-        return tpu.page_copies(k_hbm, v_hbm, k_buf, v_buf, sems, head=head, page_ids=ids, slot=slot)
+        scales = None if ks_hbm is None else (ks_hbm, vs_hbm, ks_buf, vs_buf)
+        return tpu.page_copies(
+            k_hbm, v_hbm, k_buf, v_buf, sems, head=head, page_ids=ids, slot=slot, scales=scales
+        )
 
     def seen(pos):
         ok = pos < length
@@ -89,11 +99,18 @@ def _decode_kernel(
     def compute(i, slot, carry):
         token0 = first_token + i * block_k
         col = token0 + jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
-        s = jnp.where(seen(col), attention_logits(q, k_buf[slot], scale, soft_cap), -jnp.inf)
-        row = token0 + jax.lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
         v = v_buf[slot]
+        k_scale = v_scale = None
+        if ks_buf is not None:  # 8-bit pool: scale the logits' columns and the probabilities
+            key = token0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+            k_scale = ks_buf[slot]  # f32[1, block_k]
+            v_scale = jnp.where(seen(key), vs_buf[slot], 0.0)  # stale scales may be NaN
+            v = v.astype(q.dtype)
+        s = attention_logits(q, k_buf[slot], scale, soft_cap, k_scale)
+        s = jnp.where(seen(col), s, -jnp.inf)
+        row = token0 + jax.lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
         v = jnp.where(seen(row), v, jnp.zeros_like(v))  # stale slots may be NaN
-        return online_softmax_step(s, v, *carry)
+        return online_softmax_step(s, v, *carry, v_scale=v_scale)
 
     m, den, acc = tpu.paged_flash_loop(
         first_step=jax.lax.div(jnp.maximum(lo - first_token, 0), block_k) if windowed else 0,
@@ -108,7 +125,19 @@ def _decode_kernel(
 
 
 def _decode_call(
-    q, k_pages, v_pages, lens, window, table, *, scale, tiling, out_dtype, interpret, soft_cap
+    q,
+    k_pages,
+    v_pages,
+    scales,  # () or an 8-bit pool's (k_scales, v_scales)
+    lens,
+    window,
+    table,
+    *,
+    scale,
+    tiling,
+    out_dtype,
+    interpret,
+    soft_cap,
 ):
     """One pallas_call over a chunk of sequences. q [chunk, Hkv, group, D], table [chunk, cols]."""
     num_seqs, num_kv_heads, group, head_dim = q.shape
@@ -128,19 +157,22 @@ def _decode_call(
     o_spec = pl.BlockSpec((None, None, None, group, head_dim), lambda s, h, p, *_: (p, s, h, 0, 0))
     ml_spec = pl.BlockSpec((None, None, None, group, 1), lambda s, h, p, *_: (p, s, h, 0, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    scratch = tpu.kv_buffers(
+        pages_per_block=tiling.pages_per_block,
+        block_size=block_size,
+        head_dim=head_dim,
+        dtype=k_pages.dtype,
+    )
+    if scales:
+        scratch += tpu.scale_buffers(pages_per_block=tiling.pages_per_block, block_size=block_size)
     return pl.pallas_call(
-        kernel,
+        with_scale_refs(kernel, 6, bool(scales)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(num_seqs, num_kv_heads, num_splits),
-            in_specs=[q_spec, any_spec, any_spec],
+            in_specs=[q_spec, any_spec, any_spec, *[any_spec for _ in scales]],
             out_specs=[o_spec, ml_spec, ml_spec],
-            scratch_shapes=tpu.kv_buffers(
-                pages_per_block=tiling.pages_per_block,
-                block_size=block_size,
-                head_dim=head_dim,
-                dtype=k_pages.dtype,
-            ),
+            scratch_shapes=scratch,
         ),
         out_shape=[
             jax.ShapeDtypeStruct((*partial_shape, head_dim), out_dtype),
@@ -150,7 +182,7 @@ def _decode_call(
         compiler_params=tpu.compiler_params(3),
         interpret=interpret,
         name=f"paged_decode_tpu_bs{block_size}_ppb{tiling.pages_per_block}_g{group}",
-    )(lens, window_operand(window), table.reshape(-1), q, k_pages, v_pages)
+    )(lens, window_operand(window), table.reshape(-1), q, k_pages, v_pages, *scales)
 
 
 def paged_attention_tpu(
@@ -167,6 +199,8 @@ def paged_attention_tpu(
     interpret=False,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size] (8-bit pool)
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
@@ -198,6 +232,7 @@ def paged_attention_tpu(
             qg[lo : lo + chunk],
             k_pages,
             v_pages,
+            () if k_scales is None else (k_scales, v_scales),
             lens[lo : lo + chunk],
             sliding_window,
             table[lo : lo + chunk],

@@ -6,6 +6,8 @@ scalar-prefetched with the lengths and ``query_start_loc``); for each it copies 
 block-table row from HBM into SMEM (the whole table is never prefetched), then walks the keys up
 to the causal bound of its last row with double-buffered page copies, masking rows of other
 sequences, keys past each row's position, and value rows past the length (stale slots may be NaN).
+An 8-bit pool's per-token scales are copied with its pages and multiply the logits' columns (K)
+and the probabilities (V).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ._common import (
     softmax_init,
     window_operand,
     window_start,
+    with_scale_refs,
 )
 
 
@@ -41,6 +44,8 @@ def _ragged_kernel(
     table_hbm,  # i32[num_seqs, table_cols] (HBM)
     k_hbm,  # [num_kv_heads, num_blocks, block_size, head_dim] (HBM)
     v_hbm,
+    ks_hbm,  # f32[num_kv_heads, num_blocks, block_size]: an 8-bit pool's K scales (HBM), or None
+    vs_hbm,
     # outputs
     o_ref,  # [group, block_q, head_dim]
     # scratch
@@ -49,6 +54,8 @@ def _ragged_kernel(
     k_buf,  # [2, block_k, head_dim]
     v_buf,
     sems,  # DMA[2 (k, v), 2 (slot)]
+    ks_buf=None,  # f32[2, 1, block_k]: an 8-bit pool's K scales (absent for a float pool)
+    vs_buf=None,
     *,
     scale: float,
     pages_per_block: int,
@@ -94,8 +101,9 @@ def _ragged_kernel(
         def fetch(i, slot):
             pages = [i * pages_per_block + j for j in range(pages_per_block)]
             ids = [tpu.live_page_id(table_smem, p, p, ctx, block_size, lo) for p in pages]
+            scales = None if ks_hbm is None else (ks_hbm, vs_hbm, ks_buf, vs_buf)
             return tpu.page_copies(
-                k_hbm, v_hbm, k_buf, v_buf, sems, head=head, page_ids=ids, slot=slot
+                k_hbm, v_hbm, k_buf, v_buf, sems, head=head, page_ids=ids, slot=slot, scales=scales
             )
 
         def compute(i, slot, carry):
@@ -103,14 +111,24 @@ def _ragged_kernel(
             seen = (col <= q_pos) & (col < ctx)
             if windowed:
                 seen &= col >= window_start(q_pos, window)
-            s = jnp.where(seen, attention_logits(q, k_buf[slot], scale, soft_cap), -jnp.inf)
+            v = v_buf[slot]
+            k_scale = v_scale = None
+            if ks_buf is not None:  # 8-bit pool: scale the logits' columns and the probabilities
+                key = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+                used = key < ctx
+                if windowed:
+                    used &= key >= lo
+                k_scale = ks_buf[slot]  # f32[1, block_k]
+                v_scale = jnp.where(used, vs_buf[slot], 0.0)  # stale scales may be NaN
+                v = v.astype(q.dtype)
+            s = attention_logits(q, k_buf[slot], scale, soft_cap, k_scale)
+            s = jnp.where(seen, s, -jnp.inf)
             key = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
             used = key < ctx
             if windowed:
                 used &= key >= lo
-            v = v_buf[slot]
             v = jnp.where(used, v, jnp.zeros_like(v))  # stale slots may be NaN
-            return online_softmax_step(s, v, *carry)
+            return online_softmax_step(s, v, *carry, v_scale=v_scale)
 
         _, den, acc = tpu.paged_flash_loop(
             first_step=jax.lax.div(lo, block_k) if windowed else 0,
@@ -141,6 +159,8 @@ def ragged_paged_attention_tpu(
     interpret=False,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size] (8-bit pool)
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]; rows owned by no sequence are zero
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
@@ -178,12 +198,14 @@ def ragged_paged_attention_tpu(
     )
     rows_spec = pl.BlockSpec((None, group, block_q, head_dim), lambda h, t, *_: (h, 0, t, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    scales = () if k_scales is None else (k_scales, v_scales)
+    scale_bufs = tpu.scale_buffers(pages_per_block=pages_per_block, block_size=block_size)
     out = pl.pallas_call(
-        kernel,
+        with_scale_refs(kernel, 8, bool(scales)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(num_kv_heads, num_tiles),
-            in_specs=[rows_spec, any_spec, any_spec, any_spec],
+            in_specs=[rows_spec, any_spec, any_spec, any_spec, *[any_spec for _ in scales]],
             out_specs=rows_spec,
             scratch_shapes=[
                 pltpu.SMEM((table_cols,), jnp.int32),
@@ -194,11 +216,12 @@ def ragged_paged_attention_tpu(
                     head_dim=head_dim,
                     dtype=k_pages.dtype,
                 ),
+                *(scale_bufs if scales else []),
             ],
         ),
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         compiler_params=tpu.compiler_params(2),
         interpret=interpret,
         name=f"paged_ragged_tpu_bs{block_size}_bq{block_q}_g{group}",
-    )(lens, qsl, first_seq, window_operand(sliding_window), qg, table, k_pages, v_pages)
+    )(lens, qsl, first_seq, window_operand(sliding_window), qg, table, k_pages, v_pages, *scales)
     return out.transpose(2, 0, 1, 3)[:num_tokens].reshape(num_tokens, num_heads, head_dim)

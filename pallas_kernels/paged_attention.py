@@ -197,8 +197,6 @@ def paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
     )
-    if k_scales is not None and backend != "reference":
-        raise ValueError(f"8-bit pools run on backend 'reference' only so far, not {backend!r}")
     if backend == "gpu":
         return paged_attention_gpu(
             q,
@@ -206,6 +204,8 @@ def paged_attention(
             v_pages,
             block_tables,
             context_lens,
+            k_scales=k_scales,
+            v_scales=v_scales,
             num_warps=num_warps,
             num_stages=num_stages,
             interpret=interpret,
@@ -218,6 +218,8 @@ def paged_attention(
             v_pages,
             block_tables,
             context_lens,
+            k_scales=k_scales,
+            v_scales=v_scales,
             interpret=tpu_interpret_params(interpret),
             **knobs,
         )

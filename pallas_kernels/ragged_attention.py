@@ -126,8 +126,7 @@ def ragged_paged_attention(
         return ragged_paged_attention_reference(
             *args, max_query_len=max_query_len, k_scales=k_scales, v_scales=v_scales, **attn
         )
-    if k_scales is not None:
-        raise ValueError(f"8-bit pools run on backend 'reference' only so far, not {backend!r}")
+    attn.update(k_scales=k_scales, v_scales=v_scales)
     if max_q == 1:
         return _decode_rows(
             *args,

@@ -189,7 +189,7 @@ def attention_params():
     """(backend, kv dtype): the references and each kernel for both dtypes; interpret-mode
     kernels beyond one dtype each are slow."""
     fast = {("reference", "int8"), ("reference", "fp8"), ("gpu", "int8"), ("tpu", "fp8")}
-    for backend in ("reference",):
+    for backend in ("reference", "gpu", "tpu"):
         for kv in KV8:
             marks = () if (backend, kv) in fast else pytest.mark.slow
             yield pytest.param(backend, kv, id=f"{backend}-{kv}", marks=marks)
@@ -391,3 +391,48 @@ def test_quantize_kv_fp8_never_overflows_to_nan():
         deq = np.asarray(q, np.float64) * np.asarray(s, np.float64)[..., None]
         assert np.isfinite(deq).all()
         np.testing.assert_allclose(np.abs(deq).max(-1), np.abs(np.asarray(x)).max(-1), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "backend", ["reference", "gpu", pytest.param("tpu", marks=pytest.mark.slow)]
+)
+def test_decode_only_ragged_batch_over_8bit_pool(request, backend):
+    """max_query_len 1 takes the decode path of the ragged entry point, scales passed along."""
+    rng = fresh_rng(request)
+    seqs = [(0, 0), (1, 1), (30, 1), (9, 1), (16, 1)]
+    c = quantize_case(rng, ragged_case(rng, seqs, pad_rows=2, **SHAPE), jnp.int8)
+    assert c.case.max_query_len == 1
+    c = poison_before_window(c, WINDOW)
+    run = attention_fn(c, "ragged", backend, soft_cap=SOFT_CAP)
+    check(c, run(c.args(), c.scales(), WINDOW), window=WINDOW, soft_cap=SOFT_CAP)
+
+
+@pytest.mark.parametrize("kv_dtype", list(KV8))
+@pytest.mark.parametrize("platform,marker", [("cuda", "triton"), ("tpu", "tpu_custom_call")])
+@pytest.mark.parametrize("layout", ["decode", "ragged"])
+def test_8bit_kernels_lower_for_device(platform, marker, layout, kv_dtype):
+    """Production-like shapes over an 8-bit pool with a window and a cap, lowered on this CPU."""
+    num_seqs, num_blocks, block_size, max_blocks = 16, 1027, 16, 515
+    num_tokens = 1 if layout == "decode" else 1021
+    sds = jax.ShapeDtypeStruct
+    pages = sds((4, num_blocks, block_size, 128), KV8[kv_dtype])
+    scales = sds((4, num_blocks, block_size), jnp.float32)
+    args = [
+        sds((num_seqs if layout == "decode" else num_tokens, 16, 128), jnp.bfloat16),
+        pages,
+        pages,
+        sds((num_seqs, max_blocks), jnp.int32),
+        sds((num_seqs,), jnp.int32),
+    ]
+    kw = dict(scale=0.1, soft_cap=50.0, backend="gpu" if platform == "cuda" else "tpu")
+    if layout == "decode":
+        op = paged_attention
+    else:
+        op, kw["max_query_len"] = ragged_paged_attention, 512
+        args.append(sds((num_seqs + 1,), jnp.int32))
+
+    def fn(w, ks, vs, *a):
+        return op(*a, sliding_window=w, k_scales=ks, v_scales=vs, **kw)
+
+    traced = jax.jit(fn).trace(sds((), jnp.int32), scales, scales, *args)
+    assert marker in traced.lower(lowering_platforms=(platform,)).as_text()
