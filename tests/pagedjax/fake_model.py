@@ -17,6 +17,7 @@ from pagedjax.models.loader import LoadedModel
 
 from pagedjax.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedjax.engine import LLMEngine
+from pagedjax.outputs import EngineStats
 
 EOS = 2
 VOCAB = 32
@@ -162,6 +163,8 @@ def fake_engine(
     preemption_mode: str = "recompute",
     seed: int = 0,
     async_scheduling: bool = True,
+    speculative_config: dict | None = None,
+    runner_factory=FakeRunner,
 ) -> LLMEngine:
     bytes_per_block = BYTES_PER_TOKEN * block_size
     config = EngineConfig(
@@ -182,6 +185,25 @@ def fake_engine(
             preemption_mode,
         ),
         async_scheduling=async_scheduling,
+        speculative_config=speculative_config,
     )
     loaded = LoadedModel(config=FAKE_CONFIG, params={}, source="fake", tokenizer_dir=None)
-    return LLMEngine(config, loaded, runner_factory=FakeRunner)
+    return LLMEngine(config, loaded, runner_factory=runner_factory)
+
+
+def idle_stats(**fields) -> EngineStats:
+    """The stats of an engine of 8 blocks that has run nothing; ``fields`` replace any of them
+    (the server's tests: a waiting request, speculation counts)."""
+    base = dict(
+        num_blocks_total=8,
+        num_blocks_used=0,
+        num_blocks_peak=0,
+        kv_slots_allocated_peak=0,
+        kv_tokens_stored_peak=0,
+        kv_utilization=0.0,
+        num_preemptions=0,
+        num_swapped_out=0,
+        prefix_cache_hit_rate=0.0,
+        num_compilations=0,
+    )
+    return EngineStats(**{**base, **fields})

@@ -16,10 +16,8 @@ from collections import Counter
 from typing import NamedTuple
 
 import numpy as np
-from fake_model import FAKE_CONFIG, VOCAB, FakeRunner, StaleSlotError, next_token, ranked_tokens
-from pagedjax.models.loader import LoadedModel
+from fake_model import VOCAB, FakeRunner, StaleSlotError, fake_engine, next_token, ranked_tokens
 
-from pagedjax.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedjax.engine import LLMEngine
 from pagedjax.utils import cdiv
 
@@ -87,37 +85,11 @@ class SpecFakeRunner(FakeRunner):
         )
 
 
-def spec_engine(
-    speculative_config: dict | None,
-    *,
-    model: str = "hash",
-    block_size: int = 8,
-    num_blocks: int = 32,
-    num_host_blocks: int = 0,
-    max_model_len: int = 64,
-    max_num_seqs: int = 8,
-    max_num_batched_tokens: int | None = None,
-    enable_prefix_caching: bool = True,
-    preemption_mode: str = "recompute",
-) -> LLMEngine:
-    bytes_per_block = 2 * 8 * 4 * block_size  # K and V, one head of 8 floats, one layer
-    config = EngineConfig(
-        model="fake",
-        cache=CacheConfig(
-            block_size,
-            num_blocks,
-            None,
-            (num_host_blocks + 0.5) * bytes_per_block / 2**30,
-            enable_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs, max_model_len, max_num_batched_tokens, True, preemption_mode
-        ),
-        speculative_config=speculative_config,
-    )
-    loaded = LoadedModel(config=FAKE_CONFIG, params={}, source="fake", tokenizer_dir=None)
+def spec_engine(speculative_config: dict | None, *, model: str = "hash", **kwargs) -> LLMEngine:
+    """fake_model.fake_engine (its keyword arguments) with speculation configured and the runner
+    that verifies proposals, on the fake ``model`` ("hash" or "induction")."""
     runner = type("Runner", (SpecFakeRunner,), {"model": model})
-    return LLMEngine(config, loaded, runner_factory=runner)
+    return fake_engine(speculative_config=speculative_config, runner_factory=runner, **kwargs)
 
 
 def check_blocks(engine: LLMEngine) -> None:

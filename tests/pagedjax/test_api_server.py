@@ -14,10 +14,11 @@ import urllib.request
 import numpy as np
 import openai
 import pytest
+from fake_model import idle_stats
 from hf_models import make_tiny_model, save_word_tokenizer
 from test_api_server_hardening import live_server
 
-from pagedjax import LLM, EngineStats, SamplingParams
+from pagedjax import LLM, SamplingParams
 from pagedjax.entrypoints.api_server import EngineLoop, QueueFull, ServerLimits, build_app
 
 KEY = "test-key"
@@ -344,19 +345,7 @@ def test_bad_requests_get_their_errors_while_others_stream(server, client):
 def test_a_full_waiting_queue_refuses():
     class _Engine:  # one request already waits
         def get_stats(self):
-            return EngineStats(
-                num_blocks_total=8,
-                num_blocks_used=0,
-                num_blocks_peak=0,
-                kv_slots_allocated_peak=0,
-                kv_tokens_stored_peak=0,
-                kv_utilization=0.0,
-                num_preemptions=0,
-                num_swapped_out=0,
-                prefix_cache_hit_rate=0.0,
-                num_compilations=0,
-                num_requests_waiting=1,
-            )
+            return idle_stats(num_requests_waiting=1)
 
         def has_unfinished_requests(self):
             return False

@@ -5,27 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from fake_model import idle_stats
 
 from pagedjax.entrypoints.cli import main
 from pagedjax.entrypoints.openai.metrics import ServerMetrics
-from pagedjax.outputs import EngineStats
 from pagedjax.spec_decode import SpecDecodingStats
-
-
-def _stats(spec):
-    return EngineStats(
-        num_blocks_total=8,
-        num_blocks_used=0,
-        num_blocks_peak=0,
-        kv_slots_allocated_peak=0,
-        kv_tokens_stored_peak=0,
-        kv_utilization=0.0,
-        num_preemptions=0,
-        num_swapped_out=0,
-        prefix_cache_hit_rate=0.0,
-        num_compilations=0,
-        spec_decoding=spec,
-    )
 
 
 def test_metrics_export_speculation_counts():
@@ -33,7 +17,7 @@ def test_metrics_export_speculation_counts():
     spec.observe(4, 3)
     spec.observe(2, 0)
     metrics = ServerMetrics()
-    metrics.publish(_stats(spec))
+    metrics.publish(idle_stats(spec_decoding=spec))
     text = metrics.render().decode()
     for line in [
         "pagedjax_spec_decode_num_drafts_total 2.0",
@@ -45,7 +29,8 @@ def test_metrics_export_speculation_counts():
         'pagedjax_spec_decode_num_accepted_tokens_per_pos_total{position="3"} 0.0',
     ]:
         assert line in text.splitlines(), line
-    metrics.publish(_stats(None))  # an engine that does not speculate exports none of them
+    # An engine that does not speculate exports none of them.
+    metrics.publish(idle_stats(spec_decoding=None))
     assert "spec_decode" not in metrics.render().decode()
 
 
