@@ -2,7 +2,7 @@
 
     pagedjax bench throughput [--model M] [--num-requests N] [--dataset FILE.json]
         [--max-prompt-len P] [--max-output-len O] [--hf-batch-sizes 8,16,32,64]
-        [--repeats R] [--json]
+        [--repeats R] [--quantization Q [--compare-quantization]] [--json]
 
 Both sides get the same prompts (token ids) and output lengths, greedy, EOS ignored so each
 request produces exactly its output length. Each side runs in a fresh process of its own, one
@@ -24,6 +24,10 @@ after the other (never both at once), so neither disturbs the other:
   order with --hf-unsorted too), after a first pass that is its cold run; then --repeats warm runs
   at the best size in all (the sweep's pass included).
 
+With ``--quantization`` (int8, fp8, int8-g64, int8-g32) the pagedjax side loads its weights so
+quantized; ``--compare-quantization`` also runs the unquantized pagedjax side first, in a process
+of its own, and reports both and their ratio (quantized / unquantized output tok/s).
+
 Reported per side: min and median of the warm runs, the cold run, output tok/s, and the useful
 FLOP/s as a fraction of the measured matmul roofline; the ratios warm (min vs min) and cold.
 """
@@ -40,6 +44,7 @@ from pathlib import Path
 
 from pagedjax.bench import emit
 from pagedjax.bench.throughput_sides import Request, synthetic_requests  # noqa: F401 (re-export)
+from pagedjax.models.quant import QUANTIZATIONS
 
 
 def _run_side(side: str, spec: dict, env: dict | None = None) -> dict:
@@ -89,6 +94,7 @@ def benchmark(args) -> dict:
         "hf_sort": [True, False] if args.hf_unsorted else [True],
         "device": args.device,
         "profile": args.profile,
+        "quantization": args.quantization,
     }
     prep = _run_side("prepare", spec)
     requests = [Request(**r) for r in prep["requests"]]
@@ -97,6 +103,10 @@ def benchmark(args) -> dict:
     out_tokens = sum(r.output_len for r in requests)
     flops = prep["workload_flops"]
     cache_env = {} if args.keep_compile_cache else {"PAGEDJAX_COMPILATION_CACHE": "0"}
+    unquantized = None
+    if args.compare_quantization:  # the float weights first, in their own process
+        unquantized = _run_side("pagedjax", {**spec, "quantization": None}, cache_env)
+        unquantized.update(_rates(unquantized, out_tokens, flops, roof))
     ours = _run_side("pagedjax", spec, cache_env)
     ours.update(_rates(ours, out_tokens, flops, roof))
     theirs = None
@@ -104,6 +114,7 @@ def benchmark(args) -> dict:
         theirs = _run_side("transformers", spec)
         theirs.update(_rates(theirs, out_tokens, flops, roof))
     ratio = (lambda k: ours[k] / theirs[k]) if theirs else (lambda k: None)
+    q_ratio = (lambda k: ours[k] / unquantized[k]) if unquantized else (lambda k: None)
     return {
         "model": spec["model"],
         "num_requests": len(requests),
@@ -119,6 +130,10 @@ def benchmark(args) -> dict:
         "transformers": theirs,
         "warm_ratio": ratio("output_tokens_per_s"),
         "cold_ratio": ratio("cold_output_tokens_per_s"),
+        "quantization": args.quantization,
+        "pagedjax_unquantized": unquantized,  # with --compare-quantization
+        "quantization_warm_ratio": q_ratio("output_tokens_per_s"),  # quantized / unquantized
+        "quantization_cold_ratio": q_ratio("cold_output_tokens_per_s"),
     }
 
 
@@ -142,7 +157,10 @@ def print_report(res: dict) -> None:
         f"{'':30}{'warm min s':>11}{'median s':>10}{'out tok/s':>11}{'of roof':>9}"
         f"{'cold s':>9}{'cold tok/s':>12}"
     )
-    sides = [("pagedjax", res["pagedjax"])]
+    q = res.get("quantization")
+    sides = [(f"pagedjax ({q})" if q else "pagedjax", res["pagedjax"])]
+    if res.get("pagedjax_unquantized"):
+        sides.insert(0, ("pagedjax (unquantized)", res["pagedjax_unquantized"]))
     if theirs:
         order = "sorted" if theirs["sorted"] else "unsorted"
         sides.append((f"transformers (batch {theirs['batch_size']}, {order})", theirs))
@@ -152,6 +170,10 @@ def print_report(res: dict) -> None:
             f"{r['output_tokens_per_s']:11.1f}{r['roofline_fraction']:9.2f}"
             f"{r['cold_s']:9.2f}{r['cold_output_tokens_per_s']:12.1f}"
         )
+    for label, r in sides:
+        print(
+            f"{label} parameters: {r['param_bytes'] / 2**20:.1f} MiB, kernels {r['kernel_dtype']}"
+        )
     p = res["pagedjax"]
     print(
         f"pagedjax cold run: {p['programs_compiled_cold']} programs compiled "
@@ -160,6 +182,11 @@ def print_report(res: dict) -> None:
     )
     if p.get("profile"):
         print_profile(p["profile"])
+    if res.get("quantization_warm_ratio") is not None:
+        print(
+            f"ratio pagedjax {q} / unquantized, output tok/s: warm "
+            f"{res['quantization_warm_ratio']:.2f}x, cold {res['quantization_cold_ratio']:.2f}x"
+        )
     if res["warm_ratio"] is not None:
         print(
             f"ratio pagedjax / transformers, output tok/s: warm {res['warm_ratio']:.2f}x, "
@@ -218,6 +245,17 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         action="store_true",
         help="one more pagedjax run with its wall time split by phase and padding per step kind",
     )
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="weight-only quantization of the pagedjax side's linear layers",
+    )
+    parser.add_argument(
+        "--compare-quantization",
+        action="store_true",
+        help="also run the unquantized pagedjax side (its own process) and report the ratio",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -232,6 +270,8 @@ def run(args) -> int:
         raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.compare_quantization and args.quantization is None:
+        raise ValueError("--compare-quantization needs --quantization (what to compare with)")
     res = benchmark(args)
     return emit(res, args.json, print_report)
 

@@ -140,6 +140,8 @@ def prepare(spec: dict) -> dict:
 
 def run_pagedjax(spec: dict, requests: list[Request]) -> dict:
     t0 = time.perf_counter()
+    import jax
+
     from pagedjax import LLM
 
     llm = LLM(
@@ -150,11 +152,15 @@ def run_pagedjax(spec: dict, requests: list[Request]) -> dict:
         max_num_seqs=spec["max_num_seqs"],
         kv_cache_space_gib=spec["kv_cache_space_gib"],
         seed=spec["seed"],
+        quantization=spec.get("quantization"),
         # Every run repeats the same prompts: with the prefix cache on, the warm runs would skip
         # most of the prefill that the peer (and the cold run) computes.
         enable_prefix_caching=False,
     )
     load_s = time.perf_counter() - t0
+    leaves = jax.tree.leaves(llm.runner.params)
+    param_bytes = sum(x.nbytes for x in leaves)
+    kernel_dtype = str(llm.runner.params["layers"]["self_attn"]["q_proj"]["kernel"].dtype)
 
     def once() -> float:
         return generate_pagedjax(llm, requests).elapsed_s
@@ -174,6 +180,9 @@ def run_pagedjax(spec: dict, requests: list[Request]) -> dict:
     llm.close()
     return {
         "load_s": load_s,
+        "quantization": spec.get("quantization"),
+        "param_bytes": param_bytes,
+        "kernel_dtype": kernel_dtype,
         "cold_s": cold,
         "warm": _timings(warm),
         "programs_compiled_cold": compiled,

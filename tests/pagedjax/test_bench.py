@@ -203,3 +203,55 @@ def test_memory_utilization_sharing_and_swap(parts, tiny, capsys):
 def test_memory_rejects_unknown_part(capsys):
     assert main(["bench", "memory", "--skip", "bogus"]) == 2
     assert "bogus" in capsys.readouterr().err
+
+
+def test_compare_quantization_runs_the_float_side_first_with_the_same_requests(monkeypatch):
+    from pagedjax.bench import throughput
+
+    calls = []
+
+    def fake_side(side, spec, env=None):
+        calls.append((side, spec.get("quantization"), spec.get("requests")))
+        if side == "prepare":
+            reqs = [{"prompt_token_ids": [5, 6], "output_len": 4}]
+            return {"requests": reqs, "workload_flops": 1e6, "matmul_flops_per_s": {"jax": 1e9}}
+        warm = 1.0 if spec["quantization"] is None else 0.5  # the quantized side twice as fast
+        return {"warm": {"min_s": warm, "median_s": warm}, "cold_s": 2 * warm}
+
+    monkeypatch.setattr(throughput, "_run_side", fake_side)
+    args = throughput.build_parser().parse_args(
+        ["--model", "m", "--skip-hf", "--quantization", "fp8", "--compare-quantization"]
+    )
+    res = throughput.benchmark(args)
+    assert [(side, q) for side, q, _ in calls] == [
+        ("prepare", "fp8"),
+        ("pagedjax", None),
+        ("pagedjax", "fp8"),
+    ]
+    assert calls[1][2] == calls[2][2] == [{"prompt_token_ids": [5, 6], "output_len": 4}]
+    assert res["quantization_warm_ratio"] == pytest.approx(2.0)
+    assert res["quantization_cold_ratio"] == pytest.approx(2.0)
+    assert res["pagedjax_unquantized"]["output_tokens_per_s"] == pytest.approx(4.0)
+
+
+@pytest.mark.slow
+def test_throughput_compares_quantized_with_unquantized_pagedjax(tiny, capsys):
+    from pagedjax.bench.throughput import print_report
+
+    argv = ["bench", "throughput", "--model", tiny, "--num-requests", "3", "--max-prompt-len"]
+    argv += ["12", "--max-output-len", "4", "--skip-hf", "--keep-compile-cache", "--repeats", "1"]
+    argv += ["--roofline-seconds", "0.1", "--quantization", "int8-g32", "--compare-quantization"]
+    res = _run_json(capsys, [*argv, "--json"])
+    ours, base = res["pagedjax"], res["pagedjax_unquantized"]
+    assert (ours["quantization"], ours["kernel_dtype"]) == ("int8-g32", "int8")
+    assert (base["quantization"], base["kernel_dtype"]) == (None, "float32")
+    assert ours["param_bytes"] < base["param_bytes"]
+    assert res["quantization_warm_ratio"] == pytest.approx(
+        ours["output_tokens_per_s"] / base["output_tokens_per_s"]
+    )
+    print_report(res)  # the table: both sides and their ratio
+    out = capsys.readouterr().out
+    assert "pagedjax (unquantized)" in out and "pagedjax (int8-g32)" in out
+    assert "ratio pagedjax int8-g32 / unquantized" in out
+    assert main(["bench", "throughput", "--model", tiny, "--compare-quantization"]) == 2
+    assert "--compare-quantization needs --quantization" in capsys.readouterr().err
