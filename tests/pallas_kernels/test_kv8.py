@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from kernel_cases import (
     PAGES_PER_BLOCK,
+    TOLERANCE,
     decode_case,
     first_key,
     fresh_rng,
@@ -210,6 +211,21 @@ def test_attention_over_8bit_pool_matches_dequantized_oracle(
     capped = attention_fn(c, layout, backend, soft_cap=SOFT_CAP)
     errs.append(check(c, capped(c.args(), c.scales(), 0), window=None, soft_cap=SOFT_CAP))
     record_error(f"kv8-{layout}-{backend}", kv_dtype, max(errs))
+
+
+@pytest.mark.parametrize(
+    "backend", ["reference", "gpu", pytest.param("tpu", marks=pytest.mark.slow)]
+)
+@pytest.mark.parametrize("layout", ["decode", "ragged"])
+def test_bfloat16_queries_over_8bit_pool(request, layout, backend):
+    """A bf16 model's queries: the kernels cast the 8-bit pages to bf16 (exact) and the scaled
+    probabilities to bf16 (as for a bf16 pool); within bf16 tolerance of the dequantized oracle."""
+    c = make_case(request, layout, "int8")
+    c = dataclasses.replace(c, case=dataclasses.replace(c.case, q=c.case.q.astype(jnp.bfloat16)))
+    out = attention_fn(c, layout, backend, soft_cap=None)(c.args(), c.scales(), 0)
+    assert out.dtype == jnp.bfloat16
+    expected = numpy_attention(c.case, window=None, soft_cap=None)
+    assert rel_err(out, expected) <= TOLERANCE["bfloat16"]
 
 
 @pytest.mark.parametrize("kv_dtype", list(KV8))
