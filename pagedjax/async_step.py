@@ -7,9 +7,10 @@ host schedules and dispatches step N+1, and only then fetches N's tokens and pos
 
 How N+1 is scheduled before N's tokens are known: once N is dispatched, each sequence that
 samples in it is *advanced*: its chunk counted as computed and a placeholder token appended, id
-``-1 - r`` for row r of N's sampler output. The scheduler then sees exactly the lengths it would
-see after N, and schedules N+1 as it would have (a decode of the placeholder at the same
-position, so a seeded row draws with the same key: ``fold_in(seed, position)``). The runner
+``-1 - r`` for row r of N's sampler output, in ``seq.token_ids`` only (its output tokens, what
+sampling rows and outputs read, are the real ones so far). The scheduler then sees exactly the
+lengths it would see after N, and schedules N+1 as it would have (a decode of the placeholder at
+the same position, so a seeded row draws with the same key: ``fold_in(seed, position)``). The runner
 replaces the placeholders on the device from N's token array (``worker/token_fill.py``). Before N
 is post-processed its advances are undone and the scheduler's own ``update_from_output`` runs on
 N's real tokens: the appends, stop checks, forks and frees are those of a synchronous step.
@@ -17,8 +18,8 @@ N's real tokens: the appends, stop checks, forks and frees are those of a synchr
 A sequence that N finishes (EOS, stop string, length) or that is aborted was already scheduled in
 N+1: its N+1 row is dropped, never appended or returned, and finishing it freed its blocks,
 the slot N+1 writes included. Device operations run in dispatch order, so a block freed after N
-and handed to another sequence in N+2 is written by N+1 first and by N+2 after: the stale write
-cannot land on the new owner's data.
+and handed to another sequence in N+2 is written by N+1 first and by N+2 after (each step takes
+the pool the one before returned, donated): the stale write cannot land on the new owner's data.
 
 Overlap applies only where it cannot change what is computed; otherwise the step is the
 synchronous one. A step is left in flight (advanced) only if every request in it is plain
@@ -27,9 +28,10 @@ repetition / frequency / presence penalties (their history would miss the pendin
 structured output (its mask follows the tokens), no prompt logprobs. The next step is scheduled
 ahead only when it cannot preempt (a free block for every running sequence), no group is swapped
 out, and neither a LongRoPE re-prefill nor a sliding window's run-ahead can take blocks; else the
-step in flight is finished first. Off
-entirely with speculative decoding and in multi-process runs (followers replay the driver's
-device operations from host arrays and cannot take the previous step's device tokens).
+step in flight is finished first. Steps are synchronous while the step profile times phases
+(``bench throughput --profile``: its split waits for the device), and overlap is off entirely
+with speculative decoding and in multi-process runs (followers replay the driver's device
+operations from host arrays and cannot take the previous step's device tokens).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class Dispatched:
     chunks: list[SeqChunk]
     num_rows: list[int]  # sampler rows per chunk
     handle: object  # the runner's StepHandle (dispatch), or its host output (execute)
+    on_device: bool  # handle is a StepHandle, to fetch
     start: float  # perf_counter at dispatch
     prefill: bool  # every chunk a prompt chunk (timed for the preemption cost model)
     advanced: list[tuple[SeqChunk, bool]] = dataclasses.field(default_factory=list)
@@ -101,7 +104,7 @@ class StepLoop:
             self.pending = None
             self.num_overlapped += cur is not None
             self._finish(prev)
-        defer = cur is not None and self.enabled and self._may_defer(cur)
+        defer = cur is not None and cur.on_device and self._may_defer(cur)
         if cur is not None and not defer:
             self._finish(cur)
         e.block_manager.record_usage()
@@ -146,7 +149,8 @@ class StepLoop:
 
     def _dispatch(self, chunks: list[SeqChunk], prev: Dispatched | None):
         """Start the chunks of requests whose sampling rows build; None if none runs. With
-        overlap the runner dispatches without waiting, else it runs ``execute`` as ever."""
+        overlap the runner dispatches without waiting, else it runs ``execute`` as ever (also
+        while the step profile times phases: its split needs the device waited for)."""
         e = self.engine
         sched, ran, num_top = [], [], 0
         for c in chunks:
@@ -168,19 +172,20 @@ class StepLoop:
         seqs, ran = [sched[i] for i in keep], [ran[i] for i in keep]
         prefill = all(c.num_tokens - len(c.spec_token_ids) > 1 for c in ran)
         start = time.perf_counter()
-        if self.enabled:
+        on_device = self.enabled and (prev is not None or not e.profile.enabled)
+        if on_device:
             fill = prev is not None and any(s.token_ids[-1] < 0 for s in seqs)
             prev_tokens = prev.handle.tokens if fill else None
             handle = e.runner.dispatch(seqs, num_top, prev_tokens=prev_tokens)
         else:
             handle = e.runner.execute(seqs, num_top)
-        return Dispatched(ran, [len(s.samples) for s in seqs], handle, start, prefill)
+        return Dispatched(ran, [len(s.samples) for s in seqs], handle, on_device, start, prefill)
 
     def _finish(self, d: Dispatched) -> None:
         """Fetch a step's tokens and post-process them: appends, stops, frees (its outputs are
         made by the step() that calls this)."""
         e = self.engine
-        result = e.runner.fetch(d.handle) if self.enabled else d.handle
+        result = e.runner.fetch(d.handle) if d.on_device else d.handle
         if d.prefill:
             tokens = sum(c.num_tokens for c in d.chunks)
             e.scheduler.cost_model.observe_prefill(time.perf_counter() - d.start, tokens)
@@ -251,8 +256,8 @@ class StepLoop:
                 continue
             c.seq.num_computed_tokens += c.num_tokens
             bm.mark_blocks_computed(c.seq)
-            if n:
-                c.seq.append_token_id(placeholder(row))
+            if n:  # in the tokens the scheduler and the step read, not yet in the output
+                c.seq.token_ids.append(placeholder(row))
             d.advanced.append((c, bool(n)))
             row += n
 
@@ -261,6 +266,5 @@ class StepLoop:
         for c, has_placeholder in d.advanced:
             c.seq.num_computed_tokens -= c.num_tokens
             if has_placeholder:
-                c.seq.output_token_ids.pop()
                 c.seq.token_ids.pop()
         d.advanced.clear()

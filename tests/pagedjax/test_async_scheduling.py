@@ -114,6 +114,15 @@ def test_finished_sequences_row_is_dropped_and_its_block_reused():
     assert b_prefill[0] == b and stale_block in b_prefill[1]
 
 
+def test_synchronous_while_the_profile_times_phases():
+    prompts, params = _prompts(4, seed=6, lo=3), [SamplingParams(max_tokens=6, ignore_eos=True)]
+    engine = fake_engine()
+    engine.profile.enabled = True
+    sync = run(fake_engine(async_scheduling=False), prompts, params * 4)
+    assert _tokens(run(engine, prompts, params * 4)) == _tokens(sync)
+    assert engine.get_stats().num_overlapped_steps == 0
+
+
 def test_abort_mid_run():
     prompts, params = _prompts(6, seed=3, lo=5), [SamplingParams(max_tokens=15, ignore_eos=True)]
     params = params * 6
