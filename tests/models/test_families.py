@@ -24,6 +24,7 @@ from pagedjax.models.loader import load_model
 from pagedjax.models.step_input import StepInput
 
 from pagedjax import LLM, SamplingParams
+from pagedjax.core.window import live_blocks
 from pagedjax.worker.runner import Runner, ScheduledSeq
 
 BLOCK = 8
@@ -227,20 +228,33 @@ def test_greedy_tokens_match_hf_generate(name, preempt, built):
         assert ours == hf_greedy(hf, p), f"{name} prompt len {len(p)}"
 
 
-@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow)])
-def test_mistral_window_frees_blocks_in_a_pool_smaller_than_one_sequence(mode, built):
-    """Window 8, block_size 8: a decode reads at most live_blocks(8, 1, 8) = 2 blocks. The pool
-    has 7 usable blocks (56 slots), less than one sequence of the longest prompt (40 + 32 = 72
-    tokens, 9 blocks) and far less than the batch (5 prompts, 23 blocks + 32 tokens each: 45
-    blocks), so it runs only by freeing the blocks behind the window, with preemption. The
-    tokens are still HF's."""
+@pytest.mark.parametrize(
+    "num_blocks, mode",
+    [(8, "recompute"), (64, "recompute"), pytest.param(8, "swap", marks=pytest.mark.slow)],
+)
+def test_mistral_window_frees_blocks_behind_the_window(num_blocks, mode, built):
+    """Window 8, block_size 8: a decode reads at most live_blocks(8, 1, 8) = 2 blocks.
+
+    8 blocks (7 usable, 56 slots) hold less than one sequence of the longest prompt (40 + 32 = 72
+    tokens, 9 blocks) and far less than the batch (5 prompts + 32 tokens each: 33 blocks), so it
+    runs only by freeing the blocks behind the window, with preemption. 64 blocks: nothing is
+    preempted and the peak is the step that prefills all 5 prompts (13 blocks), then 2 per
+    decoding sequence, not the 33 that keeping every block would reach. The tokens are HF's."""
     path, hf, prompts = built("mistral_window")
-    llm = LLM(str(path), block_size=BLOCK, max_model_len=128, num_blocks=8, preemption_mode=mode)
+    llm = LLM(
+        str(path), block_size=BLOCK, max_model_len=128, num_blocks=num_blocks, preemption_mode=mode
+    )
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     stats = llm.get_stats()
-    assert stats.num_blocks_total == 7 and stats.num_blocks_used == 0
-    assert stats.num_preemptions > 0 and stats.num_blocks_peak <= 7
-    assert max(len(p) for p in prompts) + 32 > 7 * BLOCK
+    assert stats.num_blocks_total == num_blocks - 1 and stats.num_blocks_used == 0
+    kept_all = sum(-(-(len(p) + 31) // BLOCK) for p in prompts)  # 33: the last step's tables
+    assert max(len(p) for p in prompts) + 32 > 7 * BLOCK and kept_all == 33
+    if num_blocks == 8:
+        assert stats.num_preemptions > 0
+    else:
+        prefill = sum(-(-len(p) // BLOCK) for p in prompts)  # 13
+        decode = len(prompts) * live_blocks(WINDOW, 1, BLOCK)  # 10
+        assert stats.num_preemptions == 0 and stats.num_blocks_peak <= max(prefill, decode) == 13
     for p, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(hf, p), f"prompt len {len(p)}"
 
