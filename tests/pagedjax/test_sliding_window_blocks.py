@@ -179,3 +179,14 @@ def test_admission_counts_the_window_not_the_length():
         check_capacity(_capacity(enable_chunked_prefill=False, token_budget=4096))
     with pytest.raises(ValueError, match="KV blocks"):  # n=3 decodes: 15 blocks > 10
         InputProcessor(_capacity()).check([1] * 3000, SamplingParams(n=3, max_tokens=10))
+
+
+def test_a_window_wider_than_the_pool_keeps_whole_tables():
+    """Window 1000 over 10 usable blocks of 16: not even one decode's window fits, so tables
+    cover whole sequences as without a window, and admission counts whole sequences."""
+    bm = BlockManager(11, 16, watermark=0.0, sliding_window=1000)
+    assert bm.max_chunk_tokens >= 2**62
+    cap = _capacity(sliding_window=1000)
+    InputProcessor(cap).check([1] * 100, SamplingParams(max_tokens=50))  # 10 blocks: fits
+    with pytest.raises(ValueError, match="KV blocks"):
+        InputProcessor(cap).check([1] * 200, SamplingParams(max_tokens=50))
