@@ -1297,6 +1297,8 @@ def serve_common_argv(ctx: Context, model_dir: Path, scratch: Path) -> list[str]
     pagedjax_flags = ["--max-num-seqs", str(sv.max_num_seqs), "--num-blocks", str(sv.num_blocks)]
     return [
         *("--model", str(model_dir), "--dtype", sv.dtype, "--max-model-len", str(sv.max_model_len)),
+        # Already without EOS; the copy (hard links) tells bench serve so, as the CPU command does.
+        *("--disable-eos-copy", str(scratch / "model-no-eos")),
         *("--server-args", "pagedjax=" + " ".join([*pagedjax_flags, *sv.pagedjax_args])),
         *("--dataset-name", "random", "--random-input-len", str(sv.input_len)),
         *("--random-output-len", str(sv.output_len), "--num-prompts", str(max(sv.num_prompts))),
