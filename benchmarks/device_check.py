@@ -1,7 +1,9 @@
 """One command that proves and times pagedjax on a GPU: run it first whenever a GPU is at hand.
 
 Stages, each guarded (a failure is recorded with its traceback and the next stage still runs) and
-each with its own time budget (the whole run is sized for 8 minutes on one H200):
+each with its own time budget (stages 1-5 are sized for 8 minutes on one H200, stage 6 for 150 s
+more: the budgets add up to the 10 minutes one device command may run, so give --budget-scale 0.8
+or split the run with --stages):
 
   1 env       jax/jaxlib/torch/transformers versions, backend, device kind, memory, the Pallas
               GPU lowerings this JAX offers (Triton; Mosaic GPU) and the ops it ships
