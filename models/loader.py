@@ -191,7 +191,7 @@ def load_model(
     if keep_q8_0:
         quantization = quant.GGUF_Q8_0
     cache_root = _cache_root(cache_dir)
-    variant = dtype if quantization is None else f"{dtype}:{quantization}"
+    variant = dtype if quantization is None else f"{dtype}:{quantization}:{quant.LAYOUT}"
     # A Q8_0 file's own scales never share an entry with a tree quantized from float weights.
     key = _cache_key(files, f"{variant}:gguf-q8_0" if keep_q8_0 else variant)
     ckpt = cache_root / "params" / key

@@ -23,14 +23,19 @@ _INIT = nn.initializers.normal(0.02)
 
 
 class _Params(nn.Module):
-    """A named group of parameters with the given shapes (stacked: leading axis = layers)."""
+    """A named group of parameters with the given shapes (stacked: leading axis = layers), and
+    the ``{name}_scale`` of each one that is quantized (models/quant.py)."""
 
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
     dtype: jnp.dtype
 
     @nn.compact
     def __call__(self) -> dict:
-        return {name: self.param(name, _INIT, shape, self.dtype) for name, shape in self.shapes}
+        out = {name: self.param(name, _INIT, shape, self.dtype) for name, shape in self.shapes}
+        for name, _ in self.shapes:
+            if self.has_variable("params", f"{name}_scale"):
+                out[f"{name}_scale"] = self.get_variable("params", f"{name}_scale")
+        return out
 
 
 class _GatedMLPParams(nn.Module):
@@ -105,11 +110,14 @@ def gated_mlp(x: jax.Array, p: dict, act) -> jax.Array:  # x: [num_tokens, hidde
     return (act(gate) * up) @ p["down_proj"]["kernel"]
 
 
-def _grouped_experts(x, top_idx, top_w, gate_w, up_w, down_w, act):
+def _grouped_experts(x, top_idx, top_w, gate_w, up_w, down_w, act, scales=None):
     """sum_k top_w[t, k] * expert_{top_idx[t, k]}(x[t]) as three grouped matmuls.
 
     x: [num_tokens, hidden]; top_idx i32 / top_w f32: [num_tokens, k]; gate_w/up_w:
     [experts, hidden, inner]; down_w: [experts, inner, hidden]. Returns f32[num_tokens, hidden].
+    ``scales``: None, or the 8-bit kernels' per-output-channel scales (gate, up: f32[experts,
+    inner]; down: f32[experts, hidden]; models/quant.py): the kernels are converted to the
+    compute dtype inside the matmul and each row's output multiplied by its expert's scales.
     """
     num_tokens, k = top_idx.shape
     experts = gate_w.shape[0]
@@ -118,8 +126,15 @@ def _grouped_experts(x, top_idx, top_w, gate_w, up_w, down_w, act):
     rows = order // k  # the token of each sorted pair
     sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)  # i32[experts]
     xs = x[rows]  # [num_tokens * k, hidden]
-    h = act(jax.lax.ragged_dot(xs, gate_w, sizes)) * jax.lax.ragged_dot(xs, up_w, sizes)
-    y = jax.lax.ragged_dot(h, down_w, sizes)  # [num_tokens * k, hidden]
+    row_expert = flat[order]  # i32[num_tokens * k]: the expert of each sorted row
+    gate_s, up_s, down_s = scales if scales is not None else (None, None, None)
+
+    def matmul(a, w, scale):  # a: [num_tokens * k, in]; w: [experts, in, out]
+        y = jax.lax.ragged_dot(a, w.astype(a.dtype), sizes)
+        return y if scale is None else y * scale[row_expert].astype(y.dtype)
+
+    h = act(matmul(xs, gate_w, gate_s)) * matmul(xs, up_w, up_s)
+    y = matmul(h, down_w, down_s)  # [num_tokens * k, hidden]
     y = y.astype(jnp.float32) * top_w.reshape(-1)[order][:, None]
     return jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[rows].add(y)
 
@@ -134,27 +149,32 @@ def moe_mlp(x: jax.Array, p: dict, config: ModelConfig, mesh: Mesh | None) -> ja
     if c.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
     ex = p["experts"]
-    weights = (ex["gate_proj"], ex["up_proj"], ex["down_proj"])
+    names = ("gate_proj", "up_proj", "down_proj")
+    weights = tuple(ex[n] for n in names)
+    scales = tuple(ex[f"{n}_scale"] for n in names) if "gate_proj_scale" in ex else ()
     if mesh is None:
-        out = _grouped_experts(x, top_idx, top_w, *weights, act)
+        out = _grouped_experts(x, top_idx, top_w, *weights, act, scales or None)
     else:
         # Each device holds a slice of EVERY expert's intermediate dimension (column-split
         # gate/up, row-split down, as the dense MLP), not whole experts: every device then does
         # an equal share of every token's work whatever the routing (no load imbalance, no
         # all-to-all token dispatch), any number of experts splits over any degree that divides
         # the intermediate size, and the layer costs one all-reduce, like a dense MLP.
-        def local(x, top_idx, top_w, gate_w, up_w, down_w):
-            part = _grouped_experts(x, top_idx, top_w, gate_w, up_w, down_w, act)
+        # Quantized: gate/up scales split like their columns, down's (per hidden) whole (a
+        # per-column factor commutes with the sum over the devices' partial rows).
+        def local(x, top_idx, top_w, gate_w, up_w, down_w, *scales):
+            part = _grouped_experts(x, top_idx, top_w, gate_w, up_w, down_w, act, scales or None)
             return jax.lax.psum(part, AXIS)
 
         col, row = P(None, None, AXIS), P(None, AXIS, None)
+        scale_specs = (P(None, AXIS), P(None, AXIS), P()) if scales else ()
         out = jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(P(), P(), P(), col, col, row),
+            in_specs=(P(), P(), P(), col, col, row, *scale_specs),
             out_specs=P(),
             check_vma=False,
-        )(x, top_idx, top_w, *weights)
+        )(x, top_idx, top_w, *weights, *scales)
     out = out.astype(x.dtype)
     if c.shared_expert_intermediate_size:
         shared = gated_mlp(x, p["shared_expert"], act)

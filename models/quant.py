@@ -13,8 +13,11 @@ next tokens, groups of 64 on 0.99 (docs/BENCHMARKS.md, "Quantization"). A GGUF Q
 kernels load straight into the "int8-g32" layout with the file's own scales (models/loader.py).
 
 What is quantized: every Dense kernel under ``layers`` (attention and a dense MLP), an untied LM
-head and OPT's embedding projections. What stays in the compute dtype: embeddings (so a tied LM
-head too), norms, biases, and a MoE family's ``moe``/``dense_mlp`` stacks (router and experts).
+head, OPT's embedding projections, and a MoE family's experts (``moe/experts/{gate,up,down}_proj``,
+[layers, experts, in, out]: always a scale per output channel, ``{name}_scale`` [layers, experts,
+out], applied after the grouped matmul; models/moe.py). What stays in the compute dtype:
+embeddings (so a tied LM head too), norms, biases, the router, Qwen2-MoE's shared expert and a
+MoE family's ``dense_mlp`` stack.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ _STORAGE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 # the kernel's inputs (else per channel).
 _TOP_LEVEL = ("layers", "lm_head", "project_in", "project_out")
 SCALE = "kernel_scale"
+LAYOUT = 2  # in the cache key of a quantized tree; bump when what is quantized changes (2: experts)
 
 
 def check(quantization: str | None) -> str | None:
@@ -63,8 +67,23 @@ def compute_dtype(params: dict):
     return params["embed_tokens"]["embedding"].dtype
 
 
+def _is_expert(path: tuple[str, ...]) -> bool:
+    return len(path) == 3 and path[:2] == ("moe", "experts")
+
+
 def _quantizable(path: tuple[str, ...]) -> bool:
-    return path[-1] == "kernel" and path[0] in _TOP_LEVEL and len(path) >= 2
+    return (path[-1] == "kernel" and path[0] in _TOP_LEVEL and len(path) >= 2) or _is_expert(path)
+
+
+def scale_path(path: tuple[str, ...]) -> tuple[str, ...]:
+    """Where a quantized kernel's scales live: ``kernel_scale`` beside a Dense kernel,
+    ``{name}_scale`` beside an expert stack."""
+    return (*path[:-1], SCALE if path[-1] == "kernel" else f"{path[-1]}_scale")
+
+
+def _method(path: tuple[str, ...], quantization: str) -> str:
+    """The experts are quantized per output channel whatever the grouping asked for."""
+    return _parse(quantization)[0] if _is_expert(path) else quantization
 
 
 def quantize_kernel(w: jax.Array, quantization: str) -> tuple[jax.Array, jax.Array]:
@@ -113,7 +132,7 @@ def quantize_params(params: dict, quantization: str | None, mesh=None) -> dict:
     if check(quantization) is None:
         return params
     flat = flatten_dict(params)
-    if any(path[-1] == SCALE for path in flat):
+    if any(path[-1].endswith("_scale") for path in flat):
         raise ValueError("parameters are already quantized")
     shardings = None
     if mesh is not None:
@@ -125,11 +144,11 @@ def quantize_params(params: dict, quantization: str | None, mesh=None) -> dict:
         if not _quantizable(path):
             out[path] = w
             continue
-        scale_path = (*path[:-1], SCALE)
-        fn = _quantizer(quantization)
+        scale = scale_path(path)
+        fn = _quantizer(_method(path, quantization))
         if shardings is not None:
-            fn = jax.jit(fn, out_shardings=(shardings[path], shardings[scale_path]))
-        out[path], out[scale_path] = fn(w)
+            fn = jax.jit(fn, out_shardings=(shardings[path], shardings[scale]))
+        out[path], out[scale] = fn(w)
     return unflatten_dict(out)
 
 
@@ -145,10 +164,10 @@ def quantized_shapes(shapes: dict, quantization: str | None) -> dict:
     for path, s in flatten_dict(shapes).items():
         if _quantizable(path):
             out[path] = jax.ShapeDtypeStruct(s.shape, storage_dtype(quantization))
-            group = _group(s.shape[-2], quantization)
+            group = _group(s.shape[-2], _method(path, quantization))
             groups = (s.shape[-2] // group,) if group else ()
             scale_shape = s.shape[:-2] + groups + s.shape[-1:]
-            out[(*path[:-1], SCALE)] = jax.ShapeDtypeStruct(scale_shape, jnp.float32)
+            out[scale_path(path)] = jax.ShapeDtypeStruct(scale_shape, jnp.float32)
         else:
             out[path] = s
     return unflatten_dict(out)

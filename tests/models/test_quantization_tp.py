@@ -25,7 +25,7 @@ WORKER = textwrap.dedent(
     from pagedjax import LLM, SamplingParams
 
     path = sys.argv[1]
-    make_tiny_model("llama_gqa", __import__("pathlib").Path(path))
+    make_tiny_model(sys.argv[4], __import__("pathlib").Path(path))
     prompts = [[5, 9, 33, 2, 71, 8], [100, 4, 7]]
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     report = {}
@@ -42,19 +42,22 @@ WORKER = textwrap.dedent(
             "k_scale_spec": str(getattr(attn["k_proj"]["kernel_scale"].sharding, "spec", None)),
             "q_dtype": str(attn["q_proj"]["kernel"].dtype),
         }
+        if "moe" in llm.runner.params:
+            experts = llm.runner.params["moe"]["experts"]
+            report[f"{method} {tp}"]["expert_dtype"] = str(experts["gate_proj"].dtype)
     print("REPORT " + json.dumps(report))
     """
 )
 
 
-def _report(tmp_path, runs: list[tuple[str, int]]) -> dict:
+def _report(tmp_path, runs: list[tuple[str, int]], model: str = "llama_gqa") -> dict:
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
         "JAX_PLATFORMS": "cpu",
     }
     result = subprocess.run(
-        [sys.executable, "-c", WORKER, str(tmp_path / "tiny"), str(ROOT), json.dumps(runs)],
+        [sys.executable, "-c", WORKER, str(tmp_path / "tiny"), str(ROOT), json.dumps(runs), model],
         env=env,
         capture_output=True,
         text=True,
@@ -87,3 +90,13 @@ def test_grouped_int8_at_tensor_parallel_4_matches_tp_1(tmp_path):
     assert report["int8-g32 4"]["q_scale_spec"] == "P(None, None, 'tp')"
     assert report["int8-g32 4"]["o_scale_spec"] == "P()"
     assert report["int8-g32 4"]["k_scale_spec"] == "P(None, None, 'tp')"  # KV heads widened to 4
+
+
+@pytest.mark.slow
+def test_int8_moe_experts_at_tensor_parallel_2_and_4_match_tp_1(tmp_path):
+    """Qwen2-MoE's int8 experts under the shard_map that splits every expert's inner dimension:
+    gate/up scales split with their columns, down's scales whole."""
+    report = _report(tmp_path, [("int8", 1), ("int8", 2), ("int8", 4)], model="qwen2_moe")
+    assert report["int8 1"]["expert_dtype"] == "int8"
+    assert report["int8 2"]["tokens"] == report["int8 1"]["tokens"]
+    assert report["int8 4"]["tokens"] == report["int8 1"]["tokens"]
