@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -539,6 +540,28 @@ def _restore(
 
 
 def _save(ckpt: Path, config: ModelConfig, params: dict) -> None:
+    """Write the cache entry. One process writes it whole under a name of its own and renames it
+    into place, so that a process converting the same model at the same time never overwrites
+    an entry that another is restoring (seen: COMPLETE present, its params gone); the first
+    finished keeps its place. A multi-process run writes the one entry together, in place."""
+    if jax.process_count() > 1:
+        _write_entry(ckpt, config, params)
+        return
+    ckpt.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=ckpt.parent, prefix=f".{ckpt.name}-"))
+    tmp.chmod(0o755)  # as a directory made by mkdir
+    try:
+        _write_entry(tmp, config, params)
+        if ckpt.exists() and not (ckpt / "COMPLETE").exists():
+            shutil.rmtree(ckpt, ignore_errors=True)  # left half-written by a run that died
+        os.rename(tmp, ckpt)  # fails when another process's whole entry is there already
+    except OSError:
+        pass  # that entry, or none (a read-only or full cache): this run's params serve it
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_entry(ckpt: Path, config: ModelConfig, params: dict) -> None:
     import orbax.checkpoint as ocp
 
     ckpt.mkdir(parents=True, exist_ok=True)

@@ -48,6 +48,23 @@ def test_second_load_comes_from_the_orbax_cache(tmp_path, tiny_dir, monkeypatch)
         np.testing.assert_array_equal(x, y)
 
 
+def test_a_cache_entry_is_never_overwritten_by_a_second_writer(tmp_path, tiny_dir):
+    """Two processes converting at once: the first whole entry stays, the second is dropped."""
+    loaded = loader.load_model(str(tiny_dir), use_cache=False)
+    ckpt = tmp_path / "params" / "entry"
+    loader._save(ckpt, loaded.config, loaded.params)
+    first = sorted(p.stat().st_mtime_ns for p in ckpt.rglob("*"))
+    loader._save(ckpt, loaded.config, loaded.params)
+    assert sorted(p.stat().st_mtime_ns for p in ckpt.rglob("*")) == first
+    assert [p.name for p in ckpt.parent.iterdir()] == ["entry"]  # no temporary left behind
+    (ckpt / "COMPLETE").unlink()  # a half-written entry is replaced
+    loader._save(ckpt, loaded.config, loaded.params)
+    assert (ckpt / "COMPLETE").exists()
+    config, params = loader._restore(ckpt, "float32", None)
+    for x, y in zip(_leaves(loaded.params), _leaves(params), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_bfloat16_params(tiny_dir):
     loaded = loader.load_model(str(tiny_dir), dtype="bfloat16", use_cache=False)
     assert {x.dtype for x in jax.tree.leaves(loaded.params)} == {np.dtype(jax.numpy.bfloat16)}
