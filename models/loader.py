@@ -180,7 +180,7 @@ def load_model(
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model file must be a .gguf file, got {str(path)!r}")
-        keep_q8_0 = not dequantize_gguf and _keeps_q8_0(path, quantization)
+        keep_q8_0 = not dequantize_gguf and _keeps_q8_0(path, quantization, _cache_root(cache_dir))
         files = [path]
         open_checkpoint = functools.partial(_open_gguf, keep_q8_0=keep_q8_0)
         tokenizer_dir, gguf_file = str(path.parent), path.name
@@ -379,15 +379,35 @@ def _gguf_kernel_types(reader, permuted: bool) -> set[str]:
     return types
 
 
-def _keeps_q8_0(path: Path, quantization: str | None) -> bool:
-    """Whether the GGUF at ``path`` loads its linear kernels as int8 with the file's scales:
-    every one of them is Q8_0 (mixed or other files dequantize) and ``quantization`` is None or
-    that layout; any other method on such a file is refused (a second rounding)."""
+def _cached_gguf_kernel_types(path: Path, cache_root: Path) -> set[str]:
+    """``_gguf_kernel_types`` of the file, kept under ``cache_root/gguf`` (keyed like the
+    parameter cache): reading a GGUF's header takes seconds (its vocabulary), and every load of
+    the file asks, a cached one too. Empty for an architecture this loader does not know."""
+    saved = cache_root / "gguf" / f"{_cache_key([path], 'kernel-types')}.json"
+    try:
+        return set(json.loads(saved.read_text()))
+    except (OSError, ValueError):
+        pass
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
     arch = reader.fields["general.architecture"].contents()
-    if arch not in _GGUF_ARCHS or _gguf_kernel_types(reader, _GGUF_ARCHS[arch][1]) != {"Q8_0"}:
+    types = _gguf_kernel_types(reader, _GGUF_ARCHS[arch][1]) if arch in _GGUF_ARCHS else set()
+    try:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=saved.parent, delete=False) as f:
+            json.dump(sorted(types), f)
+        os.replace(f.name, saved)
+    except OSError:  # a read-only or full cache: asked again next time
+        pass
+    return types
+
+
+def _keeps_q8_0(path: Path, quantization: str | None, cache_root: Path) -> bool:
+    """Whether the GGUF at ``path`` loads its linear kernels as int8 with the file's scales:
+    every one of them is Q8_0 (mixed or other files dequantize) and ``quantization`` is None or
+    that layout; any other method on such a file is refused (a second rounding)."""
+    if _cached_gguf_kernel_types(path, cache_root) != {"Q8_0"}:
         return False  # an unsupported architecture is reported by _open_gguf
     if quantization not in (None, quant.GGUF_Q8_0):
         raise ValueError(

@@ -160,6 +160,7 @@ def test_orbax_cache_round_trip_keeps_int8_apart_from_float(q8_file, kept, tmp_p
         raise AssertionError("converted again instead of restoring the cache")
 
     monkeypatch.setattr(loader, "convert", no_convert)
+    monkeypatch.setattr(gguf, "GGUFReader", no_convert)  # its kernel types are cached too
     again = loader.load_model(q8_file, cache_dir=tmp_path, quantization="int8-g32")
     floats_again = loader.load_model(q8_file, cache_dir=tmp_path, dequantize_gguf=True)
     for a, b, c in zip(*(jax.tree.leaves(x.params) for x in (kept, first, again)), strict=True):
