@@ -251,7 +251,7 @@ class Snapshot:
     kv: tuple[np.ndarray, np.ndarray] | None  # their K and V: [kv_heads, layers, n, bs, head_dim]
     host_blocks: tuple[int, ...]  # host (swap space) blocks holding data
     # Their K and V per slice of kv heads, as the runner keeps them: [heads, layers, n, bs, hd].
-    host_kv: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]
+    host_kv: dict[tuple[int, int], tuple[np.ndarray, ...]]  # per pool array (8-bit: + scales)
 
     def save(self, path) -> None:
         with open(path, "wb") as f:
@@ -306,8 +306,8 @@ def snapshot(engine: LLMEngine) -> Snapshot:
         )
     host_ids = np.nonzero(engine.block_manager.host_ref_counts)[0]
     host_kv = {
-        heads: (k[:, :, host_ids].copy(), v[:, :, host_ids].copy())
-        for heads, (k, v) in runner.kv_cache.host_pool.items()
+        heads: tuple(a[:, :, host_ids].copy() for a in arrays)
+        for heads, arrays in runner.kv_cache.host_pool.items()
     }
     return Snapshot(
         step=view.step,
@@ -344,10 +344,9 @@ def restore(engine: LLMEngine, snap: Snapshot) -> None:
             for pages, data in zip(runner.kv_cache.pages, snap.kv, strict=True)
         )
     host_ids = np.asarray(snap.host_blocks, np.int64)
-    for heads, (k, v) in snap.host_kv.items():
-        host_k, host_v = runner.kv_cache.host_blocks(heads)
-        host_k[:, :, host_ids] = k
-        host_v[:, :, host_ids] = v
+    for heads, saved in snap.host_kv.items():
+        for host, data in zip(runner.kv_cache.host_blocks(heads), saved, strict=True):
+            host[:, :, host_ids] = data
 
 
 # ---- diff --------------------------------------------------------------------------------------

@@ -182,7 +182,13 @@ TP_WORKER = textwrap.dedent(
         pool = llm.runner.kv_cache.pages
         report[tp] = {
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
-            "specs": [str(getattr(p.sharding, "spec", None)) for p in pool],
+            # each pool array's shards: [heads / tp, ...] of [heads, ...]
+            "split": [
+                len(p.addressable_shards) == tp
+                and all(s.data.shape == (p.shape[0] // tp, *p.shape[1:])
+                        for s in p.addressable_shards)
+                for p in pool
+            ],
             "swapped": llm.get_stats().num_swapped_in,
         }
     print("REPORT " + json.dumps(report))
@@ -208,6 +214,6 @@ def test_int8_kv_tensor_parallel_2_matches_tp_1(tmp_path):
     line = next(x for x in result.stdout.splitlines() if x.startswith("REPORT "))
     report = json.loads(line[len("REPORT ") :])
     assert report["2"]["tokens"] == report["1"]["tokens"]
-    # pages split by kv heads, and the scales beside them
-    assert report["2"]["specs"] == ["P('tp', None, None, None)"] * 2 + ["P('tp', None, None)"] * 2
+    # pages (2 kv heads) split by kv heads on the 2 devices, and the scales beside them
+    assert report["2"]["split"] == [True] * 4 and len(report["1"]["split"]) == 4
     assert report["2"]["swapped"] > 0  # the sharded host mirror held pages and scales
