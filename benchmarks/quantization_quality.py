@@ -8,19 +8,19 @@
    forcing (one prefill, logits at every position, pagedjax.bench.quality) and we report over
    the generated positions the top-1 agreement with the float32 model's next-token choice and
    the mean KL(float32 || quantized). Deterministic on a given machine (no sampling). Settings:
-   the engine's weight quantizations, and 8-bit KV *simulated* (K/V written into the float32
-   pool as their 8-bit values with a scale per token and KV head: an 8-bit pool is not
-   implemented).
+   the engine's weight quantizations, and its 8-bit KV caches (``kv_cache_dtype="int8"`` /
+   ``"fp8"``: float32 weights, K/V stored as int8 / float8_e4m3fn pages with a float32 scale per
+   token and KV head, and the prefill's attention reads them back from the pool).
 2. Memory, without allocating (``jax.eval_shape``): parameter bytes with float32, bfloat16, int8
    and fp8 weights (8-bit: the linear kernels plus their float32 scales; embeddings
    and norms stay in the compute dtype, bfloat16 here), and the KV blocks of 16 tokens a fixed
-   budget holds, for SmolLM2 and a Llama-3-8B-shaped config.
+   budget holds with float32, bfloat16, int8 and fp8 pools (``kv_pool_bytes_per_block``: 8-bit
+   pages plus their float32 scales), for SmolLM2 and a Llama-3-8B-shaped config.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 from pathlib import Path
 
@@ -46,6 +46,8 @@ LLAMA3_8B = {
 }
 WEIGHT_SETTINGS = ("int8", "fp8", "int8-g64", "int8-g32")  # -gN: a scale per N inputs
 BLOCK_SIZE = 16
+# (kv_cache_dtype, compute dtype): float32 and bfloat16 pools ("auto"), then the 8-bit ones
+KV_SETTINGS = (("auto", "float32"), ("auto", "bfloat16"), ("int8", None), ("fp8", None))
 
 
 def quality(model: str, total_tokens: int) -> dict:
@@ -72,46 +74,12 @@ def quality(model: str, total_tokens: int) -> dict:
         name = f"{method} weights" + ("" if "-g" in method else " (per channel)")
         report["settings"][name] = compare(ref_logits, np.concatenate(score(llm.runner)))
         del llm
-    new_runner = lambda params: Runner(ref.model_config, params, **kw)  # noqa: E731
-    for method in ("int8", "fp8"):
-        with _fake_quant_kv(method):
-            logits = score(new_runner(ref.runner.params))
-        name = f"{method} KV, per token and head (simulated)"
-        report["settings"][name] = compare(ref_logits, np.concatenate(logits))
+    for kv_cache_dtype in ("int8", "fp8"):  # the reference's float32 weights, an 8-bit pool
+        runner = Runner(ref.model_config, ref.runner.params, kv_cache_dtype=kv_cache_dtype, **kw)
+        name = f"{kv_cache_dtype} KV cache (scale per token and head)"
+        report["settings"][name] = compare(ref_logits, np.concatenate(score(runner)))
+        runner.free_device_memory()
     return report
-
-
-@contextlib.contextmanager
-def _fake_quant_kv(method: str):
-    """K and V written into the pool as their 8-bit values with a symmetric scale per token and
-    head (what an 8-bit pool with such scales would read back); the pool stays float32."""
-    import jax
-    import jax.numpy as jnp
-
-    from pagedjax import pallas_kernels
-
-    qmax = {"int8": 127.0, "fp8": 448.0}[method]
-
-    def fake(x):  # [num_tokens, num_kv_heads, head_dim]
-        xf = x.astype(jnp.float32)
-        scale = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / qmax
-        scale = jnp.where(scale > 0, scale, 1.0)
-        if method == "int8":
-            q = jnp.clip(jnp.round(xf / scale), -qmax, qmax)
-        else:
-            q = (xf / scale).astype(jnp.float8_e4m3fn).astype(jnp.float32)
-        return (q * scale).astype(x.dtype)
-
-    write_kv = pallas_kernels.write_kv
-    pallas_kernels.write_kv = lambda kp, vp, k, v, slots, **kw: write_kv(
-        kp, vp, fake(k), fake(v), slots, **kw
-    )
-    jax.clear_caches()  # the step programs traced before the patch
-    try:
-        yield
-    finally:
-        pallas_kernels.write_kv = write_kv
-        jax.clear_caches()
 
 
 def memory() -> dict:
@@ -119,6 +87,8 @@ def memory() -> dict:
     from pagedjax.models.config import ModelConfig
     from pagedjax.models.llama import kv_pool_bytes_per_block, param_shapes
     from pagedjax.models.loader import _open_gguf, default_model_path
+
+    from pagedjax.worker.kv_cache import pool_dtype
 
     smollm = _open_gguf(Path(default_model_path()))[0]  # the config only: no tensor is read
     configs = {
@@ -134,16 +104,11 @@ def memory() -> dict:
         for method in WEIGHT_SETTINGS:
             shapes = quant.quantized_shapes(param_shapes(config, "bfloat16"), method)
             params[method] = quant.param_bytes(shapes)
-        blocks = {
-            dtype: int(budget_gib * 2**30 // kv_pool_bytes_per_block(config, BLOCK_SIZE, dtype))
-            for dtype in ("float32", "bfloat16")
-        }
-        # Projected, not implemented: 8-bit K/V plus a float32 scale per token and KV head.
-        per_block_8bit = 2 * config.num_kv_heads * BLOCK_SIZE * (config.head_dim + 4)
-        per_block_8bit *= config.num_layers
-        blocks["8-bit + per-token-head f32 scales (projected)"] = int(
-            budget_gib * 2**30 // per_block_8bit
-        )
+        blocks = {}
+        for kv_cache_dtype, compute in KV_SETTINGS:
+            dtype = pool_dtype(kv_cache_dtype, compute)
+            per_block = kv_pool_bytes_per_block(config, BLOCK_SIZE, dtype)
+            blocks[str(dtype)] = int(budget_gib * 2**30 // per_block)
         out[name] = {"param_bytes": params, "kv_budget_gib": budget_gib, "kv_blocks": blocks}
     return out
 
