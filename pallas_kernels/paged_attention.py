@@ -1,10 +1,11 @@
 """Decode attention over a paged KV pool: one query token per sequence.
 
 ``paged_attention`` is the public entry point. It runs a Pallas kernel on GPU (Triton lowering,
-``_gpu_decode``) or TPU (Mosaic, ``_tpu_decode``), and ``paged_attention_reference``, the pure-jnp
-oracle, elsewhere (the engine uses it on CPU). Kernels: one program per (sequence, KV head,
-partition) with the GQA group's query heads as matmul rows, online softmax, long contexts split
-into partitions merged afterwards (vLLM's v2), logits and value rows past the length masked.
+``_gpu_decode``) or TPU (Mosaic, ``_tpu_decode``), and elsewhere (the engine on CPU) the chunked
+pure-jnp loop of ``decode_cpu``; ``paged_attention_reference`` is the oracle. Kernels: one program
+per (sequence, KV head, partition) with the GQA group's query heads as matmul rows, online
+softmax, long contexts split into partitions merged afterwards (vLLM's v2), logits and value rows
+past the length masked.
 Every path takes a sliding window and logit soft-capping (Gemma 2/3, Mistral).
 """
 
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from ._common import cap_logits, check_kv_scales, check_window_and_cap, dequantize, window_start
 from ._gpu_decode import paged_attention_gpu
 from ._tpu_decode import paged_attention_tpu
+from .decode_cpu import paged_attention_chunked
 
 BACKENDS = ("auto", "gpu", "tpu", "reference")
 
@@ -223,7 +225,8 @@ def paged_attention(
             interpret=tpu_interpret_params(interpret),
             **knobs,
         )
-    return paged_attention_reference(
+    # The engine's CPU path: the reference's numbers, in chunks up to the longest context.
+    return paged_attention_chunked(
         q,
         k_pages,
         v_pages,
