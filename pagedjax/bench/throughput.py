@@ -171,9 +171,9 @@ def print_report(res: dict) -> None:
             f"{r['cold_s']:9.2f}{r['cold_output_tokens_per_s']:12.1f}"
         )
     for label, r in sides:
-        print(
-            f"{label} parameters: {r['param_bytes'] / 2**20:.1f} MiB, kernels {r['kernel_dtype']}"
-        )
+        if "param_bytes" in r:  # the pagedjax sides
+            mib = r["param_bytes"] / 2**20
+            print(f"{label} parameters: {mib:.1f} MiB, kernels {r['kernel_dtype']}")
     p = res["pagedjax"]
     print(
         f"pagedjax cold run: {p['programs_compiled_cold']} programs compiled "

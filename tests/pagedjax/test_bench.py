@@ -80,6 +80,11 @@ def test_throughput_runs_both_sides_in_their_own_processes(tiny, capsys):
         ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
     )
     assert res["cold_ratio"] == pytest.approx(theirs["cold_s"] / ours["cold_s"])
+    from pagedjax.bench.throughput import print_report
+
+    print_report(res)  # the table with the transformers side (no parameter bytes of its own)
+    table = capsys.readouterr().out
+    assert "transformers (batch" in table and "pagedjax parameters:" in table
 
 
 def test_workload_flops_count_tokens_attention_and_head():
