@@ -1,11 +1,11 @@
 """Decode attention over a paged KV pool: one query token per sequence.
 
 ``paged_attention`` is the public entry point. It runs a Pallas kernel on GPU (Triton lowering,
-``_gpu_decode``) or TPU (Mosaic, ``_tpu_decode``), and elsewhere (the engine on CPU) the chunked
-pure-jnp loop of ``decode_cpu``; ``paged_attention_reference`` is the oracle. Kernels: one program
-per (sequence, KV head, partition) with the GQA group's query heads as matmul rows, online
-softmax, long contexts split into partitions merged afterwards (vLLM's v2), logits and value rows
-past the length masked.
+``_gpu_decode``) or TPU (Mosaic, ``_tpu_decode``); elsewhere (the engine on CPU) the pure-jnp
+``paged_attention_reference`` (the oracle) for tables of up to 256 tokens, the chunked loop of
+``decode_cpu`` for longer ones. Kernels: one program per (sequence, KV head, partition) with the
+GQA group's query heads as matmul rows, online softmax, long contexts split into partitions
+merged afterwards (vLLM's v2), logits and value rows past the length masked.
 Every path takes a sliding window and logit soft-capping (Gemma 2/3, Mistral).
 """
 
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from ._common import cap_logits, check_kv_scales, check_window_and_cap, dequantize, window_start
 from ._gpu_decode import paged_attention_gpu
 from ._tpu_decode import paged_attention_tpu
-from .decode_cpu import paged_attention_chunked
+from .decode_cpu import SINGLE_PASS_TOKENS, paged_attention_chunked
 
 BACKENDS = ("auto", "gpu", "tpu", "reference")
 
@@ -225,8 +225,10 @@ def paged_attention(
             interpret=tpu_interpret_params(interpret),
             **knobs,
         )
-    # The engine's CPU path: the reference's numbers, in chunks up to the longest context.
-    return paged_attention_chunked(
+    # The engine's CPU path: one pass over a short table (its gather stays in cache), chunks up
+    # to the longest real context over a long one (decode_cpu.py).
+    single_pass = block_tables.shape[1] * k_pages.shape[2] <= SINGLE_PASS_TOKENS
+    return (paged_attention_reference if single_pass else paged_attention_chunked)(
         q,
         k_pages,
         v_pages,

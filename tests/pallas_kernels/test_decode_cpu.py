@@ -6,6 +6,7 @@ and chunk boundaries, with windows (traced and static) that start mid-chunk and 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 from kernel_cases import HEADS, decode_case, fresh_rng, numpy_attention, rel_err
 from pagedjax.pallas_kernels import paged_attention
-from pagedjax.pallas_kernels.decode_cpu import paged_attention_chunked
+from pagedjax.pallas_kernels.decode_cpu import SINGLE_PASS_TOKENS, paged_attention_chunked
 from test_sliding_window_soft_cap import poison_before_windows
 
 LENS = [0, 1, 7, 8, 9, 16, 23, 40, 57, 64]
@@ -68,10 +69,15 @@ def test_bfloat16(request):
     check(case, out, tol=1.5e-2)
 
 
-def test_engine_decode_on_cpu_takes_the_chunked_path(request):
-    """The public entry point on the reference backend gives the chunked path's numbers."""
+def test_engine_decode_on_cpu_takes_the_chunked_path_for_long_tables(request):
+    """The public entry point on the reference backend: one pass over a table of at most
+    SINGLE_PASS_TOKENS, the chunked loop over a longer one; the oracle's numbers either way."""
     shape = dict(num_heads=4, num_kv_heads=2, block_size=8, head_dim=32, dtype=jnp.float32)
     case = decode_case(fresh_rng(request), LENS, **shape)
     fn = functools.partial(paged_attention, scale=case.scale, backend="reference")
-    check(case, fn(*case.args()))
-    assert "while[" in str(jax.make_jaxpr(fn)(*case.args())), "not the chunked loop"
+    for extra, loop in ((0, False), (SINGLE_PASS_TOKENS // 8, True)):
+        # padding columns: the null block (NaN), past every context
+        table = jnp.pad(case.block_tables, ((0, 0), (0, extra)))
+        padded = dataclasses.replace(case, block_tables=table)
+        check(padded, fn(*padded.args()))
+        assert ("while[" in str(jax.make_jaxpr(fn)(*padded.args()))) == loop
