@@ -26,7 +26,8 @@ test: install
 test-all: install
 	$(BIN)/python -m pytest -q
 
-# The GPU/TPU proof, one command (benchmarks/device_check.py; about 8 minutes on one H200): JSON and
+# The GPU/TPU proof, one command (benchmarks/device_check.py; stages 1-5 about 8 minutes on one H200,
+# the serving stage 150 s more: within one 10-minute device command use ARGS=--budget-scale 0.8): JSON and
 # log under $(OUT). Needs no install: it runs on the machine's own python3 (jax with CUDA, torch,
 # transformers, flax, orbax) or this venv's, and finds the repository itself. ARGS=--toy: CPU run.
 OUT ?= device_check_out
