@@ -95,6 +95,8 @@ def benchmark(args) -> dict:
         "device": args.device,
         "profile": args.profile,
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "async_scheduling": args.async_scheduling,
     }
     prep = _run_side("prepare", spec)
     requests = [Request(**r) for r in prep["requests"]]
@@ -173,7 +175,10 @@ def print_report(res: dict) -> None:
     for label, r in sides:
         if "param_bytes" in r:  # the pagedjax sides
             mib = r["param_bytes"] / 2**20
-            print(f"{label} parameters: {mib:.1f} MiB, kernels {r['kernel_dtype']}")
+            print(
+                f"{label} parameters: {mib:.1f} MiB, kernels {r['kernel_dtype']}; KV pool "
+                f"{r.get('kv_cache_dtype')}; {r.get('num_overlapped_steps')} steps overlapped"
+            )
     p = res["pagedjax"]
     print(
         f"pagedjax cold run: {p['programs_compiled_cold']} programs compiled "
@@ -255,6 +260,18 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--compare-quantization",
         action="store_true",
         help="also run the unquantized pagedjax side (its own process) and report the ratio",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "int8", "fp8"),
+        help="the pagedjax side's KV pool (auto: the compute dtype)",
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the pagedjax side's host/device overlap (--no-async-scheduling: synchronous steps)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser

@@ -153,6 +153,8 @@ def run_pagedjax(spec: dict, requests: list[Request]) -> dict:
         kv_cache_space_gib=spec["kv_cache_space_gib"],
         seed=spec["seed"],
         quantization=spec.get("quantization"),
+        kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
+        async_scheduling=spec.get("async_scheduling", True),
         # Every run repeats the same prompts: with the prefix cache on, the warm runs would skip
         # most of the prefill that the peer (and the cold run) computes.
         enable_prefix_caching=False,
@@ -183,6 +185,8 @@ def run_pagedjax(spec: dict, requests: list[Request]) -> dict:
         "quantization": spec.get("quantization"),
         "param_bytes": param_bytes,
         "kernel_dtype": kernel_dtype,
+        "kv_cache_dtype": stats.kv_cache_dtype,
+        "num_overlapped_steps": stats.num_overlapped_steps,
         "cold_s": cold,
         "warm": _timings(warm),
         "programs_compiled_cold": compiled,
