@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._common import cap_logits, window_start
+from ._common import cap_logits, dequantize, window_start
 
 CHUNK_TOKENS = 64  # keys per loop step (4 blocks of 16)
 # Tables up to this many tokens take the one-pass reference: there its gather stays in cache and
@@ -33,11 +33,9 @@ SINGLE_PASS_TOKENS = 256
 
 def _dequantized(pages, scales, ids):
     """Blocks ``ids`` [num_seqs, n] of a pool -> f32[num_kv_heads, num_seqs, n * bs, head_dim]."""
-    x = pages[:, ids].astype(jnp.float32)  # [kv_heads, num_seqs, n, bs, head_dim]
-    if scales is not None:
-        x = x * scales[:, ids][..., None]
-    kh, s, n, bs, d = x.shape
-    return x.reshape(kh, s, n * bs, d)
+    x = dequantize(pages[:, ids], None if scales is None else scales[:, ids])
+    kh, s, n, bs, d = x.shape  # [kv_heads, num_seqs, n, bs, head_dim]
+    return x.astype(jnp.float32).reshape(kh, s, n * bs, d)
 
 
 def paged_attention_chunked(

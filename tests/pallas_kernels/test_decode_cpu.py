@@ -81,3 +81,27 @@ def test_engine_decode_on_cpu_takes_the_chunked_path_for_long_tables(request):
         padded = dataclasses.replace(case, block_tables=table)
         check(padded, fn(*padded.args()))
         assert ("while[" in str(jax.make_jaxpr(fn)(*padded.args()))) == loop
+
+
+def _int8(pages):
+    """An int8 pool and its per-token scales for float ``pages``; stale (NaN) slots get NaN
+    scales (int8 cannot hold NaN), so a leak shows."""
+    x = np.asarray(pages, np.float32)
+    scale = np.abs(x).max(-1) / 127  # [kv_heads, num_blocks, block_size]; NaN where stale
+    q = np.where(np.isfinite(x), np.round(x / np.where(scale > 0, scale, 1)[..., None]), 0)
+    return jnp.asarray(q, jnp.int8), jnp.asarray(scale, jnp.float32)
+
+
+def test_int8_pool_matches_the_dequantized_oracle(request):
+    shape = dict(num_heads=8, num_kv_heads=2, block_size=8, head_dim=32, dtype=jnp.float32)
+    case = decode_case(fresh_rng(request), LENS, **shape)
+    (k, ks), (v, vs) = _int8(case.k_pages), _int8(case.v_pages)
+    deq = dataclasses.replace(
+        case,
+        k_pages=k.astype(jnp.float32) * ks[..., None],
+        v_pages=v.astype(jnp.float32) * vs[..., None],
+    )
+    out = jax.jit(functools.partial(paged_attention_chunked, scale=case.scale, chunk_tokens=16))(
+        case.q, k, v, case.block_tables, case.context_lens, k_scales=ks, v_scales=vs
+    )
+    check(deq, out)
