@@ -32,6 +32,8 @@ from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedjax.core.window import first_live_block, max_chunk_that_fits, shared_window
 from pagedjax.utils import cdiv
 
+WATERMARK = 0.01  # share of the pool kept free for running sequences' growth
+
 __all__ = ["AllocStatus", "BlockManager", "BlockManagerStats", "hash_block_tokens"]
 
 
@@ -50,7 +52,7 @@ class BlockManager(PrefixCacheMixin, SwapMixin, BlockPool):
         num_blocks: int,
         block_size: int,
         num_host_blocks: int = 0,
-        watermark: float = 0.01,
+        watermark: float = WATERMARK,
         enable_prefix_caching: bool = False,
         hash_fn: HashFn = hash_block_tokens,
         sliding_window: int | None = None,

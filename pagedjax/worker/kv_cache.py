@@ -11,6 +11,7 @@ import numpy as np
 
 from pagedjax import pallas_kernels
 from pagedjax.config import DEFAULT_CPU_KV_SPACE_GIB, CacheConfig, EngineConfig
+from pagedjax.core.block_manager import WATERMARK
 from pagedjax.models.config import ModelConfig
 from pagedjax.models.llama import init_kv_pool, kv_pool_bytes_per_block
 from pagedjax.models.sharding import min_over_processes
@@ -49,7 +50,7 @@ def num_device_blocks(
     return min(int(DEFAULT_CPU_KV_SPACE_GIB * 2**30 // block_bytes), useful_blocks)
 
 
-def useful_blocks(config: EngineConfig, watermark: float = 0.01) -> int:
+def useful_blocks(config: EngineConfig, watermark: float = WATERMARK) -> int:
     """Blocks that ``max_num_seqs`` sequences of ``max_model_len`` tokens (plus speculative
     lookahead slots) hold at most, with the null block and the block manager's watermark."""
     sched, block_size = config.scheduler, config.cache.block_size
