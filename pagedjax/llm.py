@@ -15,7 +15,6 @@ from pagedjax.models.loader import default_model_path, load_model
 from pagedjax.models.sharding import tensor_parallel_mesh
 from pagedjax.outputs import EngineStats, RequestOutput
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
-from pagedjax.worker import token_fill
 from pagedjax.worker.runner import Runner
 
 Prompt = str | list[int]
@@ -98,9 +97,8 @@ class LLM:
         if warmup:
             sched = config.scheduler  # groups of several sequences swap in any mode
             swap = self.engine.block_manager.num_host_blocks > 0
-            self.runner.warmup(sched.max_num_seqs, sched.token_budget, swap=swap)
-            if self.engine.steps.enabled:  # the async steps' placeholder fill
-                token_fill.warmup(self.runner, sched.max_num_seqs, sched.token_budget)
+            fill = self.engine.steps.enabled  # the async steps' placeholder fill
+            self.runner.warmup(sched.max_num_seqs, sched.token_budget, swap=swap, fill_tokens=fill)
         self._request_ids = itertools.count()
         self._driver_stats: EngineStats | None = None  # a follower's copy of the driver's
 

@@ -42,7 +42,7 @@ from pagedjax.models.step_input import StepInput
 from pagedjax.spec_decode.rejection import verify_step
 from pagedjax.step_profile import StepProfile
 from pagedjax.utils import next_pow2, powers_of_two
-from pagedjax.worker import prompt_logprobs
+from pagedjax.worker import prompt_logprobs, token_fill
 from pagedjax.worker.input_batch import (
     InputBatcher,
     ScheduledSeq,
@@ -281,6 +281,7 @@ class Runner:
         *,
         swap: bool | None = None,
         progress: bool = True,
+        fill_tokens: bool = False,
     ) -> WarmupReport:
         """Compile every program a workload within these limits can need: each model-step
         shape, the sampler for each sequence bucket with and without penalties and logit bias or
@@ -300,6 +301,8 @@ class Runner:
                         name = f"sampler s{s}" + " penalties" * pen + " constrained" * con
                         args = (s, pen, con, v)  # v: a step that can verify proposals
                         jobs.append((name + " verify" * v, lambda a=args: self._lower_sample(*a)))
+        if fill_tokens:  # async scheduling's placeholder fill (worker/token_fill.py)
+            jobs += token_fill.warmup_jobs(shapes, self._inputs)
         swap = self.num_host_blocks > 0 if swap is None else swap
         max_moves = next_pow2(min(self.num_blocks, max_num_seqs * self.max_blocks_per_seq), 8)
         lower_move = self.kv_cache.lower_block_op

@@ -4,7 +4,7 @@ A step built before the previous step's tokens reach the host carries, for each 
 id ``-1 - r``: row r of the previous step's sampler output, which is still on the device. This
 small program fills them in before the model step, so the model-step programs stay as they are.
 Its shapes: a step's token bucket x the previous step's sampler rows (a sequence bucket);
-``warmup`` compiles every pair the engine's limits allow.
+``Runner.warmup`` compiles every pair the engine's limits allow (``warmup_jobs``).
 """
 
 from __future__ import annotations
@@ -30,20 +30,18 @@ def placeholder(row: int) -> int:
     return -1 - row
 
 
-def warmup(runner, max_num_seqs: int, max_num_batched_tokens: int) -> list[str]:
-    """Compile fill_tokens for every (token bucket, sequence bucket) pair a run within these
-    limits can meet (a plain runner: one sampler row per sequence slot); counts them in
-    ``runner.num_compilations``. Returns the programs' names."""
-    from pagedjax.worker import runner as runner_module
-
-    shapes = runner.step_shapes(max_num_seqs, max_num_batched_tokens)
+def warmup_jobs(shapes, sharding) -> list[tuple[str, object]]:
+    """Runner.warmup's jobs (name, lowering thunk) for fill_tokens: every (token bucket, sequence
+    bucket) pair of the model-step ``shapes`` (a plain runner: one sampler row per sequence
+    slot), with inputs placed by ``sharding`` as the steps place them."""
     tokens = sorted({s.num_tokens for s in shapes})
     rows = sorted({s.num_seqs for s in shapes})
-    before = runner_module._compiles
-    names = []
-    for t, r in itertools.product(tokens, rows):
+
+    def lower(t: int, r: int):
         args = (np.zeros(t, np.int32), np.zeros(r, np.int32))
-        fill_tokens.lower(*jax.device_put(args, runner._inputs)).compile()
-        names.append(f"fill_tokens t{t} r{r}")
-    runner.num_compilations += runner_module._compiles - before
-    return names
+        return fill_tokens.lower(*jax.device_put(args, sharding))
+
+    return [
+        (f"fill_tokens t{t} r{r}", lambda t=t, r=r: lower(t, r))
+        for t, r in itertools.product(tokens, rows)
+    ]
