@@ -51,7 +51,7 @@ from pagedjax.sampling_params import SamplingParams
 from pagedjax.spec_decode.speculator import with_proposals
 from pagedjax.worker import kv_cache
 from pagedjax.worker.runner import ScheduledSeq
-from pagedjax.worker.token_fill import placeholder
+from pagedjax.worker.token_fill import fill_width, placeholder, widen
 
 if TYPE_CHECKING:
     from pagedjax.engine import LLMEngine
@@ -85,6 +85,9 @@ class StepLoop:
             and hasattr(runner, "dispatch")
         )
         self.pending: Dispatched | None = None  # advanced, its tokens not yet fetched
+        # Previous tokens are widened to this many rows, so the fill compiles once per token
+        # bucket (worker/token_fill.py).
+        self.fill_width = fill_width(engine.config.scheduler.max_num_seqs)
         self.num_overlapped = 0  # steps dispatched while the step before was still in flight
         self._touched: set[str] = set()  # requests whose outputs the next step() returns
 
@@ -175,7 +178,7 @@ class StepLoop:
         on_device = self.enabled and (prev is not None or not e.profile.enabled)
         if on_device:
             fill = prev is not None and any(s.token_ids[-1] < 0 for s in seqs)
-            prev_tokens = prev.handle.tokens if fill else None
+            prev_tokens = widen(prev.handle.tokens, self.fill_width) if fill else None
             handle = e.runner.dispatch(seqs, num_top, prev_tokens=prev_tokens)
         else:
             handle = e.runner.execute(seqs, num_top)

@@ -239,10 +239,12 @@ def test_llama_seeded_sampling_same_with_overlap_alone_or_batched(tiny):
 
 
 def test_nothing_compiles_after_warmup_with_overlap(tiny):
+    # 16 sequences: steps of the 8- and 16-sequence buckets follow each other, so previous
+    # tokens of 8 rows are widened to 16 before the fill (worker/token_fill.py).
     llm = _llm(
         tiny[0],
         True,
-        max_num_seqs=8,
+        max_num_seqs=16,
         max_num_batched_tokens=32,
         num_blocks=24,
         max_model_len=48,
@@ -259,3 +261,23 @@ def test_nothing_compiles_after_warmup_with_overlap(tiny):
     stats = llm.get_stats()
     assert stats.num_overlapped_steps > 0
     assert stats.num_compilations == warm, "a program compiled after warm-up"
+
+
+def test_fill_compiles_once_per_token_bucket_and_fills_from_widened_rows():
+    from pagedjax.worker.input_batch import InputBatcher
+    from pagedjax.worker.token_fill import fill_tokens, fill_width, placeholder, warmup_jobs, widen
+
+    shapes = InputBatcher(16, 2048).step_shapes(256, 2048)
+    names = [name for name, _ in warmup_jobs(shapes, None)]
+    tokens = {s.num_tokens for s in shapes}
+    seqs = {s.num_seqs for s in shapes}
+    assert fill_width(256) == max(seqs) == 256
+    # One fill per token bucket from the widest rows, one widen per narrower sequence bucket
+    # (it was one fill per pair: 9 x 6 = 54 programs).
+    assert len(names) == len(tokens) + len(seqs) - 1 == 14
+    prev = np.array([7, 8, 9, 10, 11, 12, 13, 14], np.int32)
+    wide = widen(prev, fill_width(9))
+    assert wide.shape == (16,) and np.asarray(wide)[:8].tolist() == prev.tolist()
+    assert widen(wide, 16) is wide
+    ids = np.array([3, placeholder(0), placeholder(7), 4, placeholder(2), 0, 0, 0], np.int32)
+    assert np.asarray(fill_tokens(ids, wide)).tolist() == [3, 7, 14, 4, 9, 0, 0, 0]
