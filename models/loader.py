@@ -108,6 +108,9 @@ class LoadedModel:
     source: str  # what was loaded: a directory or a .gguf file
     tokenizer_dir: str | None  # where AutoTokenizer finds the tokenizer (None: no tokenizer)
     gguf_file: str | None = None  # the GGUF file name inside tokenizer_dir, for gguf_file=
+    # The linear kernels' quantization (models/quant.py): the one asked for, or a Q8_0 GGUF's
+    # own layout ("int8-g32") when the file's int8 kernels are kept; None: compute dtype.
+    quantization: str | None = None
 
 
 def default_model_path() -> str:
@@ -212,7 +215,7 @@ def load_model(
             params = quant.quantize_params(params, quantization, mesh)
         if use_cache:
             _save(ckpt, config, params)
-    return LoadedModel(config, params, str(path), tokenizer_dir, gguf_file)
+    return LoadedModel(config, params, str(path), tokenizer_dir, gguf_file, quantization)
 
 
 def convert(

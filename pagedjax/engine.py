@@ -7,6 +7,7 @@ turns them into text and RequestOutputs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -59,6 +60,8 @@ class LLMEngine(DriverOrFollower):
         loaded = loaded or load_model(
             config.model, dtype=config.dtype, mesh=mesh, quantization=config.quantization
         )
+        if loaded.quantization is not None:  # e.g. a Q8_0 GGUF's kernels, kept in 8 bits
+            config = self.config = dataclasses.replace(config, quantization=loaded.quantization)
         self.model_config = mc = loaded.config
         if sched.max_model_len > mc.max_context_len:
             raise ValueError(

@@ -57,8 +57,11 @@ class LLM:
         per block, so more blocks fit).
         ``quantization``: "int8" or "fp8" weight-only quantization of the linear layers, a
         scale per output channel; "int8-g64" / "int8-g32": per 64 / 32 inputs of each
-        (models/quant.py). ``async_scheduling``: schedule and dispatch each step while the one
-        before runs on the device, where that cannot change results (pagedjax/async_step.py)."""
+        (models/quant.py). A GGUF whose linear kernels are all Q8_0 keeps them in 8 bits with
+        the file's scales: "int8-g32", which ``quantization`` may name (any other method is
+        refused) and ``llm.engine.config.quantization`` reports.
+        ``async_scheduling``: schedule and dispatch each step while the one before runs on the
+        device, where that cannot change results (pagedjax/async_step.py)."""
         compilation.enable_persistent_cache()  # before anything compiles, the loader included
         mesh = tensor_parallel_mesh(tensor_parallel_size)
         loaded = load_model(

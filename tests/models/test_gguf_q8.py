@@ -111,6 +111,7 @@ def test_kernels_are_int8_with_the_files_scales(q8_file, kept):
     }  # every linear kernel (the untied LM head too), nothing else
     assert flat["lm_head/kernel_scale"].shape == (HIDDEN // 32, VOCAB)
     assert flat["embed_tokens/embedding"].dtype == jnp.float32  # the embedding stays float
+    assert kept.quantization == quant.GGUF_Q8_0 == "int8-g32"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -140,6 +141,8 @@ def test_greedy_tokens_and_logits_as_the_dequantizing_path(q8_file, monkeypatch)
         llm = LLM(q8_file, num_blocks=32, block_size=8, max_model_len=64)
         kernel = llm.runner.params["layers"]["mlp"]["up_proj"]["kernel"]
         assert kernel.dtype == (jnp.int8 if keep else jnp.float32)
+        # The engine's config says what the kernels are, though LLM was given no quantization.
+        assert llm.engine.config.quantization == ("int8-g32" if keep else None)
         outs = llm.generate(prompts, greedy, use_tqdm=False)
         logits = llm.runner.forward_logits([ScheduledSeq(prompts[0], 0, [3])], all_positions=True)
         results[keep] = [list(o.outputs[0].token_ids) for o in outs], np.asarray(logits)
@@ -168,6 +171,11 @@ def test_orbax_cache_round_trip_keeps_int8_apart_from_float(q8_file, kept, tmp_p
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
     assert floats_again.params["layers"]["mlp"]["up_proj"]["kernel"].dtype == jnp.float32
+    assert (first.quantization, again.quantization, floats_again.quantization) == (
+        "int8-g32",
+        "int8-g32",
+        None,
+    )
     pairs = zip(jax.tree.leaves(floats.params), jax.tree.leaves(floats_again.params), strict=True)
     for a, b in pairs:
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
