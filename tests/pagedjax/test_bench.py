@@ -260,3 +260,27 @@ def test_throughput_compares_quantized_with_unquantized_pagedjax(tiny, capsys):
     assert "ratio pagedjax int8-g32 / unquantized" in out
     assert main(["bench", "throughput", "--model", tiny, "--compare-quantization"]) == 2
     assert "--compare-quantization needs --quantization" in capsys.readouterr().err
+
+
+def test_decode_step_breakdown_times_the_step_with_and_without_attention(tiny, tmp_path):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_step_breakdown.py"
+    spec = importlib.util.spec_from_file_location("decode_step_breakdown", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "breakdown.json"
+    argv = ["--model", tiny, "--batches", "1", "3", "--contexts", "20", "300"]
+    assert module.main([*argv, "--calls", "1", "--repeats", "1", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    # Each cell ran both variants (the script fails if the stub left the logits unchanged);
+    # 300 tokens of context take the chunked path, 20 the one-pass reference.
+    cells = [(r["batch"], r["context"]) for r in res["rows"]]
+    assert cells == [(1, 20), (3, 20), (1, 300), (3, 300)]
+    assert all(r["full_ms"] > 0 and r["no_attention_ms"] > 0 for r in res["rows"])
+    assert res["param_bytes"] > 0 and res["stream_s"] > 0
+    paged = sys.modules["pagedjax.pallas_kernels.paged_attention"]
+    assert paged.paged_attention_reference.__name__ == "paged_attention_reference"  # restored
+    assert paged.paged_attention_chunked.__name__ == "paged_attention_chunked"

@@ -1,0 +1,121 @@
+"""Where a decode step's time goes on this machine: attention against the rest, and both against
+the time to stream the parameters once (the floor for a memory-bound step).
+
+For the model (default: the embedded SmolLM2-135M), each batch size and context length, times the
+engine's own decode-step program (``runner.forward``: the model step without sampling, as the
+engine buckets it) three ways, one after the other in one process:
+
+- ``full``: as the engine runs it;
+- ``no attention``: the same program with the paged attention replaced by ``q`` itself (what is
+  left: the linear layers, norms, rope, the KV writes, the layer scan's per-layer weight slices,
+  the LM head). Its outputs are meaningless; only its time is used;
+- ``stream``: one pass over every parameter (a reduction over each, one program), the least any
+  step that reads the weights can take.
+
+Attention's share is ``1 - no_attention / full``. Median of ``--repeats`` timings of ``--calls``
+back-to-back steps each. Check the load first (``uptime``); the script prints it.
+
+    python benchmarks/decode_step_breakdown.py [--batches 1 8 64] [--contexts 100 200] \
+        [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def _timed(fn, calls: int, repeats: int) -> float:
+    """Median seconds per call over ``repeats`` runs of ``calls`` back-to-back calls."""
+    import jax
+
+    jax.block_until_ready(fn())  # compile / warm
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = fn()
+        jax.block_until_ready(out)
+        runs.append((time.perf_counter() - t0) / calls)
+    return statistics.median(runs)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M GGUF")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[100, 200])
+    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pagedjax import LLM
+    from pagedjax.worker.runner import ScheduledSeq
+
+    paged = sys.modules["pagedjax.pallas_kernels.paged_attention"]
+    print(f"load average {os.getloadavg()[0]:.2f} at the start", flush=True)
+    llm = LLM(args.model, max_model_len=max(args.contexts) + 16, max_num_seqs=max(args.batches))
+    runner, bs = llm.runner, llm.runner.block_size
+
+    leaves = jax.tree.leaves(runner.params)
+    nbytes = sum(x.nbytes for x in leaves)
+    stream = jax.jit(lambda ps: sum(jnp.sum(p.astype(jnp.float32)) for p in ps))
+    t_stream = _timed(lambda: stream(leaves), args.calls, args.repeats)
+    print(
+        f"parameters {nbytes / 1e6:.0f} MB: read once {t_stream * 1e3:.1f} ms "
+        f"({nbytes / t_stream / 1e9:.1f} GB/s)",
+        flush=True,
+    )
+
+    rows = []
+    print(f"{'batch':>5} {'context':>7} {'full ms':>8} {'no attn ms':>10} {'attn share':>10}")
+    real = paged.paged_attention_reference, paged.paged_attention_chunked
+    for ctx in args.contexts:
+        for b in args.batches:
+            nblk = -(-(ctx + 1) // bs)
+            seqs = [
+                ScheduledSeq([5], ctx, list(range(1 + i * nblk, 1 + (i + 1) * nblk)))
+                for i in range(b)
+            ]
+            if b * nblk >= runner.num_blocks:
+                print(f"{b:>5} {ctx:>7}  skipped: {b * nblk} blocks, pool {runner.num_blocks}")
+                continue
+            times, logits = {}, {}
+            for variant in ("full", "no attention"):
+                if variant == "no attention":
+                    stub = lambda q, *a, **k: q  # noqa: E731
+                    paged.paged_attention_reference = paged.paged_attention_chunked = stub
+                    jax.clear_caches()  # retrace with the stub
+                try:
+                    step = lambda s=seqs: runner.forward(s)  # noqa: E731
+                    times[variant] = _timed(step, args.calls, args.repeats)
+                    logits[variant] = np.asarray(step())
+                finally:
+                    paged.paged_attention_reference, paged.paged_attention_chunked = real
+                    jax.clear_caches()
+            if np.array_equal(logits["full"], logits["no attention"]):
+                raise RuntimeError("the attention stub did not reach the decode step")
+            full, rest = times["full"], times["no attention"]
+            row = dict(batch=b, context=ctx, full_ms=full * 1e3, no_attention_ms=rest * 1e3)
+            row["attention_share"] = share = 1 - rest / full
+            rows.append(row)
+            print(f"{b:>5} {ctx:>7} {full * 1e3:>8.1f} {rest * 1e3:>10.1f} {share:>10.2f}")
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(param_bytes=nbytes, stream_s=t_stream, rows=rows), f, indent=1)
+    llm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
