@@ -12,8 +12,12 @@ engine buckets it) three ways, one after the other in one process:
 - ``stream``: one pass over every parameter (a reduction over each, one program), the least any
   step that reads the weights can take.
 
-Attention's share is ``1 - no_attention / full``. Median of ``--repeats`` timings of ``--calls``
-back-to-back steps each. Check the load first (``uptime``); the script prints it.
+Attention's share is ``1 - no_attention / full``. Then (unless ``--no-scan-toy``) what the
+layer scan itself costs: a 30-layer stack of two matmuls (576 -> 1536 -> 576, 212 MB of float32
+weights) on one row, under ``lax.scan`` over stacked weights and as a Python loop over separate
+arrays (XLA on CPU copies each layer's slice of a stacked array before its dot). Median of
+``--repeats`` timings of ``--calls`` back-to-back calls each. Check the load first (``uptime``);
+the script prints it.
 
     python benchmarks/decode_step_breakdown.py [--batches 1 8 64] [--contexts 100 200] \
         [--json out.json]
@@ -44,6 +48,43 @@ def _timed(fn, calls: int, repeats: int) -> float:
     return statistics.median(runs)
 
 
+def scan_toy(calls: int, repeats: int, layers: int = 30, d: int = 576, f: int = 1536) -> dict:
+    """Seconds per call of a stack of ``layers`` (x + tanh(x @ a) @ b) on one row: under
+    ``lax.scan`` over stacked weights, and unrolled over separate per-layer arrays."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    w1 = jnp.asarray(0.02 * rng.standard_normal((layers, d, f), np.float32))
+    w2 = jnp.asarray(0.02 * rng.standard_normal((layers, f, d), np.float32))
+    x = jnp.asarray(rng.standard_normal((1, d), np.float32))
+
+    def layer(h, w):
+        return h + jnp.tanh(h @ w[0]) @ w[1], None
+
+    scanned = jax.jit(lambda x, w1, w2: jax.lax.scan(layer, x, (w1, w2))[0])
+    separate = [(w1[i], w2[i]) for i in range(layers)]
+
+    def unrolled(x, ws):
+        for w in ws:
+            x = layer(x, w)[0]
+        return x
+
+    unrolled = jax.jit(unrolled)
+    out = dict(
+        scan_s=_timed(lambda: scanned(x, w1, w2), calls, repeats),
+        loop_s=_timed(lambda: unrolled(x, separate), calls, repeats),
+        weight_bytes=w1.nbytes + w2.nbytes,
+    )
+    print(
+        f"layer-scan toy ({layers} layers, {out['weight_bytes'] / 1e6:.0f} MB, one row): "
+        f"scan {out['scan_s'] * 1e3:.1f} ms, loop over separate arrays {out['loop_s'] * 1e3:.1f} "
+        f"ms, ratio {out['scan_s'] / out['loop_s']:.2f}"
+    )
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M GGUF")
@@ -52,6 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-scan-toy", dest="scan_toy", action="store_false")
     args = ap.parse_args(argv)
 
     import jax
@@ -109,10 +151,13 @@ def main(argv=None) -> int:
             row["attention_share"] = share = 1 - rest / full
             rows.append(row)
             print(f"{b:>5} {ctx:>7} {full * 1e3:>8.1f} {rest * 1e3:>10.1f} {share:>10.2f}")
+    toy = scan_toy(args.calls, args.repeats) if args.scan_toy else None
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(param_bytes=nbytes, stream_s=t_stream, rows=rows), f, indent=1)
+            json.dump(
+                dict(param_bytes=nbytes, stream_s=t_stream, rows=rows, scan_toy=toy), f, indent=1
+            )
     llm.close()
     return 0
 
