@@ -588,9 +588,14 @@ def _write_entry(ckpt: Path, config: ModelConfig, params: dict) -> None:
     import orbax.checkpoint as ocp
 
     ckpt.mkdir(parents=True, exist_ok=True)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save((ckpt / "params").absolute(), params, force=True)
-        checkpointer.wait_until_finished()
+    # Uncompressed: restoring SmolLM2's 513 MB took 0.53 s against 1.12 s for the same tree
+    # zstd-compressed to 333 MB (median of 5 each, 2-core CPU); every start restores, once.
+    # Entries written compressed before restore as they are.
+    handler = ocp.PyTreeCheckpointHandler(use_compression=False)
+    with ocp.Checkpointer(handler) as checkpointer:
+        checkpointer.save(
+            (ckpt / "params").absolute(), args=ocp.args.PyTreeSave(params), force=True
+        )
     if jax.process_index() == 0:
         (ckpt / "config.json").write_text(json.dumps(config.to_dict()))
         (ckpt / "COMPLETE").touch()
