@@ -40,6 +40,11 @@ class ScheduledSeq:
     num_spec_tokens: int = 0
 
 
+def widest_seqs_bucket(max_num_seqs: int) -> int:
+    """The widest sequence bucket a step of at most ``max_num_seqs`` sequences pads to."""
+    return next_pow2(max_num_seqs, MIN_SEQS_BUCKET)
+
+
 def query_bucket(n: int) -> int:
     """Coarser buckets (powers of four from 16) for the longest query of a prefill step."""
     b = MIN_QUERY_BUCKET
@@ -155,7 +160,7 @@ class InputBatcher:
     def step_shapes(self, max_num_seqs: int, max_num_batched_tokens: int) -> list[StepShape]:
         """Every shape ``build`` can produce for batches of at most ``max_num_seqs`` sequences
         (and sample rows) and ``max_num_batched_tokens`` tokens."""
-        seq_buckets = powers_of_two(MIN_SEQS_BUCKET, next_pow2(max_num_seqs, MIN_SEQS_BUCKET))
+        seq_buckets = powers_of_two(MIN_SEQS_BUCKET, widest_seqs_bucket(max_num_seqs))
         tables: dict[int, list[int]] = {}  # block bucket -> longest tables padded to it
         for m in range(1, self.max_blocks_per_seq + 1):
             tables.setdefault(self.blocks_bucket(m), []).append(m)

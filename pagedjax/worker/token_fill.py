@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax.utils import next_pow2
-from pagedjax.worker.input_batch import MIN_SEQS_BUCKET
+from pagedjax.worker.input_batch import widest_seqs_bucket
 
 
 @jax.jit
@@ -37,7 +36,7 @@ def _widen(prev_tokens: jax.Array, width: int) -> jax.Array:
 def fill_width(max_num_seqs: int) -> int:
     """The fixed width previous tokens are widened to: the widest sequence bucket of an engine
     that runs at most ``max_num_seqs`` sequences a step (one sampler row per sequence slot)."""
-    return next_pow2(max_num_seqs, MIN_SEQS_BUCKET)
+    return widest_seqs_bucket(max_num_seqs)
 
 
 def widen(prev_tokens: jax.Array, width: int) -> jax.Array:
