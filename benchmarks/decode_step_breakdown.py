@@ -27,6 +27,7 @@ the script prints it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -47,6 +48,23 @@ def _timed(fn, calls: int, repeats: int) -> float:
         jax.block_until_ready(out)
         runs.append((time.perf_counter() - t0) / calls)
     return statistics.median(runs)
+
+
+@contextlib.contextmanager
+def _attention_stubbed():
+    """The paged attention (both CPU paths) replaced by ``q`` itself while inside; the step
+    programs are traced again on entry and on exit."""
+    import jax
+
+    paged = sys.modules["pagedjax.pallas_kernels.paged_attention"]
+    real = paged.paged_attention_reference, paged.paged_attention_chunked
+    paged.paged_attention_reference = paged.paged_attention_chunked = lambda q, *a, **k: q
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        paged.paged_attention_reference, paged.paged_attention_chunked = real
+        jax.clear_caches()
 
 
 def scan_toy(calls: int, repeats: int, layers: int = 30, d: int = 576, f: int = 1536) -> dict:
@@ -114,7 +132,6 @@ def main(argv=None) -> int:
     from pagedjax import LLM
     from pagedjax.worker.runner import ScheduledSeq
 
-    paged = sys.modules["pagedjax.pallas_kernels.paged_attention"]
     print(f"load average {os.getloadavg()[0]:.2f} at the start", flush=True)
     llm = LLM(args.model, max_model_len=max(args.contexts) + 16, max_num_seqs=max(args.batches))
     runner, bs = llm.runner, llm.runner.block_size
@@ -131,7 +148,6 @@ def main(argv=None) -> int:
 
     rows = []
     print(f"{'batch':>5} {'context':>7} {'full ms':>8} {'no attn ms':>10} {'attn share':>10}")
-    real = paged.paged_attention_reference, paged.paged_attention_chunked
     for ctx in args.contexts:
         for b in args.batches:
             nblk = -(-(ctx + 1) // bs)
@@ -142,19 +158,13 @@ def main(argv=None) -> int:
             if b * nblk >= runner.num_blocks:
                 print(f"{b:>5} {ctx:>7}  skipped: {b * nblk} blocks, pool {runner.num_blocks}")
                 continue
+            step = lambda s=seqs: runner.forward(s)  # noqa: E731
             times, logits = {}, {}
             for variant in ("full", "no attention"):
-                if variant == "no attention":
-                    stub = lambda q, *a, **k: q  # noqa: E731
-                    paged.paged_attention_reference = paged.paged_attention_chunked = stub
-                    jax.clear_caches()  # retrace with the stub
-                try:
-                    step = lambda s=seqs: runner.forward(s)  # noqa: E731
+                stub = contextlib.nullcontext() if variant == "full" else _attention_stubbed()
+                with stub:
                     times[variant] = _timed(step, args.calls, args.repeats)
                     logits[variant] = np.asarray(step())
-                finally:
-                    paged.paged_attention_reference, paged.paged_attention_chunked = real
-                    jax.clear_caches()
             if np.array_equal(logits["full"], logits["no attention"]):
                 raise RuntimeError("the attention stub did not reach the decode step")
             full, rest = times["full"], times["no attention"]
