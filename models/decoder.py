@@ -4,7 +4,9 @@ Flax holds the parameters; ``DecoderModel(...).apply({"params": p}, kv_pool, ste
 ``(logits, kv_pool)``. One code path serves prefill (packed, ragged) and decode.
 
 The layers run under ``nn.scan`` over stacked parameters (``params["layers"]``, leading axis
-``num_layers``), so a compiled step holds one copy of the layer whatever the model's depth.
+``num_layers``), so a compiled step holds one copy of the layer whatever the model's depth. The
+stack is broadcast into the scan and each layer reads its row where it lies (models/layers.py
+``Dense``), rather than the scan slicing it: XLA on a CPU copies a slice before its dot.
 What differs between a model's layers is per-layer scanned data, never a Python branch per layer:
 the attention window (Gemma's alternating local/global layers, Qwen's max_window_layers), the rope
 table (Gemma 3's local base), and for MoE families the row of the layer's MLP stack and its kind
@@ -18,6 +20,7 @@ ReLU MLP with biases, post-norm layers and embedding projections.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -27,6 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .. import pallas_kernels
 from .config import ModelConfig
 from .layers import (
     KVPool,
@@ -51,22 +55,23 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, cos, sin, kv: KVPool, layer, window, step: StepInput):
-        c = self.config
+        c, n = self.config, self.config.num_layers
         tokens = x.shape[0]
-        q = dense(c.num_heads * c.head_dim, c.qkv_bias, self.dtype, "q_proj")(x)
-        k = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, self.dtype, "k_proj")(x)
-        v = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, self.dtype, "v_proj")(x)
+        linear = functools.partial(dense, dtype=self.dtype, layers=n, in_place=self.mesh is None)
+        q = linear(c.num_heads * c.head_dim, c.qkv_bias, name="q_proj")(x, layer)
+        k = linear(c.num_kv_heads * c.head_dim, c.qkv_bias, name="k_proj")(x, layer)
+        v = linear(c.num_kv_heads * c.head_dim, c.qkv_bias, name="v_proj")(x, layer)
         q = q.reshape(tokens, c.num_heads, c.head_dim)
         k = k.reshape(tokens, c.num_kv_heads, c.head_dim)
         v = v.reshape(tokens, c.num_kv_heads, c.head_dim)
         if c.qk_norm:  # per head, over head_dim
-            q = norm(c, self.dtype, "q_norm")(q)
-            k = norm(c, self.dtype, "k_norm")(k)
+            q = norm(c, self.dtype, "q_norm", n)(q, layer)
+            k = norm(c, self.dtype, "k_norm", n)(k, layer)
         if cos is not None:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, kv = paged_attention(q, k, v, kv, layer, window, step, c, self.backend, self.mesh)
         out = out.reshape(tokens, c.num_heads * c.head_dim)
-        return dense(c.hidden_size, c.o_bias, self.dtype, "o_proj")(out), kv
+        return linear(c.hidden_size, c.o_bias, name="o_proj")(out, layer), kv
 
 
 class MLP(nn.Module):
@@ -74,21 +79,27 @@ class MLP(nn.Module):
 
     config: ModelConfig
     dtype: jnp.dtype
+    in_place: bool = True
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, layer):
         c = self.config
         act = activation(c)
-        up = dense(c.intermediate_size, c.mlp_bias, self.dtype, "up_proj")(x)
+        linear = functools.partial(
+            dense, dtype=self.dtype, layers=c.num_layers, in_place=self.in_place
+        )
+        up = linear(c.intermediate_size, c.mlp_bias, name="up_proj")(x, layer)
         if c.gated_mlp:
-            up = act(dense(c.intermediate_size, c.mlp_bias, self.dtype, "gate_proj")(x)) * up
+            up = act(linear(c.intermediate_size, c.mlp_bias, name="gate_proj")(x, layer)) * up
         else:
             up = act(up)
-        return dense(c.hidden_size, c.mlp_bias, self.dtype, "down_proj")(up)
+        return linear(c.hidden_size, c.mlp_bias, name="down_proj")(up, layer)
 
 
 class DecoderLayer(nn.Module):
-    """One layer as a scan body: carry ``(x, kv_pool)``, scanned over per-layer data."""
+    """One layer as a scan body: carry ``(x, kv_pool)``, scanned over per-layer data. Its
+    parameters are stacked over the layers (broadcast into the scan); ``per_layer["layer"]``
+    picks their row."""
 
     config: ModelConfig
     dtype: jnp.dtype
@@ -104,28 +115,32 @@ class DecoderLayer(nn.Module):
             cos, sin = cos[table], sin[table]
         window = static_window(c)
         window = per_layer.get("window") if window is None else window
+        layer = per_layer["layer"]  # i32[]: every parameter here is stacked, taken at this row
         attn = Attention(c, dt, self.backend, self.mesh, name="self_attn")
+
+        def layer_norm(name):
+            return lambda h: norm(c, dt, name, c.num_layers)(h, layer)
 
         def mlp(h):
             if c.num_experts:
                 row, is_moe = per_layer["mlp_row"], per_layer.get("is_moe")
                 return layer_mlp(h, stacks, row, is_moe, c, self.mesh)
-            return MLP(c, dt, name="mlp")(h)
+            return MLP(c, dt, self.mesh is None, name="mlp")(h, layer)
 
         if not c.norm_before:  # post-norm (OPT-350m)
-            h, kv = attn(x, cos, sin, kv, per_layer["layer"], window, step)
-            x = norm(c, dt, "input_layernorm")(x + h)
-            x = norm(c, dt, "post_attention_layernorm")(x + mlp(x))
+            h, kv = attn(x, cos, sin, kv, layer, window, step)
+            x = layer_norm("input_layernorm")(x + h)
+            x = layer_norm("post_attention_layernorm")(x + mlp(x))
             return (x, kv), None
-        h = norm(c, dt, "input_layernorm")(x)
-        h, kv = attn(h, cos, sin, kv, per_layer["layer"], window, step)
+        h = layer_norm("input_layernorm")(x)
+        h, kv = attn(h, cos, sin, kv, layer, window, step)
         if c.sandwich_norms:  # Gemma: the attention output is normed before the residual
-            h = norm(c, dt, "post_attention_layernorm")(h)
+            h = layer_norm("post_attention_layernorm")(h)
         x = x + h
         pre_mlp = "pre_feedforward_layernorm" if c.sandwich_norms else "post_attention_layernorm"
-        h = mlp(norm(c, dt, pre_mlp)(x))
+        h = mlp(layer_norm(pre_mlp)(x))
         if c.sandwich_norms:
-            h = norm(c, dt, "post_feedforward_layernorm")(h)
+            h = layer_norm("post_feedforward_layernorm")(h)
         return (x + h, kv), None
 
 
@@ -173,10 +188,13 @@ class DecoderModel(nn.Module):
         else:
             cos, sin = rope_tables(c, step, dt)
         stacks = mlp_stacks(c, dt) if c.num_experts else None
+        # The layers' parameters are created stacked ([num_layers, ...], as nn.scan's
+        # variable_axes would stack them) and broadcast into the scan, each layer reading its
+        # row: a sliced scan input would be copied out of the stack before every dot on a CPU.
         layers = nn.scan(
             DecoderLayer,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
+            variable_broadcast="params",
+            split_rngs={"params": False},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=c.num_layers,
             unroll=c.num_layers if self.unroll_layers else 1,
@@ -189,7 +207,9 @@ class DecoderModel(nn.Module):
         if c.word_embed_proj_dim:
             x = dense(c.embed_dim, False, dt, "project_out")(x)
         if c.tie_word_embeddings:
-            logits = embed.attend(x)
+            # x @ table.T: on a CPU (no mesh) a native kernel streams the table's rows once.
+            attend = pallas_kernels.matmul_transposed if self.mesh is None else None
+            logits = attend(x, embed.embedding) if attend else embed.attend(x)
         else:
             logits = dense(c.vocab_size, False, dt, "lm_head")(x)
         if self.mesh is not None:

@@ -42,48 +42,68 @@ class Dense(nn.Module):
     """``nn.Dense``'s parameters and arithmetic, plus weight-only quantization: when the
     parameters hold a ``kernel_scale`` (models/quant.py), the 8-bit kernel is converted to the
     compute dtype inside the dot and each output column multiplied by its scale (with grouped
-    scales, "int8-g64", the kernel is dequantized group by group before the dot)."""
+    scales, "int8-g64", the kernel is dequantized group by group before the dot).
+
+    Inside the layer scan (``layers`` set) the parameters are stacked, ``kernel`` [layers, in,
+    out], and the call takes the scan's ``layer``: a float kernel is multiplied where it lies
+    (``pallas_kernels.layer_matmul``; on a CPU XLA would copy the slice before its dot), unless
+    ``in_place`` is off (tensor parallelism: the sharded dot is XLA's)."""
 
     features: int
     use_bias: bool
     dtype: jnp.dtype
+    layers: int | None = None  # stacked over this many layers (the scan's parameters)
+    in_place: bool = True  # a stacked float kernel is read in place (layer_matmul)
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, layer=None):
         init = nn.initializers.lecun_normal()
-        kernel = self.param("kernel", init, (x.shape[-1], self.features), self.dtype)
+        lead = () if self.layers is None else (self.layers,)
+        kernel = self.param("kernel", init, (*lead, x.shape[-1], self.features), self.dtype)
         x = x.astype(self.dtype)
         dims = (((x.ndim - 1,), (0,)), ((), ()))
         scale = None
         if self.has_variable("params", "kernel_scale"):
             scale = self.get_variable("params", "kernel_scale")
-        if scale is not None and scale.ndim == kernel.ndim:  # grouped: dequantize, then the dot
-            kernel = quant.dequantize(kernel, scale, self.dtype)
-        y = jax.lax.dot_general(x, kernel.astype(self.dtype), dims)
-        if scale is not None and scale.ndim < kernel.ndim:  # per output column
-            y = y * scale.astype(self.dtype)
+        if self.layers is not None and scale is None and self.in_place and x.ndim == 2:
+            y = pallas_kernels.layer_matmul(x, kernel.astype(self.dtype), layer)
+        else:
+            if self.layers is not None:
+                kernel = kernel[layer]
+                scale = None if scale is None else scale[layer]
+            if scale is not None and scale.ndim == kernel.ndim:  # grouped: dequantize, then dot
+                kernel = quant.dequantize(kernel, scale, self.dtype)
+            y = jax.lax.dot_general(x, kernel.astype(self.dtype), dims)
+            if scale is not None and scale.ndim < kernel.ndim:  # per output column
+                y = y * scale.astype(self.dtype)
         if not self.use_bias:
             return y
-        bias = self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        bias = self.param("bias", nn.initializers.zeros, (*lead, self.features), self.dtype)
+        bias = bias if self.layers is None else bias[layer]
         return y + bias.astype(self.dtype)
 
 
-def dense(features: int, bias: bool, dtype, name: str) -> nn.Module:
-    return Dense(features, bias, dtype, name=name)
+def dense(
+    features: int, bias: bool, dtype, name: str, layers: int | None = None, in_place: bool = True
+) -> nn.Module:
+    return Dense(features, bias, dtype, layers, in_place, name=name)
 
 
 class RMSNorm(nn.Module):
     """``(offset + weight) * x / rms(x)``; offset 0 (Llama: the product in the compute dtype) or
-    1 (Gemma: the product in float32, then cast)."""
+    1 (Gemma: the product in float32, then cast). ``layers``: stacked, taken at ``layer``."""
 
     eps: float
     dtype: jnp.dtype
     offset: float = 0.0
+    layers: int | None = None
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, layer=None):
         init = nn.initializers.zeros if self.offset else nn.initializers.ones
-        weight = self.param("weight", init, (x.shape[-1],), self.dtype)
+        lead = () if self.layers is None else (self.layers,)
+        weight = self.param("weight", init, (*lead, x.shape[-1]), self.dtype)
+        weight = weight if self.layers is None else weight[layer]
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         if self.offset:
@@ -91,11 +111,35 @@ class RMSNorm(nn.Module):
         return weight * xf.astype(self.dtype)
 
 
-def norm(config: ModelConfig, dtype, name: str) -> nn.Module:
-    """The family's norm: RMSNorm, or LayerNorm with bias (OPT)."""
+class LayerNorm(nn.Module):
+    """``nn.LayerNorm``'s parameters (``scale``, ``bias``) and arithmetic (statistics in float32,
+    variance as E[x^2] - E[x]^2), stacked over ``layers`` when set (taken at ``layer``)."""
+
+    eps: float
+    dtype: jnp.dtype
+    layers: int | None = None
+
+    @nn.compact
+    def __call__(self, x, layer=None):
+        lead = () if self.layers is None else (self.layers,)
+        features = (*lead, x.shape[-1])
+        scale = self.param("scale", nn.initializers.ones, features, self.dtype)
+        bias = self.param("bias", nn.initializers.zeros, features, self.dtype)
+        if self.layers is not None:
+            scale, bias = scale[layer], bias[layer]
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.maximum(jnp.mean(xf * xf, axis=-1, keepdims=True) - mean * mean, 0.0)
+        mul = jax.lax.rsqrt(var + self.eps) * scale.astype(jnp.float32)
+        return ((xf - mean) * mul + bias.astype(jnp.float32)).astype(self.dtype)
+
+
+def norm(config: ModelConfig, dtype, name: str, layers: int | None = None) -> nn.Module:
+    """The family's norm: RMSNorm, or LayerNorm with bias (OPT); stacked over ``layers`` when
+    set (called with the scan's layer index)."""
     if config.layer_norm:
-        return nn.LayerNorm(config.rms_norm_eps, dtype=dtype, param_dtype=dtype, name=name)
-    return RMSNorm(config.rms_norm_eps, dtype, config.norm_offset, name=name)
+        return LayerNorm(config.rms_norm_eps, dtype, layers, name=name)
+    return RMSNorm(config.rms_norm_eps, dtype, config.norm_offset, layers, name=name)
 
 
 # ---- rotary embeddings ------------------------------------------------------------------------

@@ -11,6 +11,12 @@ from .kv_cache import (
     write_kv,
     write_kv_reference,
 )
+from .layer_matmul import (
+    layer_matmul,
+    layer_matmul_reference,
+    matmul_transposed,
+    matmul_transposed_reference,
+)
 from .paged_attention import (
     paged_attention,
     paged_attention_reference,
@@ -26,6 +32,10 @@ __all__ = [
     "copy_blocks_reference",
     "gather_blocks",
     "gather_blocks_reference",
+    "layer_matmul",
+    "layer_matmul_reference",
+    "matmul_transposed",
+    "matmul_transposed_reference",
     "paged_attention",
     "paged_attention_reference",
     "quantize_kv",

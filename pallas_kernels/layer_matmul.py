@@ -1,0 +1,92 @@
+"""``x @ w[layer]`` for a stacked kernel ``w`` [num_layers, in, out], without copying the slice;
+and ``x @ w.T`` (a tied embedding as the LM head).
+
+Inside the layer scan, XLA's CPU backend copies ``w[layer]`` into a fresh buffer before the dot
+(a dynamic slice is never an alias of its operand there). At the few rows of a decode step the dot
+is bound by reading the kernel, so the copy (one more write and one more read of every weight)
+makes the step 2-3x the time of one read of the parameters. On a CPU, ``layer_matmul`` runs a
+native kernel (native/matmul_cpu.cc) that reads the layer's rows in place; elsewhere, or where
+native kernels are unavailable, it is the plain ``jnp.dot`` of the slice
+(``layer_matmul_reference``), which a GPU or TPU compiler fuses.
+
+``matmul_transposed`` is ``x @ w.T`` for ``w`` [N, K] (the embedding table as a tied LM head):
+on a CPU a native kernel that streams ``w``'s rows once as dot products; XLA's CPU dot reads
+that layout at about half the memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import native
+
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+SYMBOLS = ("LayerMatmul", "MatmulTransposed")  # native/matmul_cpu.cc's handlers
+
+
+def layer_matmul_reference(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
+    """``x`` [M, K] @ ``w[layer]`` [K, N] -> [M, N] in x's dtype (f32 accumulation)."""
+    dims = (((1,), (0,)), ((), ()))
+    y = jax.lax.dot_general(x, w[layer].astype(x.dtype), dims, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def native_supported(x: jax.Array, w: jax.Array) -> bool:
+    """Whether the native kernel takes these operands (float32 / bfloat16, 2-D x, 3-D w)."""
+    return (
+        x.ndim == 2
+        and w.ndim == 3
+        and x.shape[1] == w.shape[1]
+        and jnp.dtype(x.dtype) in _DTYPES
+        and jnp.dtype(w.dtype) in _DTYPES
+    )
+
+
+def layer_matmul(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
+    """``x`` [M, K] @ ``w[layer]`` ([num_layers, K, N] stacked) -> [M, N], x's dtype.
+
+    ``layer`` is an int32 scalar (traced: the scan's layer index), clamped to the stack. On a CPU
+    the native kernel reads the layer's kernel in place; on other platforms, or without a native
+    build, the slice and a dot."""
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
+        raise ValueError(
+            f"layer_matmul needs x [M, K] and w [L, K, N], got {x.shape} and {w.shape}"
+        )
+    lib = native.load("matmul_cpu", SYMBOLS) if native_supported(x, w) else None
+    if lib is None:
+        return layer_matmul_reference(x, w, layer)
+    target = lib.target("LayerMatmul")
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), x.dtype)
+    layer = jnp.asarray(layer, jnp.int32).reshape(())
+
+    def on_cpu(x, w, layer):
+        return jax.ffi.ffi_call(target, out)(x, w, layer)
+
+    return jax.lax.platform_dependent(x, w, layer, cpu=on_cpu, default=layer_matmul_reference)
+
+
+def matmul_transposed_reference(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x`` [M, K] @ ``w``.T ([N, K]) -> [M, N] in x's dtype (f32 accumulation)."""
+    dims = (((1,), (1,)), ((), ()))
+    y = jax.lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def matmul_transposed(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x`` [M, K] @ ``w``.T ([N, K]) -> [M, N], x's dtype: native on a CPU, else XLA's dot."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(
+            f"matmul_transposed needs x [M, K] and w [N, K], got {x.shape} and {w.shape}"
+        )
+    supported = jnp.dtype(x.dtype) in _DTYPES and jnp.dtype(w.dtype) in _DTYPES
+    lib = native.load("matmul_cpu", SYMBOLS) if supported else None
+    if lib is None:
+        return matmul_transposed_reference(x, w)
+    target = lib.target("MatmulTransposed")
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), x.dtype)
+
+    def on_cpu(x, w):
+        return jax.ffi.ffi_call(target, out)(x, w)
+
+    return jax.lax.platform_dependent(x, w, cpu=on_cpu, default=matmul_transposed_reference)

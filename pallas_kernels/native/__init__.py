@@ -1,0 +1,138 @@
+"""Native CPU kernels: C++ sources beside this file, built on first use, called through XLA's FFI.
+
+On a CPU, XLA's own code for the paged attention and for the layer scan's matmuls reads far more
+memory than the work needs (docs/BENCHMARKS.md, "Where a decode step's time goes"). The kernels
+here read each byte once. A kernel's source ``NAME.cc`` is compiled with the system's C++
+compiler into ``$PAGEDJAX_CACHE_DIR/native`` (default ``~/.cache/pagedjax/native``) the first time
+a process asks for it, keyed by the source, the flags, jaxlib's version and this CPU's model and
+flags, then loaded and its handlers registered as FFI targets for the "cpu" platform.
+
+Where no compiler is found or the build fails, ``load`` warns once and returns None, and callers
+take their plain XLA path. ``PAGEDJAX_NATIVE=0`` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+
+ENV_SWITCH = "PAGEDJAX_NATIVE"  # "0" / "false" / "off" / "no": never build or call them
+ENV_DIR = "PAGEDJAX_CACHE_DIR"
+SOURCE_DIR = Path(__file__).parent
+FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fno-math-errno")
+
+_lock = threading.Lock()
+_loaded: dict[str, Library | None] = {}
+_registered: set[str] = set()  # FFI targets registered in this process (XLA keeps them for good)
+
+
+@dataclass(frozen=True)
+class Library:
+    """A built kernel source: its FFI target names, one per exported handler symbol."""
+
+    name: str
+    path: Path
+    targets: dict[str, str]  # handler symbol -> registered FFI target name
+
+    def target(self, symbol: str) -> str:
+        return self.targets[symbol]
+
+
+def enabled() -> bool:
+    off = os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no")
+    return not off and jax.default_backend() == "cpu"
+
+
+def compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _cpu_identity() -> str:
+    """What ``-march=native`` depends on: the CPU's model name and flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get(ENV_DIR) or Path.home() / ".cache" / "pagedjax"
+    return Path(root) / "native"
+
+
+def _key(source: bytes, cxx: str) -> str:
+    import jaxlib
+
+    h = hashlib.sha256(source)
+    for part in (" ".join(FLAGS), cxx, jaxlib.__version__, _cpu_identity()):
+        h.update(b"\0" + part.encode())
+    return h.hexdigest()[:16]
+
+
+def _build(name: str, symbols: tuple[str, ...]) -> Library:
+    source_path = SOURCE_DIR / f"{name}.cc"
+    source = source_path.read_bytes()
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    key = _key(source, cxx)
+    out_dir = _cache_dir()
+    out = out_dir / f"{name}-{key}.so"
+    if not out.exists():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        # Written under a name of its own, then renamed into place: another process building
+        # the same library at the same time never loads a half-written file.
+        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}-", suffix=".so")
+        os.close(fd)
+        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source_path), "-o", tmp]
+        try:
+            run = subprocess.run(cmd, capture_output=True, text=True)
+            if run.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{run.stderr[-4000:]}")
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.cdll.LoadLibrary(str(out))
+    targets = {}
+    for symbol in symbols:
+        # The source's hash is in the target name, so a program compiled against an older build
+        # (and kept in JAX's persistent cache) is never run with a newer one.
+        target = f"pagedjax_{symbol}_{key}"
+        if target not in _registered:
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), "cpu")
+            _registered.add(target)
+        targets[symbol] = target
+    return Library(name, out, targets)
+
+
+def load(name: str, symbols: tuple[str, ...]) -> Library | None:
+    """Build (once per machine), load and register ``NAME.cc``'s handlers ``symbols``; None when
+    native kernels are off, not on a CPU backend, or the build failed (warned once)."""
+    if not enabled():
+        return None
+    with _lock:
+        if name not in _loaded:
+            try:
+                _loaded[name] = _build(name, symbols)
+            except (OSError, RuntimeError, AttributeError) as err:
+                warnings.warn(
+                    f"native CPU kernel {name!r} unavailable, using XLA's path: {err}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                _loaded[name] = None
+        return _loaded[name]

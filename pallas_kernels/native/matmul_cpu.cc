@@ -1,0 +1,334 @@
+// y = x @ w[layer]: a matmul that reads one layer's kernel straight out of the stacked weights.
+//
+// Under the layer scan XLA's CPU backend copies each layer's slice of a stacked kernel into a
+// fresh buffer before its dot; at a few rows, where the dot is bound by reading the kernel, that
+// copy (a write and a second read of every weight) makes the step 2-3x slower than one read of the
+// parameters. This kernel takes the whole stack and the layer index and reads the layer's rows in
+// place, once.
+//
+//   x: [M, K] f32 or bf16        w: [L, K, N] f32 or bf16        layer: s32[] (clamped to [0, L))
+//   y: [M, N], x's dtype; accumulation in f32.
+//
+// Work: column tiles of NT floats, rows in blocks of MR (MR x NT accumulators held in registers),
+// the tiles shared out over XLA's intra-op thread pool.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// GCC/Clang vector extensions: 16 floats (one AVX-512 register; two AVX2 ones elsewhere).
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+// A register block: R rows x V vectors of accumulators (R * V <= 16 of the 32 AVX-512
+// registers). Few rows take wide tiles (long contiguous runs of each weight row), more rows
+// narrower ones, so every weight a tile covers is read once for all its rows.
+constexpr int64_t ACCUMULATORS = 16;
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as XLA does
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float load1(const float* p, int64_t i) { return p[i]; }
+inline float load1(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline v16f load16(const uint16_t* p) {
+  v16h h;
+  std::memcpy(&h, p, sizeof h);
+  v16u u = __builtin_convertvector(h, v16u) << 16;
+  v16f v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+// Rows [m0, m0 + R) of y, columns [n0, n0 + 16 V): the tile's weights are read once for the R
+// rows.
+template <int64_t R, int64_t V, typename W>
+inline void block(const float* x, int64_t K, const W* w, int64_t N, int64_t m0, int64_t n0,
+                  float* y) {
+  v16f acc[R][V];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < V; ++j) acc[r][j] = v16f{};
+  const float* xr = x + m0 * K;
+  for (int64_t k = 0; k < K; ++k) {
+    const W* row = w + k * N + n0;
+    v16f wk[V];
+    for (int64_t j = 0; j < V; ++j) wk[j] = load16(row + 16 * j);
+    for (int64_t r = 0; r < R; ++r) {
+      const float xv = xr[r * K + k];
+      for (int64_t j = 0; j < V; ++j) acc[r][j] += xv * wk[j];
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    std::memcpy(y + (m0 + r) * N + n0, acc[r], 16 * V * sizeof(float));
+}
+
+// All M rows over columns [n0, n0 + 16 V), in row blocks of up to ACCUMULATORS / V.
+template <int64_t V, typename W>
+void rows_of_tile(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64_t n0,
+                  float* y) {
+  constexpr int64_t MR = ACCUMULATORS / V;
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) block<MR, V, W>(x, K, w, N, m, n0, y);
+  const int64_t rest = M - m;
+  if (rest == 0) return;
+  // The remaining rows, one template per count (MR is at most 16).
+  [&]<int64_t... I>(std::integer_sequence<int64_t, I...>) {
+    ((rest == I + 1 ? (block<I + 1, V, W>(x, K, w, N, m, n0, y), 0) : 0), ...);
+  }(std::make_integer_sequence<int64_t, MR - 1>{});
+}
+
+// Fewer than 16 columns at the right edge.
+template <typename W>
+void columns_scalar(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64_t n0,
+                    int64_t cols, float* y) {
+  for (int64_t r = 0; r < M; ++r) {
+    float acc[16] = {};
+    for (int64_t k = 0; k < K; ++k) {
+      const float xv = x[r * K + k];
+      const W* row = w + k * N + n0;
+      for (int64_t j = 0; j < cols; ++j) acc[j] += xv * load1(row, j);
+    }
+    std::memcpy(y + r * N + n0, acc, cols * sizeof(float));
+  }
+}
+
+// Columns [n0, n0 + cols): tiles of up to V vectors, narrower ones at the edge.
+template <typename W>
+void column_tile(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64_t n0,
+                 int64_t cols, int64_t V, float* y) {
+  while (cols > 0) {
+    const int64_t vecs = std::min(V, cols / 16);
+    if (vecs >= 8) rows_of_tile<8, W>(x, M, K, w, N, n0, y);
+    else if (vecs >= 4) rows_of_tile<4, W>(x, M, K, w, N, n0, y);
+    else if (vecs >= 2) rows_of_tile<2, W>(x, M, K, w, N, n0, y);
+    else if (vecs >= 1) rows_of_tile<1, W>(x, M, K, w, N, n0, y);
+    else return columns_scalar<W>(x, M, K, w, N, n0, cols, y);
+    const int64_t done = 16 * (vecs >= 8 ? 8 : vecs >= 4 ? 4 : vecs >= 2 ? 2 : 1);
+    n0 += done;
+    cols -= done;
+  }
+}
+
+// ---- y = x @ w.T, w [N, K] (a tied embedding used as the LM head) ---------------------------
+// Each output is a dot product of two contiguous rows: R rows of x against T rows of w at a
+// time (R * T accumulators of 16 lanes, summed across lanes at the end), so w streams once.
+
+template <int64_t R, int64_t T, typename W>
+inline void dot_block(const float* x, int64_t K, const W* w, int64_t N, int64_t m0, int64_t n0,
+                      float* y) {
+  v16f acc[R][T];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t t = 0; t < T; ++t) acc[r][t] = v16f{};
+  const int64_t K16 = K - K % 16;
+  for (int64_t k = 0; k < K16; k += 16) {
+    v16f wv[T];
+    for (int64_t t = 0; t < T; ++t) wv[t] = load16(w + (n0 + t) * K + k);
+    for (int64_t r = 0; r < R; ++r) {
+      const v16f xv = load16(x + (m0 + r) * K + k);
+      for (int64_t t = 0; t < T; ++t) acc[r][t] += xv * wv[t];
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t t = 0; t < T; ++t) {
+      float sum = 0.f;
+      for (int64_t j = 0; j < 16; ++j) sum += acc[r][t][j];
+      for (int64_t k = K16; k < K; ++k) sum += x[(m0 + r) * K + k] * load1(w + (n0 + t) * K, k);
+      y[(m0 + r) * N + n0 + t] = sum;
+    }
+  }
+}
+
+// All M rows against w's rows [n0, n0 + T).
+template <int64_t T, typename W>
+void rows_of_dot_tile(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64_t n0,
+                      float* y) {
+  constexpr int64_t MR = ACCUMULATORS / T;
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) dot_block<MR, T, W>(x, K, w, N, m, n0, y);
+  const int64_t rest = M - m;
+  if (rest == 0) return;
+  [&]<int64_t... I>(std::integer_sequence<int64_t, I...>) {
+    ((rest == I + 1 ? (dot_block<I + 1, T, W>(x, K, w, N, m, n0, y), 0) : 0), ...);
+  }(std::make_integer_sequence<int64_t, MR - 1>{});
+}
+
+// w's rows [n0, n0 + rows): tiles of T rows, then single rows at the edge.
+template <typename W>
+void dot_tile(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64_t n0,
+              int64_t rows, int64_t T, float* y) {
+  for (; rows > 0;) {
+    if (rows >= 8 && T >= 8) {
+      rows_of_dot_tile<8, W>(x, M, K, w, N, n0, y), n0 += 8, rows -= 8;
+    } else if (rows >= 4 && T >= 4) {
+      rows_of_dot_tile<4, W>(x, M, K, w, N, n0, y), n0 += 4, rows -= 4;
+    } else {
+      rows_of_dot_tile<1, W>(x, M, K, w, N, n0, y), n0 += 1, rows -= 1;
+    }
+  }
+}
+
+// Column tiles claimed one at a time by the calling thread and by helpers on XLA's pool. The
+// caller waits only for tiles already claimed, so a helper that starts late (or never) cannot
+// hold it up; the shared state outlives the call for such a helper.
+struct Work {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t tiles = 0;
+};
+
+template <typename F>
+void parallel_tiles(ffi::ThreadPool& pool, int64_t tiles, F body) {
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), tiles - 1);
+  if (helpers <= 0) {
+    for (int64_t t = 0; t < tiles; ++t) body(t);
+    return;
+  }
+  auto work = std::make_shared<Work>();
+  work->tiles = tiles;
+  auto run = [work, body]() {
+    for (int64_t t; (t = work->next.fetch_add(1)) < work->tiles;) {
+      body(t);
+      work->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule(decltype(run)(run));
+  run();
+  while (work->done.load(std::memory_order_acquire) < tiles) {
+  }
+}
+
+// x (f32 or bf16) in f32, y computed in f32 and written back in x's dtype; `compute(xp, yp, W*)`
+// gets w's data as float* or uint16_t* (bf16).
+template <typename F>
+ffi::Error with_f32(ffi::AnyBuffer& x, const void* w, bool w_bf16, ffi::AnyBuffer& y,
+                    int64_t M, int64_t K, int64_t N, F compute) {
+  const bool x_bf16 = x.element_type() == ffi::BF16;
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  std::vector<float> xf;  // x in f32 (small: a few rows)
+  const float* xp = reinterpret_cast<const float*>(x.untyped_data());
+  if (x_bf16) {
+    xf.resize(M * K);
+    const auto* xs = reinterpret_cast<const uint16_t*>(x.untyped_data());
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_f32(xs[i]);
+    xp = xf.data();
+  }
+  std::vector<float> yf;  // y in f32 when the output is bf16
+  float* yp = reinterpret_cast<float*>(y.untyped_data());
+  if (x_bf16) {
+    yf.resize(M * N);
+    yp = yf.data();
+  }
+  if (w_bf16) {
+    compute(xp, yp, reinterpret_cast<const uint16_t*>(w));
+  } else {
+    compute(xp, yp, reinterpret_cast<const float*>(w));
+  }
+  if (x_bf16) {
+    auto* ys = reinterpret_cast<uint16_t*>(y.untyped_data());
+    for (int64_t i = 0; i < M * N; ++i) ys[i] = f32_to_bf16(yf[i]);
+  }
+  return ffi::Error::Success();
+}
+
+bool float_types(ffi::AnyBuffer& x, ffi::AnyBuffer& w) {
+  auto ok = [](ffi::DataType t) { return t == ffi::F32 || t == ffi::BF16; };
+  return ok(x.element_type()) && ok(w.element_type());
+}
+
+size_t itemsize(ffi::AnyBuffer& w) { return w.element_type() == ffi::BF16 ? 2 : 4; }
+
+ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                           ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1]) {
+    return ffi::Error::InvalidArgument("layer_matmul: x must be [M, K] and w [L, K, N]");
+  }
+  if (!float_types(x, w)) {
+    return ffi::Error::InvalidArgument("layer_matmul: x and w must be float32 or bfloat16");
+  }
+  const int64_t M = xd[0], K = xd[1], L = wd[0], N = wd[2];
+  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, L - 1);
+  const char* wl = static_cast<const char*>(w.untyped_data()) + l * K * N * itemsize(w);
+  // Vectors per tile: wide for few rows, narrow for many (see ACCUMULATORS).
+  const int64_t V = M <= 2 ? 8 : M <= 4 ? 4 : 2;
+  const int64_t width = 16 * V;
+  const int64_t tiles = (N + width - 1) / width;
+  return with_f32(x, wl, w.element_type() == ffi::BF16, *y, M, K, N,
+                  [&](const float* xp, float* yp, const auto* wp) {
+                    parallel_tiles(pool, tiles, [=](int64_t t) {
+                      const int64_t n0 = t * width;
+                      column_tile(xp, M, K, wp, N, n0, std::min(width, N - n0), V, yp);
+                    });
+                  });
+}
+
+ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                ffi::Result<ffi::AnyBuffer> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || wd[1] != xd[1]) {
+    return ffi::Error::InvalidArgument("matmul_transposed: x must be [M, K] and w [N, K]");
+  }
+  if (!float_types(x, w)) {
+    return ffi::Error::InvalidArgument("matmul_transposed: x and w must be float32 or bfloat16");
+  }
+  const int64_t M = xd[0], K = xd[1], N = wd[0];
+  // w's rows per register tile: many for few rows of x, fewer for more (see ACCUMULATORS).
+  const int64_t T = M <= 2 ? 8 : 4;
+  constexpr int64_t ROWS = 256;  // w's rows per work item
+  const int64_t tiles = (N + ROWS - 1) / ROWS;
+  return with_f32(x, w.untyped_data(), w.element_type() == ffi::BF16, *y, M, K, N,
+                  [&](const float* xp, float* yp, const auto* wp) {
+                    parallel_tiles(pool, tiles, [=](int64_t t) {
+                      const int64_t n0 = t * ROWS;
+                      dot_tile(xp, M, K, wp, N, n0, std::min(ROWS, N - n0), T, yp);
+                    });
+                  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerMatmul, LayerMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulTransposed, MatmulTransposedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());

@@ -1,0 +1,195 @@
+"""``layer_matmul``: x @ w[layer] read in place from a stacked kernel (native on CPU), against a
+float64 oracle; its fallbacks; and the model step reading its kernels in place."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from pagedjax.pallas_kernels import (
+    layer_matmul,
+    layer_matmul_reference,
+    matmul_transposed,
+    matmul_transposed_reference,
+    native,
+)
+from pagedjax.pallas_kernels.layer_matmul import SYMBOLS, native_supported
+
+NATIVE = native.load("matmul_cpu", SYMBOLS) is not None
+
+
+def oracle(x, w, layer):
+    return np.asarray(x, np.float64) @ np.asarray(w, np.float64)[layer]
+
+
+def _arrays(m, k, n, layers, x_dtype, w_dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)), x_dtype)
+    w = jnp.asarray(rng.standard_normal((layers, k, n)) / np.sqrt(k), w_dtype)
+    return x, w
+
+
+def test_the_native_kernel_builds_here():
+    """This machine (and CI's) has a C++ compiler: the native path is the one under test."""
+    assert NATIVE
+
+
+# Rows: each register-block size and the remainders; columns: whole tiles of each width, tiles
+# narrower at the edge and fewer than 16 columns; SmolLM2's shapes.
+@pytest.mark.parametrize(
+    "m,k,n",
+    [(1, 576, 1536), (2, 64, 200), (3, 37, 129), (5, 64, 48), (8, 576, 192), (9, 33, 16),
+     (17, 40, 7), (64, 96, 1000), (0, 8, 16)],
+)  # fmt: skip
+def test_f32_against_float64(m, k, n):
+    x, w = _arrays(m, k, n, 3, jnp.float32, jnp.float32)
+    for layer in (0, 2):
+        got = jax.jit(layer_matmul)(x, w, jnp.int32(layer))
+        assert got.shape == (m, n) and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), oracle(x, w, layer), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
+def test_bf16_operands(x_dtype, w_dtype):
+    x, w = _arrays(6, 80, 144, 2, x_dtype, w_dtype, seed=1)
+    got = jax.jit(layer_matmul)(x, w, jnp.int32(1))
+    assert got.dtype == x_dtype
+    want = oracle(x, w, 1)  # of the rounded operands: only the output's rounding differs
+    tol = 1e-5 if x_dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol)
+    ref = jax.jit(layer_matmul_reference)(x, w, jnp.int32(1))
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(ref, np.float64),
+                               rtol=tol, atol=tol)  # fmt: skip
+
+
+def test_under_a_scan_each_layer_reads_its_own_kernel():
+    x, w = _arrays(4, 64, 96, 5, jnp.float32, jnp.float32, seed=2)
+
+    def body(h, layer):  # chained, as the decoder's layers are
+        return jnp.tanh(layer_matmul(h, w, layer)[:, :64]), None
+
+    got, _ = jax.jit(lambda x: jax.lax.scan(body, x, jnp.arange(5, dtype=jnp.int32)))(x)
+    want = np.asarray(x, np.float64)
+    for layer in range(5):
+        want = np.tanh(oracle(want, w, layer)[:, :64])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "m,k,n", [(1, 576, 4099), (2, 64, 8), (3, 37, 13), (8, 100, 260), (17, 16, 33), (0, 8, 4)]
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_transposed_against_float64(m, k, n, dtype):
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), dtype)
+    got = jax.jit(matmul_transposed)(x, w)
+    assert got.shape == (m, n) and got.dtype == dtype
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    tol = 2e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol)
+    ref = matmul_transposed_reference(x, w)
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(ref, np.float64),
+                               rtol=tol, atol=tol)  # fmt: skip
+
+
+def test_out_of_range_layer_is_clamped_like_xla_indexing():
+    x, w = _arrays(2, 16, 32, 3, jnp.float32, jnp.float32, seed=3)
+    for layer in (-1, 7):
+        got = jax.jit(layer_matmul)(x, w, jnp.int32(layer))
+        want = jax.jit(layer_matmul_reference)(x, w, jnp.clip(jnp.int32(layer), 0, 2))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_shapes_are_named():
+    x, w = _arrays(2, 16, 32, 3, jnp.float32, jnp.float32)
+    with pytest.raises(ValueError, match=r"\(2, 16\) and \(3, 8, 32\)"):
+        layer_matmul(x, w[:, :8], jnp.int32(0))
+    with pytest.raises(ValueError, match=r"\(2, 16\) and \(32, 8\)"):
+        matmul_transposed(x, w[0, :8].T)
+    assert not native_supported(x.astype(jnp.int8), w)
+
+
+def test_native_off_takes_the_xla_path(monkeypatch):
+    x, w = _arrays(3, 32, 48, 2, jnp.float32, jnp.float32)
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    hlo = jax.jit(layer_matmul).lower(x, w, jnp.int32(1)).as_text()
+    assert "custom_call" not in hlo
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(layer_matmul)(x, w, jnp.int32(1))), oracle(x, w, 1), rtol=1e-5
+    )
+
+
+def test_a_failed_build_warns_and_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setenv(native.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert native.load("matmul_cpu", SYMBOLS) is None
+    assert any("matmul_cpu" in str(w.message) for w in caught)
+    x, w = _arrays(3, 32, 48, 2, jnp.float32, jnp.float32)
+    got = layer_matmul(x, w, jnp.int32(0))
+    np.testing.assert_allclose(np.asarray(got), oracle(x, w, 0), rtol=1e-5)
+
+
+def test_the_build_is_cached_per_source(monkeypatch, tmp_path):
+    monkeypatch.setenv(native.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", {})
+    first = native.load("matmul_cpu", SYMBOLS)
+    built = sorted(p.name for p in (tmp_path / "native").iterdir())
+    assert first is not None and built == [first.path.name]  # no temporary left behind
+    monkeypatch.setattr(native, "_loaded", {})
+    again = native.load("matmul_cpu", SYMBOLS)
+    assert again.path == first.path and again.target("LayerMatmul") == first.target("LayerMatmul")
+
+
+_DEF = re.compile(r"^\s*(?:ROOT )?%(\S+) = \w+\[([\d,]*)\]")
+_SLICE = re.compile(r"dynamic-slice\(%([^,)\s]+)")
+
+
+def weight_stack_slices(hlo: str, stacks: set[tuple[int, ...]]) -> list[str]:
+    """Lines of ``hlo`` that dynamic-slice an operand shaped like one of ``stacks``."""
+    shapes = {}
+    for line in hlo.splitlines():
+        m = _DEF.match(line)
+        if m:
+            shapes[m[1]] = tuple(int(d) for d in m[2].split(",") if d)
+    return [
+        line.strip()[:160]
+        for line in hlo.splitlines()
+        if (m := _SLICE.search(line)) and shapes.get(m[1]) in stacks
+    ]
+
+
+def test_slice_check_sees_a_scanned_kernel():
+    """The check below would see the layer scan slicing its stacked kernels (nn.scan's way)."""
+    x, w = _arrays(4, 64, 96, 5, jnp.float32, jnp.float32)
+    body = lambda h, wl: (jnp.tanh(h @ wl)[:, :64], None)  # noqa: E731
+    hlo = jax.jit(lambda x, w: jax.lax.scan(body, x, w)[0]).lower(x, w).compile().as_text()
+    assert weight_stack_slices(hlo, {w.shape})
+
+
+def test_model_step_reads_its_kernels_in_place():
+    """The compiled decode step slices no weight stack (the copies XLA makes of a scanned
+    slice), and its layer matmuls are the native kernel."""
+    from pagedjax.models.config import ModelConfig
+    from pagedjax.models.llama import forward, param_shapes
+    from pagedjax.models.step_input import StepInput
+
+    c = ModelConfig("LlamaForCausalLM", 256, 64, 128, 4, 4, 2, 16)
+    params = param_shapes(c)
+    pool = jax.ShapeDtypeStruct((2, 4 * 32, 8, 16), jnp.float32)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    step = StepInput(i32(8), i32(8), i32(8), i32(8, 4), i32(8), i32(9), i32(8), max_query_len=1)
+    fn = jax.jit(forward, static_argnums=(3, 4, 5))
+    hlo = fn.lower(params, (pool, pool), step, c, "reference", None).compile().as_text()
+    stacks = {a.shape for a in jax.tree.leaves(params["layers"]) if a.ndim == 3}
+    assert weight_stack_slices(hlo, stacks) == []
+    target = native.load("matmul_cpu", SYMBOLS).target("LayerMatmul")
+    assert hlo.count(target) >= 7  # q, k, v, o, gate, up, down
