@@ -172,7 +172,8 @@ def load_model(
     ``dequantize_gguf``.
 
     Converted parameters are cached under ``cache_dir`` (default ``$PAGEDJAX_CACHE_DIR`` or
-    ``~/.cache/pagedjax``) as an orbax checkpoint keyed by the source files and dtype. With a
+    ``~/.cache/pagedjax``), keyed by the source files and dtype: one file of arrays that a later
+    load maps instead of reading (a multi-process run writes an orbax checkpoint). With a
     ``mesh`` (tensor parallelism), parameters are placed split by heads as they load: each device
     receives, and restores from the cache, only its slices.
     """
@@ -543,9 +544,11 @@ def _restore(
 ) -> tuple[ModelConfig, dict] | None:
     if not _all_processes((ckpt / "COMPLETE").exists()):
         return None
+    config = ModelConfig.from_dict(json.loads((ckpt / "config.json").read_text()))
+    if _all_processes((ckpt / _RAW_INDEX).exists()):
+        return config, _restore_raw(ckpt, mesh)
     import orbax.checkpoint as ocp
 
-    config = ModelConfig.from_dict(json.loads((ckpt / "config.json").read_text()))
     target = quant.quantized_shapes(param_shapes(config, dtype), quantization)
     # Each array goes where this run wants it, whatever layout the run that saved it had.
     shardings = (
@@ -560,6 +563,50 @@ def _restore(
     )
     with ocp.StandardCheckpointer() as checkpointer:
         return config, checkpointer.restore(ckpt / "params", target)
+
+
+# A single process's cache entry: every array's bytes in one file (64-byte aligned) and an index
+# of their paths, dtypes, shapes and offsets, restored by mapping the file.
+_RAW_DATA, _RAW_INDEX, _RAW_ALIGN = "params.bin", "params.json", 64
+
+
+def _write_raw(ckpt: Path, params: dict) -> None:
+    index, offset = [], 0
+    with open(ckpt / _RAW_DATA, "wb") as f:
+        for path, leaf in flatten_dict(params, sep="/").items():
+            array = np.asarray(jax.device_get(leaf))
+            pad = -offset % _RAW_ALIGN
+            f.write(b"\0" * pad)
+            offset += pad
+            f.write(array.tobytes())
+            shape = list(array.shape)
+            index.append(dict(path=path, dtype=str(array.dtype), shape=shape, offset=offset))
+            offset += array.nbytes
+    (ckpt / _RAW_INDEX).write_text(json.dumps({"arrays": index}))
+
+
+def _restore_raw(ckpt: Path, mesh: Mesh | None) -> dict:
+    index = json.loads((ckpt / _RAW_INDEX).read_text())["arrays"]
+    # Mapped, not read: on a CPU each array aliases its page-cache pages (no copy); a device
+    # copies only what it is sent. Entries are never written in place (``_save`` renames whole
+    # ones into place), so the mapping stays valid.
+    data = np.memmap(ckpt / _RAW_DATA, dtype=np.uint8, mode="r")
+    flat = {}
+    for entry in index:
+        dtype, shape = jnp.dtype(entry["dtype"]), tuple(entry["shape"])
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        start = entry["offset"]
+        flat[entry["path"]] = data[start : start + size].view(dtype).reshape(shape)
+    params = unflatten_dict(flat, sep="/")
+    if mesh is None:
+        return jax.device_put(params, jax.local_devices()[0])
+    # Each device (of any process) takes its slices of each array from the file.
+    shardings = param_shardings(params, mesh)
+    return jax.tree.map(
+        lambda a, sharding: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i]),
+        params,
+        shardings,
+    )
 
 
 def _save(ckpt: Path, config: ModelConfig, params: dict) -> None:
@@ -585,17 +632,20 @@ def _save(ckpt: Path, config: ModelConfig, params: dict) -> None:
 
 
 def _write_entry(ckpt: Path, config: ModelConfig, params: dict) -> None:
-    import orbax.checkpoint as ocp
-
     ckpt.mkdir(parents=True, exist_ok=True)
-    # Uncompressed: restoring SmolLM2's 513 MB took 0.53 s against 1.12 s for the same tree
-    # zstd-compressed to 333 MB (median of 5 each, 2-core CPU); every start restores, once.
-    # Entries written compressed before restore as they are.
-    handler = ocp.PyTreeCheckpointHandler(use_compression=False)
-    with ocp.Checkpointer(handler) as checkpointer:
-        checkpointer.save(
-            (ckpt / "params").absolute(), args=ocp.args.PyTreeSave(params), force=True
-        )
+    if jax.process_count() == 1:
+        _write_raw(ckpt, params)
+    else:  # arrays split over processes: orbax writes each process's shards together
+        import orbax.checkpoint as ocp
+
+        # Uncompressed: restoring SmolLM2's 513 MB took 0.53 s against 1.12 s for the same tree
+        # zstd-compressed to 333 MB (median of 5 each, 2-core CPU). Entries written compressed
+        # before restore as they are.
+        handler = ocp.PyTreeCheckpointHandler(use_compression=False)
+        with ocp.Checkpointer(handler) as checkpointer:
+            checkpointer.save(
+                (ckpt / "params").absolute(), args=ocp.args.PyTreeSave(params), force=True
+            )
     if jax.process_index() == 0:
         (ckpt / "config.json").write_text(json.dumps(config.to_dict()))
         (ckpt / "COMPLETE").touch()

@@ -1,4 +1,5 @@
-"""Loader: HF directories (single and sharded), errors that name the bad input, the orbax cache."""
+"""Loader: HF directories (single and sharded), errors that name the bad input, the parameter
+cache."""
 
 from __future__ import annotations
 
@@ -63,6 +64,34 @@ def test_a_cache_entry_is_never_overwritten_by_a_second_writer(tmp_path, tiny_di
     config, params = loader._restore(ckpt, "float32", None)
     for x, y in zip(_leaves(loaded.params), _leaves(params), strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+def test_an_entry_is_one_mapped_file_and_orbax_entries_still_restore(tmp_path, tiny_dir):
+    """A single process writes its entry as one file of arrays plus an index, restored by
+    mapping the file; entries orbax wrote (earlier versions, multi-process runs) restore too."""
+    import orbax.checkpoint as ocp
+
+    loaded = loader.load_model(str(tiny_dir), dtype="bfloat16", use_cache=False)
+    raw = tmp_path / "raw"
+    loader._save(raw, loaded.config, loaded.params)
+    assert sorted(p.name for p in raw.iterdir()) == [
+        "COMPLETE", "config.json", "params.bin", "params.json"
+    ]  # fmt: skip
+    index = json.loads((raw / "params.json").read_text())["arrays"]
+    assert all(entry["offset"] % 64 == 0 for entry in index)
+    old = tmp_path / "orbax"
+    (old / "params").parent.mkdir()
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save((old / "params").absolute(), loaded.params)
+    (old / "config.json").write_text((raw / "config.json").read_text())
+    (old / "COMPLETE").touch()
+    for entry in (raw, old):
+        config, params = loader._restore(entry, "bfloat16", None)
+        assert config == loaded.config
+        assert jax.tree.structure(params) == jax.tree.structure(loaded.params)
+        for x, y in zip(_leaves(loaded.params), _leaves(params), strict=True):
+            assert x.dtype == y.dtype
+            np.testing.assert_array_equal(x, y)
 
 
 def test_bfloat16_params(tiny_dir):
