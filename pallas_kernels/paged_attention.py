@@ -1,11 +1,12 @@
 """Decode attention over a paged KV pool: one query token per sequence.
 
 ``paged_attention`` is the public entry point. It runs a Pallas kernel on GPU (Triton lowering,
-``_gpu_decode``) or TPU (Mosaic, ``_tpu_decode``); elsewhere (the engine on CPU) the pure-jnp
-``paged_attention_reference`` (the oracle) for tables of up to 256 tokens, the chunked loop of
-``decode_cpu`` for longer ones. Kernels: one program per (sequence, KV head, partition) with the
-GQA group's query heads as matmul rows, online softmax, long contexts split into partitions
-merged afterwards (vLLM's v2), logits and value rows past the length masked.
+``_gpu_decode``) or TPU (Mosaic, ``_tpu_decode``); elsewhere (the engine on CPU) the native C++
+kernel of ``native_attention`` where it is built, else the pure-jnp ``paged_attention_reference``
+(the oracle) for tables of up to 256 tokens and the chunked loop of ``decode_cpu`` for longer
+ones. Kernels: one program per (sequence, KV head, partition) with the GQA group's query heads
+as matmul rows, online softmax, long contexts split into partitions merged afterwards (vLLM's
+v2), logits and value rows past the length masked.
 Every path takes a sliding window and logit soft-capping (Gemma 2/3, Mistral).
 """
 
@@ -225,18 +226,23 @@ def paged_attention(
             interpret=tpu_interpret_params(interpret),
             **knobs,
         )
-    # The engine's CPU path: one pass over a short table (its gather stays in cache), chunks up
-    # to the longest real context over a long one (decode_cpu.py).
+    # The engine's CPU path: the native kernel (native_attention.py) where it is built; else
+    # XLA's, one pass over a short table (its gather stays in cache), chunks up to the longest
+    # real context over a long one (decode_cpu.py).
     single_pass = block_tables.shape[1] * k_pages.shape[2] <= SINGLE_PASS_TOKENS
-    return (paged_attention_reference if single_pass else paged_attention_chunked)(
-        q,
-        k_pages,
-        v_pages,
-        block_tables,
-        context_lens,
+    xla_path = paged_attention_reference if single_pass else paged_attention_chunked
+    args = (q, k_pages, v_pages, block_tables, context_lens)
+    kwargs = dict(
         scale=scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         k_scales=k_scales,
         v_scales=v_scales,
     )
+    from . import native_attention  # imports this module (check_paged_inputs)
+
+    if native_attention.available() and native_attention.supports(q.dtype, k_pages.dtype):
+        return native_attention.on_cpu(
+            native_attention.paged_attention_native, xla_path, *args, **kwargs
+        )
+    return xla_path(*args, **kwargs)

@@ -9,8 +9,9 @@ written into the pool.
 Kernels: on GPU (``_gpu_ragged``) one program per (sequence, KV head, tile of its query rows); on
 TPU (``_tpu_ragged``) one per (KV head, tile of packed rows), looping over the sequences owning
 the tile's rows. A call whose ``max_query_len`` is 1 (pure decode) goes to the decode kernels,
-which split long contexts into partitions. Elsewhere (the CPU) ``ragged_paged_attention_reference``
-(``ragged_reference``) runs, its work following the real query rows.
+which split long contexts into partitions. Elsewhere (the CPU) the native kernel of
+``native_attention`` runs where it is built, else ``ragged_paged_attention_reference``
+(``ragged_reference``), its work following the real query rows.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from . import native_attention
 from ._common import check_kv_scales, check_window_and_cap
 from ._gpu_ragged import ragged_paged_attention_gpu
 from ._tpu_ragged import ragged_paged_attention_tpu
@@ -123,9 +125,17 @@ def ragged_paged_attention(
     max_q = q.shape[0] if max_query_len is None else max_query_len
     attn = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if backend == "reference" or q.shape[0] == 0:
-        return ragged_paged_attention_reference(
-            *args, max_query_len=max_query_len, k_scales=k_scales, v_scales=v_scales, **attn
-        )
+        kv8 = dict(k_scales=k_scales, v_scales=v_scales)
+        if native_attention.available() and native_attention.supports(q.dtype, k_pages.dtype):
+            return native_attention.on_cpu(
+                native_attention.ragged_paged_attention_native,
+                ragged_paged_attention_reference,
+                *args,
+                max_query_len=max_query_len,
+                **kv8,
+                **attn,
+            )
+        return ragged_paged_attention_reference(*args, max_query_len=max_query_len, **kv8, **attn)
     attn.update(k_scales=k_scales, v_scales=v_scales)
     if max_q == 1:
         return _decode_rows(

@@ -1,0 +1,186 @@
+"""CPU paged attention per layer: the native FFI kernel vs XLA's path (as dispatched without it).
+
+At SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64, blocks of 16, a
+pool of ~3000 blocks) and 64 sequences, on the same arrays in one run:
+  * decode, contexts 100-200 in 16-block tables (XLA: ``paged_attention_reference``) and
+    256-512 in 32-block tables (XLA: ``paged_attention_chunked``);
+  * one ragged step: a 128-token prefill plus 63 decodes (XLA:
+    ``ragged_paged_attention_reference``).
+The native kernel runs on one thread and on all of XLA's intra-op threads. Reported: min and
+median of ``--repeats`` timed calls, the live K/V bytes read / time (GB/s), and as the machine's
+limit the read bandwidth of a large array's sum measured in the same run.
+
+    python benchmarks/native_attention_cpu.py                 # ~1 min on 2 cores
+    python benchmarks/native_attention_cpu.py --dtype bfloat16 --repeats 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the repo
+
+from pagedjax.pallas_kernels import native_attention as na  # noqa: E402
+from pagedjax.pallas_kernels import quantize_kv  # noqa: E402
+from pagedjax.pallas_kernels.decode_cpu import paged_attention_chunked  # noqa: E402
+from pagedjax.pallas_kernels.paged_attention import paged_attention_reference  # noqa: E402
+from pagedjax.pallas_kernels.ragged_reference import ragged_paged_attention_reference  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M
+NUM_BLOCKS = 3000
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    args: tuple  # the attention's positional arrays
+    kwargs: dict  # its keyword arrays / statics
+    xla: object  # the XLA path's function
+    native: object
+    kv_bytes: int  # live K/V bytes one call reads
+
+
+def pool(rng, dtype):
+    shape = (NUM_KV_HEADS, NUM_BLOCKS, BLOCK, HEAD_DIM)
+    k = jnp.asarray(rng.standard_normal(shape, np.float32))
+    v = jnp.asarray(rng.standard_normal(shape, np.float32))
+    if dtype in ("int8", "float8_e4m3fn"):
+        k, ks = quantize_kv(k, jnp.dtype(dtype))
+        v, vs = quantize_kv(v, jnp.dtype(dtype))
+        return k, v, {"k_scales": ks, "v_scales": vs}
+    return k.astype(dtype), v.astype(dtype), {}
+
+
+def tables(rng, lens, width):
+    ids = rng.permutation(np.arange(1, NUM_BLOCKS))[: len(lens) * width]
+    return jnp.asarray(ids.reshape(len(lens), width).astype(np.int32))
+
+
+def live_bytes(lens, k_pages, quantized: bool) -> int:
+    scales = 4 * NUM_KV_HEADS if quantized else 0  # an f32 scale per slot and KV head
+    per_token = NUM_KV_HEADS * HEAD_DIM * k_pages.dtype.itemsize + scales
+    return 2 * int(np.sum(lens)) * per_token  # K and V
+
+
+def decode_case(rng, dtype, lo, hi, width, xla_fn) -> Case:
+    k, v, scales = pool(rng, dtype)
+    lens = rng.integers(lo, hi + 1, 64).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((64, NUM_HEADS, HEAD_DIM), np.float32))
+    args = (q, k, v, tables(rng, lens, width), jnp.asarray(lens))
+    kw = {"scale": HEAD_DIM**-0.5, **scales}
+    name = f"decode ctx {lo}-{hi}, {width}-block tables"
+    read = live_bytes(lens, k, bool(scales))
+    return Case(name, args, kw, xla_fn, na.paged_attention_native, read)
+
+
+def ragged_case(rng, dtype) -> Case:
+    k, v, scales = pool(rng, dtype)
+    lens = np.concatenate([[128], rng.integers(100, 201, 63)]).astype(np.int32)
+    q_lens = np.array([128] + [1] * 63)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((int(qsl[-1]), NUM_HEADS, HEAD_DIM), np.float32))
+    args = (q, k, v, tables(rng, lens, 16), jnp.asarray(lens), jnp.asarray(qsl))
+    kw = {"scale": HEAD_DIM**-0.5, "max_query_len": 128, **scales}
+    # The prefill's tiles each read the prefill's pages once.
+    tiles = -(-128 // na.TILE_ROWS)
+    read = live_bytes(lens[1:], k, bool(scales)) + tiles * live_bytes(lens[:1], k, bool(scales))
+    return Case(
+        "ragged 128-token prefill + 63 decodes",
+        args,
+        kw,
+        ragged_paged_attention_reference,
+        na.ragged_paged_attention_native,
+        read,
+    )
+
+
+def time_calls(fns: list, args, repeats: int) -> list[tuple[float, float]]:
+    """(min, median) seconds per jitted fn over ``repeats`` rounds, after two warm-up calls each.
+    Each round calls every fn once, so a change in the machine's load hits them alike."""
+    for fn in fns:
+        for _ in range(2):
+            jax.block_until_ready(fn(*args))
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, ts in zip(fns, times, strict=True):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            ts.append(time.perf_counter() - t0)
+    return [(min(ts), statistics.median(ts)) for ts in times]
+
+
+def read_gbps(repeats: int) -> float:
+    """Reading a 256 MiB f32 array (XLA's sum, on every core): the machine's limit here. (XLA's
+    elementwise copy is slower on this CPU; numpy's one-thread copy about the same.)"""
+    x = jnp.ones((64 << 20,), jnp.float32)
+    ((best, _),) = time_calls([jax.jit(jnp.sum)], (x,), repeats)
+    return x.nbytes / best / 1e9
+
+
+def max_err(a, b) -> float:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "int8", "float8_e4m3fn")
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    opts = parser.parse_args()
+    if not na.available():
+        sys.exit("the native kernel is unavailable (PAGEDJAX_NATIVE=0, or its build failed)")
+    rng = np.random.default_rng(opts.seed)
+    cases = [
+        decode_case(rng, opts.dtype, 100, 200, 16, paged_attention_reference),
+        decode_case(rng, opts.dtype, 256, 512, 32, paged_attention_chunked),
+        ragged_case(rng, opts.dtype),
+    ]
+    print(f"uptime: {os.popen('uptime').read().strip()}")
+    limit = read_gbps(opts.repeats)
+    print(f"jax {jax.__version__}, {os.cpu_count()} cpus, pool {opts.dtype}, ", end="")
+    print(f"read bandwidth {limit:.1f} GB/s (jnp.sum of 256 MiB f32)")
+    head = (
+        f"{'case':<40} {'path':<12} {'min ms':>8} {'med ms':>8} {'GB/s':>7} {'of read':>7} "
+        f"{'x XLA':>6}"
+    )
+    print(head)
+    print("-" * len(head))
+    for case in cases:
+        paths = {
+            "xla": functools.partial(case.xla, **case.kwargs),
+            "native 1 thr": functools.partial(case.native, **case.kwargs, num_threads=1),
+            "native all": functools.partial(case.native, **case.kwargs),
+        }
+        fns = {label: jax.jit(fn) for label, fn in paths.items()}
+        ref = fns["xla"](*case.args)
+        for label, fn in fns.items():
+            err = max_err(fn(*case.args), ref)
+            if err > 1e-2:
+                sys.exit(f"{case.name} {label}: relative error {err:.2e} against XLA's")
+        timed = time_calls(list(fns.values()), case.args, opts.repeats)
+        xla_min = timed[0][0]
+        for label, (best, med) in zip(fns, timed, strict=True):
+            gbps = case.kv_bytes / best / 1e9
+            print(
+                f"{case.name:<40} {label:<12} {best * 1e3:8.3f} {med * 1e3:8.3f} "
+                f"{gbps:7.2f} {gbps / limit:7.1%} {xla_min / best:6.2f}"
+            )
+    print(f"uptime: {os.popen('uptime').read().strip()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,587 @@
+// Paged attention on a CPU, called through XLA's FFI (pallas_kernels/native_attention.py).
+//
+// Each task is one KV head of one sequence and a run of that sequence's consecutive query rows
+// (one row for a decode). It walks the sequence's block table from the earliest key any of its
+// rows sees to the last, reads each live K/V page row once straight from the pool (no gathered
+// copy), and folds it into every query vector of the run (the GQA group's heads x the rows) with
+// flash attention's online softmax. Slots outside a vector's keys [window start, position] are
+// skipped, never multiplied by zero: stale slots may hold NaN.
+//
+// Pools: float32, bfloat16, int8 or float8_e4m3fn pages (8-bit ones with f32 per-slot scales,
+// value = page * scale); the arithmetic is float32. Queries float32 or bfloat16; the output has
+// the queries' dtype.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Element types
+
+float bf16_to_f32(uint16_t x) {
+  uint32_t bits = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t f32_to_bf16(float f) {  // round to nearest even, as XLA's convert
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if (std::isnan(f)) return uint16_t((bits >> 16) | 0x40);
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return uint16_t(bits >> 16);
+}
+
+struct Fp8Table {  // float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no inf
+  float value[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) {
+      int e = (b >> 3) & 15, m = b & 7;
+      float mag = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+      if (e == 15 && m == 7) mag = NAN;
+      value[b] = (b & 0x80) ? -mag : mag;
+    }
+  }
+};
+const Fp8Table kFp8;
+
+enum class Page { kF32, kBF16, kS8, kF8 };
+
+template <Page P>
+struct PageType {
+  using T = std::conditional_t<P == Page::kF32, float,
+                               std::conditional_t<P == Page::kBF16, uint16_t, uint8_t>>;
+};
+
+// Elements [a, b) of a page, from `base` on, as f32 at the same offsets of the returned pointer:
+// float32 pages are read in place, the others converted into `buf`.
+template <Page P>
+const float* page_f32(const void* page, int64_t base, int64_t a, int64_t b, float* buf) {
+  if constexpr (P == Page::kF32) {
+    return static_cast<const float*>(page) + base;
+  } else if constexpr (P == Page::kBF16) {
+    const uint16_t* src = static_cast<const uint16_t*>(page) + base;
+    for (int64_t i = a; i < b; ++i) buf[i] = bf16_to_f32(src[i]);
+  } else if constexpr (P == Page::kS8) {
+    const int8_t* src = static_cast<const int8_t*>(page) + base;
+    for (int64_t i = a; i < b; ++i) buf[i] = float(src[i]);
+  } else {
+    const uint8_t* src = static_cast<const uint8_t*>(page) + base;
+    for (int64_t i = a; i < b; ++i) buf[i] = kFp8.value[src[i]];
+  }
+  return buf;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Vector pieces. `kD` is the head dim when known at compile time (64, 128: unrolled, the output
+// accumulators held in registers across a page's keys), 0 when only `n` knows it. Measured at
+// SmolLM2's shapes: plain loops accumulating through memory cost ~2x the compute.
+
+constexpr int kLanes = 16;
+// GCC/Clang vector types: kept in registers, lowered to whatever the -march has (one zmm on
+// AVX-512, two ymm on AVX2).
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+
+inline float sum16(f32x16 v) {  // a tree of adds, not a 16-long chain
+  f32x8 lo, hi;
+  std::memcpy(&lo, &v, 32);
+  std::memcpy(&hi, reinterpret_cast<char*>(&v) + 32, 32);
+  const f32x8 h8 = lo + hi;
+  f32x4 a, b;
+  std::memcpy(&a, &h8, 16);
+  std::memcpy(&b, reinterpret_cast<const char*>(&h8) + 16, 16);
+  const f32x4 h4 = a + b;
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+template <int kD>
+float dot(const float* a, const float* b, int64_t n) {
+  if constexpr (kD > 0) {
+    static_assert(kD % (2 * kLanes) == 0, "fixed head dims are multiples of 32");
+    f32x16 x = load16(a) * load16(b), y = load16(a + kLanes) * load16(b + kLanes);
+    for (int i = 2 * kLanes; i < kD; i += 2 * kLanes) {
+      x += load16(a + i) * load16(b + i);
+      y += load16(a + i + kLanes) * load16(b + i + kLanes);
+    }
+    return sum16(x + y);
+  } else {
+    f32x16 x = {};
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) x += load16(a + i) * load16(b + i);
+    float tail = 0.0f;
+    for (; i < n; ++i) tail += a[i] * b[i];
+    return sum16(x) + tail;
+  }
+}
+
+// acc = alpha * acc + sum over keys j in [a, b) of w[j] * v[j]: v's rows are `n` apart.
+template <int kD>
+void accumulate(float alpha, const float* w, const float* v, int64_t a, int64_t b, float* acc,
+                int64_t n) {
+  if constexpr (kD > 0) {
+    constexpr int kChunks = kD / kLanes;
+    f32x16 r[kChunks];
+    for (int c = 0; c < kChunks; ++c) r[c] = load16(acc + c * kLanes) * alpha;
+    for (int64_t j = a; j < b; ++j) {
+      for (int c = 0; c < kChunks; ++c) r[c] += w[j] * load16(v + j * kD + c * kLanes);
+    }
+    for (int c = 0; c < kChunks; ++c) store16(acc + c * kLanes, r[c]);
+  } else {
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+      f32x16 r = load16(acc + i) * alpha;
+      for (int64_t j = a; j < b; ++j) r += w[j] * load16(v + j * n + i);
+      store16(acc + i, r);
+    }
+    for (; i < n; ++i) {
+      float r = acc[i] * alpha;
+      for (int64_t j = a; j < b; ++j) r += w[j] * v[j * n + i];
+      acc[i] = r;
+    }
+  }
+}
+
+// exp(x) in float32 within ~2 ulp (Cephes' expf polynomial), branch-free so that loops over it
+// vectorize: exp(-inf) = 0, large x saturates to inf, NaN stays NaN.
+inline float fast_exp(float x) {
+  const float lo = -87.5f, hi = 88.7f;
+  const float xc = x < lo ? lo : (x > hi ? hi : x);
+  const float n = std::nearbyint(xc * 1.44269504088896341f);
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &y, 4);
+  bits += int32_t(n) << 23;  // y * 2^n; n in [-126, 128]
+  float out;
+  std::memcpy(&out, &bits, 4);
+  out = x < lo ? 0.0f : (x > hi ? INFINITY : out);
+  return x != x ? x : out;
+}
+
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The problem and its tasks
+
+struct Problem {
+  const void* q;  // [num_rows, num_heads, head_dim], f32 or bf16
+  bool q_bf16;
+  const void* k_pages;  // [num_kv_heads, num_blocks, block_size, head_dim]
+  const void* v_pages;
+  const float* k_scales;  // [num_kv_heads, num_blocks, block_size]; null for a float pool
+  const float* v_scales;
+  const int32_t* tables;  // [num_seqs, max_blocks]
+  void* out;              // like q
+  int64_t num_heads, head_dim, num_kv_heads, num_blocks, block_size, max_blocks;
+  int64_t window;  // <= 0: none
+  float scale, soft_cap;
+};
+
+struct Task {
+  int64_t seq;   // whose block table
+  int64_t row0;  // first query row
+  int64_t rows;  // consecutive rows, at consecutive positions
+  int64_t pos0;  // position of the first row
+  int64_t ctx;   // keys at or past it are not the sequence's
+  int64_t kv_head;
+};
+
+// Keys [lo, hi) the query at `pos` sees.
+void key_range(const Problem& p, const Task& t, int64_t pos, int64_t* lo, int64_t* hi) {
+  *lo = p.window > 0 ? std::max<int64_t>(pos - p.window + 1, 0) : 0;
+  *hi = std::min({pos + 1, t.ctx, p.max_blocks * p.block_size});
+}
+
+struct Scratch {  // one per thread, grown on demand
+  std::vector<float> q, acc, m, l, s, k, v;
+};
+
+Scratch& scratch(const Problem& p, int64_t vectors) {
+  thread_local Scratch sc;
+  const int64_t d = p.head_dim, bs = p.block_size;
+  sc.q.resize(vectors * d);
+  sc.acc.assign(vectors * d, 0.0f);
+  sc.m.assign(vectors, -INFINITY);
+  sc.l.assign(vectors, 0.0f);
+  sc.s.resize(bs);
+  sc.k.resize(bs * d);
+  sc.v.resize(bs * d);
+  return sc;
+}
+
+void load_queries(const Problem& p, const Task& t, int64_t group, float* q) {
+  const int64_t d = p.head_dim;
+  for (int64_t r = 0; r < t.rows; ++r) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t src = ((t.row0 + r) * p.num_heads + t.kv_head * group + g) * d;
+      float* dst = q + (r * group + g) * d;
+      for (int64_t i = 0; i < d; ++i) {
+        float x = p.q_bf16 ? bf16_to_f32(static_cast<const uint16_t*>(p.q)[src + i])
+                           : static_cast<const float*>(p.q)[src + i];
+        dst[i] = x * p.scale;
+      }
+    }
+  }
+}
+
+void store_outputs(const Problem& p, const Task& t, int64_t group, const Scratch& sc) {
+  const int64_t d = p.head_dim;
+  for (int64_t r = 0; r < t.rows; ++r) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t vec = r * group + g;
+      const float den = sc.l[vec];
+      const float inv = den == 0.0f ? 0.0f : 1.0f / den;  // saw no key: zeros
+      const float* acc = sc.acc.data() + vec * d;
+      const int64_t dst = ((t.row0 + r) * p.num_heads + t.kv_head * group + g) * d;
+      if (p.q_bf16) {
+        uint16_t* o = static_cast<uint16_t*>(p.out) + dst;
+        for (int64_t i = 0; i < d; ++i) o[i] = f32_to_bf16(acc[i] * inv);
+      } else {
+        float* o = static_cast<float*>(p.out) + dst;
+        for (int64_t i = 0; i < d; ++i) o[i] = acc[i] * inv;
+      }
+    }
+  }
+}
+
+// One query vector over keys [a, b) of a page whose rows k/v (f32) start at key 0.
+template <int kD>
+void fold_block(const Problem& p, const float* q, const float* k, const float* v,
+                const float* ks, const float* vs, int64_t a, int64_t b, float* s, float* m,
+                float* l, float* acc) {
+  const int64_t d = kD > 0 ? kD : p.head_dim;
+  for (int64_t j = a; j < b; ++j) s[j] = dot<kD>(q, k + j * d, d);
+  if (ks) {
+    for (int64_t j = a; j < b; ++j) s[j] *= ks[j];
+  }
+  if (p.soft_cap > 0.0f) {
+    for (int64_t j = a; j < b; ++j) s[j] = p.soft_cap * std::tanh(s[j] / p.soft_cap);
+  }
+  float block_max = -INFINITY;
+  for (int64_t j = a; j < b; ++j) block_max = std::max(block_max, s[j]);
+  const float m_new = std::max(*m, block_max);
+  float sum = 0.0f;
+  for (int64_t j = a; j < b; ++j) s[j] = fast_exp(s[j] - m_new);
+  for (int64_t j = a; j < b; ++j) sum += s[j];
+  const float alpha = fast_exp(*m - m_new);  // 0 when nothing was seen before
+  *l = *l * alpha + sum;
+  *m = m_new;
+  if (vs) {
+    for (int64_t j = a; j < b; ++j) s[j] *= vs[j];
+  }
+  accumulate<kD>(alpha, s, v, a, b, acc, d);
+}
+
+// Pages ahead to prefetch: measured a few % faster than none; 2 or 4 ahead, no better.
+constexpr int64_t kAhead = 1;
+
+template <Page P, int kD>
+void run_task(const Problem& p, const Task& t) {
+  const int64_t d = kD > 0 ? kD : p.head_dim, bs = p.block_size;
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  int64_t first, last, unused;
+  key_range(p, t, t.pos0, &first, &unused);
+  key_range(p, t, t.pos0 + t.rows - 1, &unused, &last);  // lo and hi grow with the position
+  Scratch& sc = scratch(p, t.rows * group);
+  load_queries(p, t, group, sc.q.data());
+  const int32_t* table = p.tables + t.seq * p.max_blocks;
+  const int64_t row_bytes = d * int64_t(sizeof(typename PageType<P>::T));
+  auto page_of = [&](int64_t blk) {  // an index out of the pool is clamped, as XLA's gather does
+    return std::clamp<int64_t>(table[blk], 0, p.num_blocks - 1);
+  };
+  for (int64_t blk = first / bs; blk * bs < last; ++blk) {
+    const int64_t t0 = blk * bs;
+    const int64_t a = std::max(first, t0) - t0, b = std::min(last, t0 + bs) - t0;
+    const int64_t slot0 = (t.kv_head * p.num_blocks + page_of(blk)) * bs;  // the page's key 0
+    if ((blk + kAhead) * bs < last) {  // a later page's rows arrive while this one is folded
+      const int64_t next = (t.kv_head * p.num_blocks + page_of(blk + kAhead)) * bs;
+      const int64_t n = std::min(last - (blk + kAhead) * bs, bs) * row_bytes;
+      prefetch(static_cast<const char*>(p.k_pages) + next * row_bytes, n);
+      prefetch(static_cast<const char*>(p.v_pages) + next * row_bytes, n);
+    }
+    const float* k = page_f32<P>(p.k_pages, slot0 * d, a * d, b * d, sc.k.data());
+    const float* v = page_f32<P>(p.v_pages, slot0 * d, a * d, b * d, sc.v.data());
+    const float* ks = p.k_scales ? p.k_scales + slot0 : nullptr;
+    const float* vs = p.v_scales ? p.v_scales + slot0 : nullptr;
+    for (int64_t r = 0; r < t.rows; ++r) {
+      int64_t lo, hi;
+      key_range(p, t, t.pos0 + r, &lo, &hi);
+      const int64_t ra = std::max(lo, t0 + a) - t0, rb = std::min(hi, t0 + b) - t0;
+      if (ra >= rb) continue;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t vec = r * group + g;
+        fold_block<kD>(p, sc.q.data() + vec * d, k, v, ks, vs, ra, rb, sc.s.data(), &sc.m[vec],
+                   &sc.l[vec], sc.acc.data() + vec * d);
+      }
+    }
+  }
+  store_outputs(p, t, group, sc);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Running the tasks over XLA's intra-op thread pool
+
+// The caller claims tasks too, and waits only for tasks a worker has claimed (which are
+// running), so it never waits on a worker the pool has not started: a worker that starts late
+// finds nothing left and returns without touching the (by then gone) problem.
+struct Shared {
+  std::atomic<int64_t> next{0}, done{0};
+  int64_t n = 0;
+  std::function<void(int64_t)> work;
+
+  void drain() {
+    for (int64_t i; (i = next.fetch_add(1)) < n;) {
+      work(i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t max_threads,
+                  std::function<void(int64_t)> work) {
+  int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  threads = std::min(threads, n);
+  if (threads <= 1) {
+    for (int64_t i = 0; i < n; ++i) work(i);
+    return;
+  }
+  auto shared = std::make_shared<Shared>();
+  shared->n = n;
+  shared->work = std::move(work);
+  for (int64_t w = 1; w < threads; ++w) pool.Schedule([shared] { shared->drain(); });
+  shared->drain();
+  while (shared->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+template <Page P>
+void run_all(ffi::ThreadPool& pool, const Problem& p, const std::vector<Task>& tasks,
+             int64_t max_threads) {
+  auto go = [&](auto task) {
+    parallel_for(pool, int64_t(tasks.size()), max_threads, [&](int64_t i) { task(p, tasks[i]); });
+  };
+  if (p.head_dim == 64) {
+    go(run_task<P, 64>);
+  } else if (p.head_dim == 128) {
+    go(run_task<P, 128>);
+  } else {
+    go(run_task<P, 0>);
+  }
+}
+
+ffi::Error run(ffi::ThreadPool& pool, const Problem& p, ffi::DataType page_type,
+               const std::vector<Task>& tasks, int64_t max_threads) {
+  switch (page_type) {
+    case ffi::DataType::F32:
+      run_all<Page::kF32>(pool, p, tasks, max_threads);
+      break;
+    case ffi::DataType::BF16:
+      run_all<Page::kBF16>(pool, p, tasks, max_threads);
+      break;
+    case ffi::DataType::S8:
+      run_all<Page::kS8>(pool, p, tasks, max_threads);
+      break;
+    case ffi::DataType::F8E4M3FN:
+      run_all<Page::kF8>(pool, p, tasks, max_threads);
+      break;
+    default:
+      return ffi::Error::InvalidArgument("pages must be f32, bf16, s8 or f8e4m3fn");
+  }
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Handlers
+
+ffi::Error make_problem(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                        const ffi::Buffer<ffi::F32>& ks, const ffi::Buffer<ffi::F32>& vs,
+                        const ffi::Buffer<ffi::S32>& tables, int32_t window,
+                        ffi::AnyBuffer& out, float scale, float soft_cap, Problem* p) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || !(kd == v.dimensions()) ||
+      k.element_type() != v.element_type() || out.element_type() != q.element_type()) {
+    return ffi::Error::InvalidArgument("paged attention: bad operand ranks or dtypes");
+  }
+  if (q.element_type() != ffi::DataType::F32 && q.element_type() != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument("paged attention: q must be f32 or bf16");
+  }
+  if (qd[2] != kd[3] || kd[0] <= 0 || qd[1] % kd[0] != 0) {
+    return ffi::Error::InvalidArgument("paged attention: q and pool shapes disagree");
+  }
+  const bool kv8 = k.element_type() == ffi::DataType::S8 ||
+                   k.element_type() == ffi::DataType::F8E4M3FN;
+  if (kv8 && (ks.element_count() != size_t(kd[0] * kd[1] * kd[2]) ||
+              vs.element_count() != ks.element_count())) {
+    return ffi::Error::InvalidArgument("paged attention: 8-bit pool without matching scales");
+  }
+  *p = Problem{q.untyped_data(),
+               q.element_type() == ffi::DataType::BF16,
+               k.untyped_data(),
+               v.untyped_data(),
+               kv8 ? ks.typed_data() : nullptr,
+               kv8 ? vs.typed_data() : nullptr,
+               tables.typed_data(),
+               out.untyped_data(),
+               qd[1],
+               qd[2],
+               kd[0],
+               kd[1],
+               kd[2],
+               td[1],
+               window,
+               scale,
+               soft_cap};
+  std::memset(out.untyped_data(), 0, out.size_bytes());  // rows no task writes are zero
+  return ffi::Error::Success();
+}
+
+ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                      ffi::AnyBuffer v, ffi::Buffer<ffi::F32> ks, ffi::Buffer<ffi::F32> vs,
+                      ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
+                      ffi::Buffer<ffi::S32> window, ffi::Result<ffi::AnyBuffer> out,
+                      float scale, float soft_cap, int64_t max_threads) {
+  Problem p;
+  const int64_t num_seqs = q.dimensions()[0];
+  if (lens.element_count() != size_t(num_seqs) || tables.dimensions()[0] != num_seqs) {
+    return ffi::Error::InvalidArgument("paged attention: q, block_tables, context_lens disagree");
+  }
+  ffi::Error err = make_problem(q, k, v, ks, vs, tables, window.typed_data()[0], *out, scale,
+                                soft_cap, &p);
+  if (!err.success()) return err;
+  std::vector<Task> tasks;
+  const int32_t* len = lens.typed_data();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (len[s] <= 0) continue;  // zeros
+    for (int64_t h = 0; h < p.num_kv_heads; ++h) tasks.push_back({s, s, 1, len[s] - 1, len[s], h});
+  }
+  return run(pool, p, k.element_type(), tasks, max_threads);
+}
+
+// Rows of each sequence, cut into runs of at most `tile` rows. Row n belongs to the last
+// sequence starting at or before it (as the jnp reference's searchsorted); it is live below
+// query_start_loc[-1] and among its sequence's first `max_query_len` rows.
+std::vector<Task> ragged_tasks(const int32_t* qsl, const int32_t* lens, int64_t num_seqs,
+                               int64_t num_tokens, int64_t max_q, int64_t num_kv_heads,
+                               int64_t tile) {
+  std::vector<Task> runs;
+  const int64_t end = std::min<int64_t>(qsl[num_seqs], num_tokens);
+  for (int64_t n = 0; n < end;) {
+    int64_t seq = std::upper_bound(qsl, qsl + num_seqs + 1, int32_t(n)) - qsl - 1;
+    seq = std::clamp<int64_t>(seq, 0, num_seqs - 1);
+    const int64_t q_len = int64_t(qsl[seq + 1]) - qsl[seq];
+    // Rows up to the next sequence's start are this one's; its first max_q of them are live.
+    const int64_t seq_end = std::max<int64_t>(std::min<int64_t>(qsl[seq + 1], end), n + 1);
+    const int64_t live_end = std::min<int64_t>(seq_end, int64_t(qsl[seq]) + max_q);
+    for (int64_t r = n; r < live_end; r += tile) {
+      const int64_t rows = std::min(tile, live_end - r);
+      const int64_t pos0 = int64_t(lens[seq]) - q_len + (r - qsl[seq]);
+      runs.push_back({seq, r, rows, pos0, lens[seq], 0});
+    }
+    n = seq_end;
+  }
+  std::vector<Task> tasks;
+  tasks.reserve(runs.size() * num_kv_heads);
+  for (const Task& t : runs) {
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      Task th = t;
+      th.kv_head = h;
+      tasks.push_back(th);
+    }
+  }
+  return tasks;
+}
+
+ffi::Error RaggedImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                      ffi::AnyBuffer v, ffi::Buffer<ffi::F32> ks, ffi::Buffer<ffi::F32> vs,
+                      ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
+                      ffi::Buffer<ffi::S32> qsl, ffi::Buffer<ffi::S32> window,
+                      ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap,
+                      int64_t max_query_len, int64_t tile_rows, int64_t max_threads) {
+  Problem p;
+  const int64_t num_seqs = tables.dimensions()[0];
+  if (lens.element_count() != size_t(num_seqs) || qsl.element_count() != size_t(num_seqs + 1)) {
+    return ffi::Error::InvalidArgument(
+        "ragged paged attention: block_tables, context_lens, query_start_loc disagree");
+  }
+  if (tile_rows < 1 || max_query_len < 1) {
+    return ffi::Error::InvalidArgument("ragged paged attention: tile_rows, max_query_len >= 1");
+  }
+  ffi::Error err = make_problem(q, k, v, ks, vs, tables, window.typed_data()[0], *out, scale,
+                                soft_cap, &p);
+  if (!err.success() || num_seqs == 0) return err;
+  const std::vector<Task> tasks =
+      ragged_tasks(qsl.typed_data(), lens.typed_data(), num_seqs, q.dimensions()[0],
+                   max_query_len, p.num_kv_heads, tile_rows);
+  return run(pool, p, k.element_type(), tasks, max_threads);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionDecode, DecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // q
+                                  .Arg<ffi::AnyBuffer>()          // k_pages
+                                  .Arg<ffi::AnyBuffer>()          // v_pages
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_scales (8-bit pool)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // context_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // sliding window, i32[1]
+                                  .Ret<ffi::AnyBuffer>()          // out
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("max_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionRagged, RaggedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // q
+                                  .Arg<ffi::AnyBuffer>()          // k_pages
+                                  .Arg<ffi::AnyBuffer>()          // v_pages
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_scales (8-bit pool)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // context_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // sliding window, i32[1]
+                                  .Ret<ffi::AnyBuffer>()          // out
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("max_query_len")
+                                  .Attr<int64_t>("tile_rows")
+                                  .Attr<int64_t>("max_threads"));
