@@ -562,7 +562,10 @@ def _restore(
         shardings,
     )
     with ocp.StandardCheckpointer() as checkpointer:
-        return config, checkpointer.restore(ckpt / "params", target)
+        params = checkpointer.restore(ckpt / "params", target)
+    if jax.process_count() == 1:
+        _add_raw(ckpt, params)
+    return config, params
 
 
 # A single process's cache entry: every array's bytes in one file (64-byte aligned) and an index
@@ -583,6 +586,20 @@ def _write_raw(ckpt: Path, params: dict) -> None:
             index.append(dict(path=path, dtype=str(array.dtype), shape=shape, offset=offset))
             offset += array.nbytes
     (ckpt / _RAW_INDEX).write_text(json.dumps({"arrays": index}))
+
+
+def _add_raw(ckpt: Path, params: dict) -> None:
+    """Give an orbax entry the mapped file too, so that later loads map it. The data file is
+    renamed into place before the index, so a reader that sees the index sees all the data."""
+    tmp = Path(tempfile.mkdtemp(dir=ckpt, prefix=".raw-"))
+    try:
+        _write_raw(tmp, params)
+        os.replace(tmp / _RAW_DATA, ckpt / _RAW_DATA)
+        os.replace(tmp / _RAW_INDEX, ckpt / _RAW_INDEX)
+    except OSError:
+        pass  # a read-only or full cache: orbax serves it
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _restore_raw(ckpt: Path, mesh: Mesh | None) -> dict:

@@ -85,8 +85,9 @@ def test_an_entry_is_one_mapped_file_and_orbax_entries_still_restore(tmp_path, t
         ckptr.save((old / "params").absolute(), loaded.params)
     (old / "config.json").write_text((raw / "config.json").read_text())
     (old / "COMPLETE").touch()
-    for entry in (raw, old):
+    for entry in (raw, old, old):  # the orbax entry gains the mapped file on its first restore
         config, params = loader._restore(entry, "bfloat16", None)
+        assert (entry / "params.json").exists()
         assert config == loaded.config
         assert jax.tree.structure(params) == jax.tree.structure(loaded.params)
         for x, y in zip(_leaves(loaded.params), _leaves(params), strict=True):

@@ -1,6 +1,6 @@
 """The compiled model step: one copy of the layer whatever the model's depth (layers under scan),
-and the KV pool updated in place: donated, never copied (whole or one layer's share), and read by
-gathers only inside attention."""
+and the KV pool updated in place: donated, never copied (whole or one layer's share), and read
+only inside attention (by its gathers, or in place by the native CPU kernel)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,9 @@ def test_step_updates_the_pool_in_place(max_query_len):
     copies = [r for r in reads if r[0] != "gather"]
     assert not copies, f"the step copies or slices the pool: {copies}"
     gathers = [name for op, name in reads if op == "gather"]
-    assert gathers, "attention should gather its context from the pool"
+    # On a CPU the native kernel reads the pool in place (a custom call); XLA's path gathers.
+    native = re.search(r'custom_call_target="pagedjax_PagedAttention(Decode|Ragged)_', hlo)
+    assert gathers or native, "attention should read its context from the pool"
     outside = [name for name in gathers if "paged_attention" not in name]
     assert not outside, f"the pool is gathered outside attention: {outside}"
 
