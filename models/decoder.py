@@ -37,6 +37,7 @@ from .layers import (
     activation,
     apply_rope,
     dense,
+    live_rows,
     norm,
     paged_attention,
     rope_tables,
@@ -56,11 +57,11 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, cos, sin, kv: KVPool, layer, window, step: StepInput):
         c, n = self.config, self.config.num_layers
-        tokens = x.shape[0]
+        tokens, live = x.shape[0], live_rows(step)
         linear = functools.partial(dense, dtype=self.dtype, layers=n, in_place=self.mesh is None)
-        q = linear(c.num_heads * c.head_dim, c.qkv_bias, name="q_proj")(x, layer)
-        k = linear(c.num_kv_heads * c.head_dim, c.qkv_bias, name="k_proj")(x, layer)
-        v = linear(c.num_kv_heads * c.head_dim, c.qkv_bias, name="v_proj")(x, layer)
+        q = linear(c.num_heads * c.head_dim, c.qkv_bias, name="q_proj")(x, layer, live)
+        k = linear(c.num_kv_heads * c.head_dim, c.qkv_bias, name="k_proj")(x, layer, live)
+        v = linear(c.num_kv_heads * c.head_dim, c.qkv_bias, name="v_proj")(x, layer, live)
         q = q.reshape(tokens, c.num_heads, c.head_dim)
         k = k.reshape(tokens, c.num_kv_heads, c.head_dim)
         v = v.reshape(tokens, c.num_kv_heads, c.head_dim)
@@ -71,7 +72,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, kv = paged_attention(q, k, v, kv, layer, window, step, c, self.backend, self.mesh)
         out = out.reshape(tokens, c.num_heads * c.head_dim)
-        return linear(c.hidden_size, c.o_bias, name="o_proj")(out, layer), kv
+        return linear(c.hidden_size, c.o_bias, name="o_proj")(out, layer, live), kv
 
 
 class MLP(nn.Module):
@@ -82,18 +83,19 @@ class MLP(nn.Module):
     in_place: bool = True
 
     @nn.compact
-    def __call__(self, x, layer):
+    def __call__(self, x, layer, live=None):
         c = self.config
         act = activation(c)
         linear = functools.partial(
             dense, dtype=self.dtype, layers=c.num_layers, in_place=self.in_place
         )
-        up = linear(c.intermediate_size, c.mlp_bias, name="up_proj")(x, layer)
+        up = linear(c.intermediate_size, c.mlp_bias, name="up_proj")(x, layer, live)
         if c.gated_mlp:
-            up = act(linear(c.intermediate_size, c.mlp_bias, name="gate_proj")(x, layer)) * up
+            gate = linear(c.intermediate_size, c.mlp_bias, name="gate_proj")(x, layer, live)
+            up = act(gate) * up
         else:
             up = act(up)
-        return linear(c.hidden_size, c.mlp_bias, name="down_proj")(up, layer)
+        return linear(c.hidden_size, c.mlp_bias, name="down_proj")(up, layer, live)
 
 
 class DecoderLayer(nn.Module):
@@ -125,7 +127,7 @@ class DecoderLayer(nn.Module):
             if c.num_experts:
                 row, is_moe = per_layer["mlp_row"], per_layer.get("is_moe")
                 return layer_mlp(h, stacks, row, is_moe, c, self.mesh)
-            return MLP(c, dt, self.mesh is None, name="mlp")(h, layer)
+            return MLP(c, dt, self.mesh is None, name="mlp")(h, layer, live_rows(step))
 
         if not c.norm_before:  # post-norm (OPT-350m)
             h, kv = attn(x, cos, sin, kv, layer, window, step)

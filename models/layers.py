@@ -47,7 +47,8 @@ class Dense(nn.Module):
     Inside the layer scan (``layers`` set) the parameters are stacked, ``kernel`` [layers, in,
     out], and the call takes the scan's ``layer``: a float kernel is multiplied where it lies
     (``pallas_kernels.layer_matmul``; on a CPU XLA would copy the slice before its dot), unless
-    ``in_place`` is off (tensor parallelism: the sharded dot is XLA's)."""
+    ``in_place`` is off (tensor parallelism: the sharded dot is XLA's). ``live_rows``: x's rows
+    past it are padding (the native kernel leaves them zero)."""
 
     features: int
     use_bias: bool
@@ -56,7 +57,7 @@ class Dense(nn.Module):
     in_place: bool = True  # a stacked float kernel is read in place (layer_matmul)
 
     @nn.compact
-    def __call__(self, x, layer=None):
+    def __call__(self, x, layer=None, live_rows=None):
         init = nn.initializers.lecun_normal()
         lead = () if self.layers is None else (self.layers,)
         kernel = self.param("kernel", init, (*lead, x.shape[-1], self.features), self.dtype)
@@ -66,7 +67,7 @@ class Dense(nn.Module):
         if self.has_variable("params", "kernel_scale"):
             scale = self.get_variable("params", "kernel_scale")
         if self.layers is not None and scale is None and self.in_place and x.ndim == 2:
-            y = pallas_kernels.layer_matmul(x, kernel.astype(self.dtype), layer)
+            y = pallas_kernels.layer_matmul(x, kernel.astype(self.dtype), layer, live_rows)
         else:
             if self.layers is not None:
                 kernel = kernel[layer]
@@ -180,6 +181,13 @@ def longrope_inv_freqs(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     short = 1.0 / (np.asarray(params["short_factor"], np.float32) * base)
     long = 1.0 / (np.asarray(params["long_factor"], np.float32) * base)
     return short.astype(np.float32), long.astype(np.float32)
+
+
+def live_rows(step: StepInput) -> jax.Array:  # i32[]
+    """Rows of the packed batch that belong to a sequence with context: the rows after them are
+    padding (both layouts put the real sequences, and their rows, first)."""
+    ends = step.query_start_loc[1:]
+    return jnp.max(jnp.where(step.context_lens > 0, ends, 0), initial=0)
 
 
 def token_seq_ids(step: StepInput) -> jax.Array:  # i32[num_tokens]

@@ -43,12 +43,16 @@ def native_supported(x: jax.Array, w: jax.Array) -> bool:
     )
 
 
-def layer_matmul(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
+def layer_matmul(
+    x: jax.Array, w: jax.Array, layer: jax.Array, live_rows: jax.Array | None = None
+) -> jax.Array:
     """``x`` [M, K] @ ``w[layer]`` ([num_layers, K, N] stacked) -> [M, N], x's dtype.
 
     ``layer`` is an int32 scalar (traced: the scan's layer index), clamped to the stack. On a CPU
     the native kernel reads the layer's kernel in place; on other platforms, or without a native
-    build, the slice and a dot."""
+    build, the slice and a dot. ``live_rows`` (int32 scalar, default M): only x's first
+    ``live_rows`` rows are needed (a step's real tokens); the native kernel computes those and
+    returns zeros below them (XLA's path computes every row: the rows wanted agree either way)."""
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
         raise ValueError(
             f"layer_matmul needs x [M, K] and w [L, K, N], got {x.shape} and {w.shape}"
@@ -59,11 +63,15 @@ def layer_matmul(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
     target = lib.target("LayerMatmul")
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), x.dtype)
     layer = jnp.asarray(layer, jnp.int32).reshape(())
+    live = jnp.asarray(x.shape[0] if live_rows is None else live_rows, jnp.int32).reshape(())
 
-    def on_cpu(x, w, layer):
-        return jax.ffi.ffi_call(target, out)(x, w, layer)
+    def on_cpu(x, w, layer, live):
+        return jax.ffi.ffi_call(target, out)(x, w, layer, live)
 
-    return jax.lax.platform_dependent(x, w, layer, cpu=on_cpu, default=layer_matmul_reference)
+    def elsewhere(x, w, layer, live):
+        return layer_matmul_reference(x, w, layer)
+
+    return jax.lax.platform_dependent(x, w, layer, live, cpu=on_cpu, default=elsewhere)
 
 
 def matmul_transposed_reference(x: jax.Array, w: jax.Array) -> jax.Array:

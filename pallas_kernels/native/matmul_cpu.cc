@@ -7,7 +7,8 @@
 // place, once.
 //
 //   x: [M, K] f32 or bf16        w: [L, K, N] f32 or bf16        layer: s32[] (clamped to [0, L))
-//   y: [M, N], x's dtype; accumulation in f32.
+//   live: s32[], the rows of x worth computing (the step's real tokens; the rest are padding)
+//   y: [M, N], x's dtype, accumulated in f32; rows from `live` on are zeros.
 //
 // Work: column tiles of NT floats, rows in blocks of MR (MR x NT accumulators held in registers),
 // the tiles shared out over XLA's intra-op thread pool.
@@ -207,7 +208,9 @@ struct Work {
 
 template <typename F>
 void parallel_tiles(ffi::ThreadPool& pool, int64_t tiles, F body) {
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), tiles - 1);
+  // The calling thread works too: with it, one helper per other thread of the pool (on the
+  // 2-core CPU, 2 helpers ran no faster than 1 and sometimes slower).
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, tiles - 1);
   if (helpers <= 0) {
     for (int64_t t = 0; t < tiles; ++t) body(t);
     return;
@@ -227,11 +230,15 @@ void parallel_tiles(ffi::ThreadPool& pool, int64_t tiles, F body) {
 }
 
 // x (f32 or bf16) in f32, y computed in f32 and written back in x's dtype; `compute(xp, yp, W*)`
-// gets w's data as float* or uint16_t* (bf16).
+// gets w's data as float* or uint16_t* (bf16). Only the first M of x's rows are computed; y's
+// rows from M to `rows` (x's whole height) are zeros.
 template <typename F>
 ffi::Error with_f32(ffi::AnyBuffer& x, const void* w, bool w_bf16, ffi::AnyBuffer& y,
-                    int64_t M, int64_t K, int64_t N, F compute) {
+                    int64_t M, int64_t rows, int64_t K, int64_t N, F compute) {
   const bool x_bf16 = x.element_type() == ffi::BF16;
+  const size_t out_item = x_bf16 ? 2 : 4;
+  std::memset(static_cast<char*>(y.untyped_data()) + M * N * out_item, 0,
+              (rows - M) * N * out_item);
   if (M == 0 || N == 0) return ffi::Error::Success();
   std::vector<float> xf;  // x in f32 (small: a few rows)
   const float* xp = reinterpret_cast<const float*>(x.untyped_data());
@@ -267,7 +274,8 @@ bool float_types(ffi::AnyBuffer& x, ffi::AnyBuffer& w) {
 size_t itemsize(ffi::AnyBuffer& w) { return w.element_type() == ffi::BF16 ? 2 : 4; }
 
 ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                           ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> y) {
+                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live,
+                           ffi::Result<ffi::AnyBuffer> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1]) {
@@ -276,14 +284,15 @@ ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   if (!float_types(x, w)) {
     return ffi::Error::InvalidArgument("layer_matmul: x and w must be float32 or bfloat16");
   }
-  const int64_t M = xd[0], K = xd[1], L = wd[0], N = wd[2];
+  const int64_t rows = xd[0], K = xd[1], L = wd[0], N = wd[2];
   const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, L - 1);
+  const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, rows);  // rows worth computing
   const char* wl = static_cast<const char*>(w.untyped_data()) + l * K * N * itemsize(w);
   // Vectors per tile: wide for few rows, narrow for many (see ACCUMULATORS).
   const int64_t V = M <= 2 ? 8 : M <= 4 ? 4 : 2;
   const int64_t width = 16 * V;
   const int64_t tiles = (N + width - 1) / width;
-  return with_f32(x, wl, w.element_type() == ffi::BF16, *y, M, K, N,
+  return with_f32(x, wl, w.element_type() == ffi::BF16, *y, M, rows, K, N,
                   [&](const float* xp, float* yp, const auto* wp) {
                     parallel_tiles(pool, tiles, [=](int64_t t) {
                       const int64_t n0 = t * width;
@@ -307,7 +316,7 @@ ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Any
   const int64_t T = M <= 2 ? 8 : 4;
   constexpr int64_t ROWS = 256;  // w's rows per work item
   const int64_t tiles = (N + ROWS - 1) / ROWS;
-  return with_f32(x, w.untyped_data(), w.element_type() == ffi::BF16, *y, M, K, N,
+  return with_f32(x, w.untyped_data(), w.element_type() == ffi::BF16, *y, M, M, K, N,
                   [&](const float* xp, float* yp, const auto* wp) {
                     parallel_tiles(pool, tiles, [=](int64_t t) {
                       const int64_t n0 = t * ROWS;
@@ -323,6 +332,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerMatmul, LayerMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>());
 

@@ -98,6 +98,29 @@ def test_transposed_against_float64(m, k, n, dtype):
                                rtol=tol, atol=tol)  # fmt: skip
 
 
+def test_rows_past_live_rows_are_zeros_and_the_rest_exact():
+    x, w = _arrays(9, 48, 70, 2, jnp.float32, jnp.float32, seed=5)
+    x = x.at[5:].set(jnp.nan)  # padding rows may hold anything
+    for live in (0, 1, 5):
+        got = np.asarray(jax.jit(layer_matmul)(x, w, jnp.int32(1), jnp.int32(live)))
+        np.testing.assert_array_equal(got[live:], 0)
+        np.testing.assert_allclose(got[:live], oracle(x[:live], w, 1), rtol=2e-5, atol=2e-5)
+
+
+def test_live_rows_of_both_step_layouts():
+    from pagedjax.models.layers import live_rows
+    from pagedjax.models.step_input import StepInput
+
+    def step(qsl, lens):
+        i = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+        z = i([0] * 8)
+        return StepInput(z, z, z, i([[0]] * len(lens)), i(lens), i(qsl), z, max_query_len=1)
+
+    assert int(live_rows(step([0, 1, 2, 3, 4], [5, 9, 0, 0]))) == 2  # decode: row i = seq i
+    assert int(live_rows(step([0, 3, 7, 7, 7], [3, 20, 0, 0]))) == 7  # packed prefill
+    assert int(live_rows(step([0, 1, 2], [0, 0]))) == 0  # warm-up: no sequence at all
+
+
 def test_out_of_range_layer_is_clamped_like_xla_indexing():
     x, w = _arrays(2, 16, 32, 3, jnp.float32, jnp.float32, seed=3)
     for layer in (-1, 7):
