@@ -81,7 +81,8 @@ def test_under_a_scan_each_layer_reads_its_own_kernel():
 
 
 @pytest.mark.parametrize(
-    "m,k,n", [(1, 576, 4099), (2, 64, 8), (3, 37, 13), (8, 100, 260), (17, 16, 33), (0, 8, 4)]
+    "m,k,n",
+    [(1, 576, 4099), (2, 64, 8), (3, 37, 13), (8, 100, 260), (16, 16, 33), (0, 8, 4), (40, 8, 9)],
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_transposed_against_float64(m, k, n, dtype):
