@@ -41,7 +41,6 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
     import numpy as np
-
     from pagedjax.pallas_kernels import native
     from pagedjax.pallas_kernels.layer_matmul import (
         SYMBOLS,
