@@ -331,13 +331,13 @@ def test_compare_starts_pagedjax_serve_and_a_peer(stub_script, tiny_dir, tmp_pat
     assert all(r["completed"] == 4 and r["exact_lengths"] == 4 for r in res["rows"])
 
 
-def test_repeats_and_fewer_prompts_at_the_small_sweep_values(server, tiny_dir, capsys):
+def test_repeats_and_fewer_prompts_at_the_small_sweep_values(server, tiny_dir, capsys, tmp_path):
     res = bench_json(
         capsys,
         *("--base-url", server, "--model", MODEL, "--tokenizer", tiny_dir),
         *("--dataset-name", "random", "--random-input-len", "8", "--random-output-len", "4"),
         *("--num-prompts", "4", "--sweep-concurrency", "1,2", "--sweep-num-prompts", "2,4"),
-        *("--repeats", "3", "--num-warmups", "0"),
+        *("--repeats", "3", "--num-warmups", "0", "--plot", str(tmp_path / "sweep.png")),
     )
     assert [(r["max_concurrency"], r["completed"]) for r in res["rows"]] == [(1, 2), (2, 4)]
     for row in res["rows"]:
