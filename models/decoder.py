@@ -55,9 +55,9 @@ class Attention(nn.Module):
     mesh: Mesh | None = None
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv: KVPool, layer, window, step: StepInput):
+    def __call__(self, x, cos, sin, kv: KVPool, layer, window, step: StepInput, live):
         c, n = self.config, self.config.num_layers
-        tokens, live = x.shape[0], live_rows(step)
+        tokens = x.shape[0]
         linear = functools.partial(dense, dtype=self.dtype, layers=n, in_place=self.mesh is None)
         q = linear(c.num_heads * c.head_dim, c.qkv_bias, name="q_proj")(x, layer, live)
         k = linear(c.num_kv_heads * c.head_dim, c.qkv_bias, name="k_proj")(x, layer, live)
@@ -118,6 +118,7 @@ class DecoderLayer(nn.Module):
         window = static_window(c)
         window = per_layer.get("window") if window is None else window
         layer = per_layer["layer"]  # i32[]: every parameter here is stacked, taken at this row
+        live = live_rows(step)  # i32[]: rows past it are padding
         attn = Attention(c, dt, self.backend, self.mesh, name="self_attn")
 
         def layer_norm(name):
@@ -127,15 +128,15 @@ class DecoderLayer(nn.Module):
             if c.num_experts:
                 row, is_moe = per_layer["mlp_row"], per_layer.get("is_moe")
                 return layer_mlp(h, stacks, row, is_moe, c, self.mesh)
-            return MLP(c, dt, self.mesh is None, name="mlp")(h, layer, live_rows(step))
+            return MLP(c, dt, self.mesh is None, name="mlp")(h, layer, live)
 
         if not c.norm_before:  # post-norm (OPT-350m)
-            h, kv = attn(x, cos, sin, kv, layer, window, step)
+            h, kv = attn(x, cos, sin, kv, layer, window, step, live)
             x = layer_norm("input_layernorm")(x + h)
             x = layer_norm("post_attention_layernorm")(x + mlp(x))
             return (x, kv), None
         h = layer_norm("input_layernorm")(x)
-        h, kv = attn(h, cos, sin, kv, layer, window, step)
+        h, kv = attn(h, cos, sin, kv, layer, window, step, live)
         if c.sandwich_norms:  # Gemma: the attention output is normed before the residual
             h = layer_norm("post_attention_layernorm")(h)
         x = x + h
@@ -209,9 +210,10 @@ class DecoderModel(nn.Module):
         if c.word_embed_proj_dim:
             x = dense(c.embed_dim, False, dt, "project_out")(x)
         if c.tie_word_embeddings:
-            # x @ table.T: on a CPU (no mesh) a native kernel streams the table's rows once.
-            attend = pallas_kernels.matmul_transposed if self.mesh is None else None
-            logits = attend(x, embed.embedding) if attend else embed.attend(x)
+            if self.mesh is None:  # x @ table.T; on a CPU a native kernel streams the table once
+                logits = pallas_kernels.matmul_transposed(x, embed.embedding)
+            else:
+                logits = embed.attend(x)
         else:
             logits = dense(c.vocab_size, False, dt, "lm_head")(x)
         if self.mesh is not None:

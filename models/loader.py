@@ -605,8 +605,8 @@ def _add_raw(ckpt: Path, params: dict) -> None:
 def _restore_raw(ckpt: Path, mesh: Mesh | None) -> dict:
     index = json.loads((ckpt / _RAW_INDEX).read_text())["arrays"]
     # Mapped, not read: on a CPU each array aliases its page-cache pages (no copy); a device
-    # copies only what it is sent. Entries are never written in place (``_save`` renames whole
-    # ones into place), so the mapping stays valid.
+    # copies only what it is sent. A data file is never written in place (``_save`` and
+    # ``_add_raw`` rename finished files into place), so the mapping stays valid.
     data = np.memmap(ckpt / _RAW_DATA, dtype=np.uint8, mode="r")
     flat = {}
     for entry in index:

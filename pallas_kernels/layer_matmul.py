@@ -36,14 +36,8 @@ def layer_matmul_reference(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.
 
 
 def native_supported(x: jax.Array, w: jax.Array) -> bool:
-    """Whether the native kernel takes these operands (float32 / bfloat16, 2-D x, 3-D w)."""
-    return (
-        x.ndim == 2
-        and w.ndim == 3
-        and x.shape[1] == w.shape[1]
-        and jnp.dtype(x.dtype) in _DTYPES
-        and jnp.dtype(w.dtype) in _DTYPES
-    )
+    """Whether the native kernels take these operands' dtypes (float32 / bfloat16)."""
+    return jnp.dtype(x.dtype) in _DTYPES and jnp.dtype(w.dtype) in _DTYPES
 
 
 def layer_matmul(
@@ -63,18 +57,13 @@ def layer_matmul(
     lib = native.load("matmul_cpu", SYMBOLS) if native_supported(x, w) else None
     if lib is None:
         return layer_matmul_reference(x, w, layer)
-    target = lib.target("LayerMatmul")
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), x.dtype)
+    call = jax.ffi.ffi_call(
+        lib.target("LayerMatmul"), jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), x.dtype)
+    )
     layer = jnp.asarray(layer, jnp.int32).reshape(())
     live = jnp.asarray(x.shape[0] if live_rows is None else live_rows, jnp.int32).reshape(())
-
-    def on_cpu(x, w, layer, live):
-        return jax.ffi.ffi_call(target, out)(x, w, layer, live)
-
-    def elsewhere(x, w, layer, live):
-        return layer_matmul_reference(x, w, layer)
-
-    return jax.lax.platform_dependent(x, w, layer, live, cpu=on_cpu, default=elsewhere)
+    elsewhere = lambda x, w, layer, live: layer_matmul_reference(x, w, layer)  # noqa: E731
+    return native.on_cpu(call, elsewhere, x, w, layer, live)
 
 
 def matmul_transposed_reference(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -91,15 +80,11 @@ def matmul_transposed(x: jax.Array, w: jax.Array) -> jax.Array:
         raise ValueError(
             f"matmul_transposed needs x [M, K] and w [N, K], got {x.shape} and {w.shape}"
         )
-    supported = jnp.dtype(x.dtype) in _DTYPES and jnp.dtype(w.dtype) in _DTYPES
-    supported &= x.shape[0] <= TRANSPOSED_MAX_ROWS
+    supported = native_supported(x, w) and x.shape[0] <= TRANSPOSED_MAX_ROWS
     lib = native.load("matmul_cpu", SYMBOLS) if supported else None
     if lib is None:
         return matmul_transposed_reference(x, w)
-    target = lib.target("MatmulTransposed")
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), x.dtype)
-
-    def on_cpu(x, w):
-        return jax.ffi.ffi_call(target, out)(x, w)
-
-    return jax.lax.platform_dependent(x, w, cpu=on_cpu, default=matmul_transposed_reference)
+    call = jax.ffi.ffi_call(
+        lib.target("MatmulTransposed"), jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), x.dtype)
+    )
+    return native.on_cpu(call, matmul_transposed_reference, x, w)

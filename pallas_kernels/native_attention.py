@@ -188,17 +188,3 @@ def ragged_paged_attention_native(
         max_query_len=np.int64(max_q),
         tile_rows=np.int64(tile_rows),
     )
-
-
-def on_cpu(native_fn, xla_fn, *args, **kwargs):
-    """``native_fn(*args, **kwargs)`` where the program runs on a CPU, ``xla_fn`` elsewhere, so a
-    program lowered for a GPU/TPU never holds the CPU custom call (``lax.platform_dependent``:
-    the choice is made at lowering, only the chosen branch is compiled). Array keyword arguments
-    become operands; the others (scale, soft cap, a Python int window) stay static."""
-    arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
-    static = {k: v for k, v in kwargs.items() if k not in arrays}
-
-    def bind(fn):
-        return lambda args, arrays: fn(*args, **arrays, **static)
-
-    return jax.lax.platform_dependent(args, arrays, cpu=bind(native_fn), default=bind(xla_fn))

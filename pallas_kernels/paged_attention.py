@@ -239,10 +239,8 @@ def paged_attention(
         k_scales=k_scales,
         v_scales=v_scales,
     )
-    from . import native_attention  # imports this module (check_paged_inputs)
+    from . import native, native_attention  # native_attention imports this module
 
     if native_attention.available() and native_attention.supports(q.dtype, k_pages.dtype):
-        return native_attention.on_cpu(
-            native_attention.paged_attention_native, xla_path, *args, **kwargs
-        )
+        return native.on_cpu(native_attention.paged_attention_native, xla_path, *args, **kwargs)
     return xla_path(*args, **kwargs)

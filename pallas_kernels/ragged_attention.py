@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import native_attention
+from . import native, native_attention
 from ._common import check_kv_scales, check_window_and_cap
 from ._gpu_ragged import ragged_paged_attention_gpu
 from ._tpu_ragged import ragged_paged_attention_tpu
@@ -127,7 +127,7 @@ def ragged_paged_attention(
     if backend == "reference" or q.shape[0] == 0:
         kv8 = dict(k_scales=k_scales, v_scales=v_scales)
         if native_attention.available() and native_attention.supports(q.dtype, k_pages.dtype):
-            return native_attention.on_cpu(
+            return native.on_cpu(
                 native_attention.ragged_paged_attention_native,
                 ragged_paged_attention_reference,
                 *args,

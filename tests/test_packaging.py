@@ -76,7 +76,7 @@ def test_wheel_holds_one_package_and_every_module(wheel):
     want = {
         f"{dest}/{p.relative_to(ROOT / src).as_posix()}"
         for src, dest in SOURCES.items()
-        for pattern in ("*.py", "*.cc")  # the native CPU kernels' sources build on first use
+        for pattern in ("*.py", "*.cc", "*.h")  # the native CPU kernels' sources build on first use
         for p in (ROOT / src).rglob(pattern)
         if "__pycache__" not in p.parts
     }

@@ -4,8 +4,9 @@ On a CPU, XLA's own code for the paged attention and for the layer scan's matmul
 memory than the work needs (docs/BENCHMARKS.md, "Where a decode step's time goes"). The kernels
 here read each byte once. A kernel's source ``NAME.cc`` is compiled with the system's C++
 compiler into ``$PAGEDJAX_CACHE_DIR/native`` (default ``~/.cache/pagedjax/native``) the first time
-a process asks for it, keyed by the source, the flags, jaxlib's version and this CPU's model and
-flags, then loaded and its handlers registered as FFI targets for the "cpu" platform.
+a process asks for it, keyed by the source and the headers beside it, the flags, jaxlib's
+version and this CPU's model and flags, then loaded and its handlers registered as FFI targets
+for the "cpu" platform. ``on_cpu`` calls a kernel only where the program runs on a CPU.
 
 Where no compiler is found or the build fails, ``load`` warns once and returns None, and callers
 take their plain XLA path. ``PAGEDJAX_NATIVE=0`` turns the kernels off.
@@ -77,6 +78,8 @@ def _key(source: bytes, cxx: str) -> str:
     import jaxlib
 
     h = hashlib.sha256(source)
+    for header in sorted(SOURCE_DIR.glob("*.h")):  # what every source includes (common.h)
+        h.update(b"\0" + header.read_bytes())
     for part in (" ".join(FLAGS), cxx, jaxlib.__version__, _cpu_identity()):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:16]
@@ -136,3 +139,17 @@ def load(name: str, symbols: tuple[str, ...]) -> Library | None:
                 )
                 _loaded[name] = None
         return _loaded[name]
+
+
+def on_cpu(native_fn, xla_fn, *args, **kwargs):
+    """``native_fn(*args, **kwargs)`` where the program runs on a CPU, ``xla_fn`` elsewhere, so a
+    program lowered for a GPU/TPU never holds the CPU custom call (``lax.platform_dependent``:
+    the choice is made at lowering, only the chosen branch is compiled). Array keyword arguments
+    become operands; the others (scale, soft cap, a Python int window) stay static."""
+    arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
+    static = {k: v for k, v in kwargs.items() if k not in arrays}
+
+    def bind(fn):
+        return lambda args, arrays: fn(*args, **arrays, **static)
+
+    return jax.lax.platform_dependent(args, arrays, cpu=bind(native_fn), default=bind(xla_fn))

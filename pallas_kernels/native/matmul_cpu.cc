@@ -14,21 +14,21 @@
 // the tiles shared out over XLA's intra-op thread pool.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <utility>
 #include <vector>
 
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// GCC/Clang vector extensions: 16 floats (one AVX-512 register; two AVX2 ones elsewhere).
-typedef float v16f __attribute__((vector_size(64)));
+using namespace pagedjax_native;
+
+// bfloat16 weights, 16 at a time, widened to common.h's f32x16.
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
@@ -37,35 +37,16 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 // narrower ones, so every weight a tile covers is read once for all its rows.
 constexpr int64_t ACCUMULATORS = 16;
 
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as XLA does
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 inline float load1(const float* p, int64_t i) { return p[i]; }
 inline float load1(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
 
-inline v16f load16(const float* p) {
-  v16f v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+using pagedjax_native::load16;  // the float overload, beside this one
 
-inline v16f load16(const uint16_t* p) {
+inline f32x16 load16(const uint16_t* p) {
   v16h h;
   std::memcpy(&h, p, sizeof h);
   v16u u = __builtin_convertvector(h, v16u) << 16;
-  v16f v;
+  f32x16 v;
   std::memcpy(&v, &u, sizeof v);
   return v;
 }
@@ -75,13 +56,13 @@ inline v16f load16(const uint16_t* p) {
 template <int64_t R, int64_t V, typename W>
 inline void block(const float* x, int64_t K, const W* w, int64_t N, int64_t m0, int64_t n0,
                   float* y) {
-  v16f acc[R][V];
+  f32x16 acc[R][V];
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < V; ++j) acc[r][j] = v16f{};
+    for (int64_t j = 0; j < V; ++j) acc[r][j] = f32x16{};
   const float* xr = x + m0 * K;
   for (int64_t k = 0; k < K; ++k) {
     const W* row = w + k * N + n0;
-    v16f wk[V];
+    f32x16 wk[V];
     for (int64_t j = 0; j < V; ++j) wk[j] = load16(row + 16 * j);
     for (int64_t r = 0; r < R; ++r) {
       const float xv = xr[r * K + k];
@@ -146,15 +127,15 @@ void column_tile(const float* x, int64_t M, int64_t K, const W* w, int64_t N, in
 template <int64_t R, int64_t T, typename W>
 inline void dot_block(const float* x, int64_t K, const W* w, int64_t N, int64_t m0, int64_t n0,
                       float* y) {
-  v16f acc[R][T];
+  f32x16 acc[R][T];
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t t = 0; t < T; ++t) acc[r][t] = v16f{};
+    for (int64_t t = 0; t < T; ++t) acc[r][t] = f32x16{};
   const int64_t K16 = K - K % 16;
   for (int64_t k = 0; k < K16; k += 16) {
-    v16f wv[T];
+    f32x16 wv[T];
     for (int64_t t = 0; t < T; ++t) wv[t] = load16(w + (n0 + t) * K + k);
     for (int64_t r = 0; r < R; ++r) {
-      const v16f xv = load16(x + (m0 + r) * K + k);
+      const f32x16 xv = load16(x + (m0 + r) * K + k);
       for (int64_t t = 0; t < T; ++t) acc[r][t] += xv * wv[t];
     }
   }
@@ -194,38 +175,6 @@ void dot_tile(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64
     } else {
       rows_of_dot_tile<1, W>(x, M, K, w, N, n0, y), n0 += 1, rows -= 1;
     }
-  }
-}
-
-// Column tiles claimed one at a time by the calling thread and by helpers on XLA's pool. The
-// caller waits only for tiles already claimed, so a helper that starts late (or never) cannot
-// hold it up; the shared state outlives the call for such a helper.
-struct Work {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t tiles = 0;
-};
-
-template <typename F>
-void parallel_tiles(ffi::ThreadPool& pool, int64_t tiles, F body) {
-  // The calling thread works too: with it, one helper per other thread of the pool (on the
-  // 2-core CPU, 2 helpers ran no faster than 1 and sometimes slower).
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, tiles - 1);
-  if (helpers <= 0) {
-    for (int64_t t = 0; t < tiles; ++t) body(t);
-    return;
-  }
-  auto work = std::make_shared<Work>();
-  work->tiles = tiles;
-  auto run = [work, body]() {
-    for (int64_t t; (t = work->next.fetch_add(1)) < work->tiles;) {
-      body(t);
-      work->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule(decltype(run)(run));
-  run();
-  while (work->done.load(std::memory_order_acquire) < tiles) {
   }
 }
 
@@ -294,7 +243,7 @@ ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   const int64_t tiles = (N + width - 1) / width;
   return with_f32(x, wl, w.element_type() == ffi::BF16, *y, M, rows, K, N,
                   [&](const float* xp, float* yp, const auto* wp) {
-                    parallel_tiles(pool, tiles, [=](int64_t t) {
+                    parallel_for(pool, tiles, 0, [=](int64_t t) {
                       const int64_t n0 = t * width;
                       column_tile(xp, M, K, wp, N, n0, std::min(width, N - n0), V, yp);
                     });
@@ -318,7 +267,7 @@ ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Any
   const int64_t tiles = (N + ROWS - 1) / ROWS;
   return with_f32(x, w.untyped_data(), w.element_type() == ffi::BF16, *y, M, M, K, N,
                   [&](const float* xp, float* yp, const auto* wp) {
-                    parallel_tiles(pool, tiles, [=](int64_t t) {
+                    parallel_for(pool, tiles, 0, [=](int64_t t) {
                       const int64_t n0 = t * ROWS;
                       dot_tile(xp, M, K, wp, N, n0, std::min(ROWS, N - n0), T, yp);
                     });

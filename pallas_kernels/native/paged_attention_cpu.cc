@@ -22,29 +22,17 @@
 #include <thread>
 #include <vector>
 
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using namespace pagedjax_native;
+
 // ---------------------------------------------------------------------------------------------
 // Element types
-
-float bf16_to_f32(uint16_t x) {
-  uint32_t bits = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-uint16_t f32_to_bf16(float f) {  // round to nearest even, as XLA's convert
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if (std::isnan(f)) return uint16_t((bits >> 16) | 0x40);
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return uint16_t(bits >> 16);
-}
 
 struct Fp8Table {  // float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no inf
   float value[256];
@@ -92,19 +80,9 @@ const float* page_f32(const void* page, int64_t base, int64_t a, int64_t b, floa
 // SmolLM2's shapes: plain loops accumulating through memory cost ~2x the compute.
 
 constexpr int kLanes = 16;
-// GCC/Clang vector types: kept in registers, lowered to whatever the -march has (one zmm on
-// AVX-512, two ymm on AVX2).
-typedef float f32x16 __attribute__((vector_size(64)));
+// Halves and quarters of common.h's f32x16, for its lane sum.
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 
 inline float sum16(f32x16 v) {  // a tree of adds, not a 16-long chain
   f32x8 lo, hi;
@@ -354,39 +332,6 @@ void run_task(const Problem& p, const Task& t) {
 
 // ---------------------------------------------------------------------------------------------
 // Running the tasks over XLA's intra-op thread pool
-
-// The caller claims tasks too, and waits only for tasks a worker has claimed (which are
-// running), so it never waits on a worker the pool has not started: a worker that starts late
-// finds nothing left and returns without touching the (by then gone) problem.
-struct Shared {
-  std::atomic<int64_t> next{0}, done{0};
-  int64_t n = 0;
-  std::function<void(int64_t)> work;
-
-  void drain() {
-    for (int64_t i; (i = next.fetch_add(1)) < n;) {
-      work(i);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t max_threads,
-                  std::function<void(int64_t)> work) {
-  int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  if (max_threads > 0) threads = std::min(threads, max_threads);
-  threads = std::min(threads, n);
-  if (threads <= 1) {
-    for (int64_t i = 0; i < n; ++i) work(i);
-    return;
-  }
-  auto shared = std::make_shared<Shared>();
-  shared->n = n;
-  shared->work = std::move(work);
-  for (int64_t w = 1; w < threads; ++w) pool.Schedule([shared] { shared->drain(); });
-  shared->drain();
-  while (shared->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
-}
 
 template <Page P>
 void run_all(ffi::ThreadPool& pool, const Problem& p, const std::vector<Task>& tasks,
