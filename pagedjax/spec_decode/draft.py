@@ -41,7 +41,13 @@ from jax._src import dispatch
 from pagedjax.models.loader import load_model
 from pagedjax.worker.input_batch import ScheduledSeq
 from pagedjax.worker.runner import Runner, WarmupReport
-from pagedjax.worker.sampler import SamplingInput, SamplingRow, process_logits, row_keys
+from pagedjax.worker.sampler import (
+    SamplingInput,
+    SamplingRow,
+    argmax,
+    process_logits,
+    row_keys,
+)
 
 DRAFT_KEY = 3  # folded into a row's key for the draft's own draws
 
@@ -66,7 +72,7 @@ def draft_sample(logits: jax.Array, s: SamplingInput) -> tuple[jax.Array, jax.Ar
         row_keys(s.seeds, s.positions), DRAFT_KEY
     )
     sampled = jax.vmap(jax.random.categorical)(keys, x)
-    tokens = jnp.where(s.temperature > 0, sampled, jnp.argmax(x, axis=-1))
+    tokens = jnp.where(s.temperature > 0, sampled, argmax(x))
     return tokens.astype(jnp.int32), jax.nn.softmax(x, axis=-1)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -295,12 +296,14 @@ class Runner:
         for shape in shapes:
             jobs.append((f"model {shape}", lambda shape=shape: self._lower_step(shape)))
         for s in sorted({shape.num_seqs for shape in shapes}):
-            for pen in (False, True):
-                for con in (False, True):  # con: logit bias or a grammar's allowed tokens
-                    for v in (False, True) if self.num_speculative_tokens else (False,):
-                        name = f"sampler s{s}" + " penalties" * pen + " constrained" * con
-                        args = (s, pen, con, v)  # v: a step that can verify proposals
-                        jobs.append((name + " verify" * v, lambda a=args: self._lower_sample(*a)))
+            for pen, con, rand in itertools.product((False, True), repeat=3):
+                # con: logit bias or a grammar's allowed tokens; rand: some row samples (an
+                # all-greedy batch has a program of its own, without the sampling branch)
+                for v in (False, True) if self.num_speculative_tokens else (False,):
+                    name = f"sampler s{s}" + " penalties" * pen + " constrained" * con
+                    name += " sampling" * rand + " verify" * v  # v: can verify proposals
+                    args = (s, pen, con, v, rand)
+                    jobs.append((name, lambda a=args: self._lower_sample(*a)))
         if fill_tokens:  # async scheduling's placeholder fill (worker/token_fill.py)
             jobs += token_fill.warmup_jobs(shapes, self._inputs)
         swap = self.num_host_blocks > 0 if swap is None else swap
@@ -360,10 +363,16 @@ class Runner:
         )
 
     def _lower_sample(
-        self, num_seqs: int, penalties: bool, constrained: bool = False, verify: bool = False
+        self,
+        num_seqs: int,
+        penalties: bool,
+        constrained: bool = False,
+        verify: bool = False,
+        sampling: bool = True,
     ):
         bias = ((0, 1.0),) if constrained else ()
-        rows = [SamplingRow(repetition_penalty=1.5 if penalties else 1.0, logit_bias=bias)]
+        row = SamplingRow(repetition_penalty=1.5 if penalties else 1.0, logit_bias=bias)
+        rows = [dataclasses.replace(row, temperature=1.0 if sampling else 0.0)]
         size = num_seqs * self.batcher.logits_per_step(decode=not verify)  # its logits rows
         args = (
             self._logits_like(size),

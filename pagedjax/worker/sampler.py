@@ -18,8 +18,10 @@ computation whatever shares its batch, so the fallback cannot change another row
 
 The runner compiles sampling as its own program, apart from the model step, and every input here
 has a shape set by the batch's row count alone (plus one token-history width when some row uses
-penalties, and one bias width and bitmask width when some row has a logit bias or a grammar),
-so sampling options never multiply the model's programs, and a new request never compiles.
+penalties, and one bias width and bitmask width when some row has a logit bias or a grammar;
+two static flags, whether some row has a penalty and whether some row samples, pick a program
+without those branches for a greedy batch), so sampling options never multiply the model's
+programs, and a new request never compiles (the runner's warm-up compiles each variant).
 """
 
 from __future__ import annotations
@@ -91,6 +93,12 @@ class SamplingInput:
     bias_ids: jax.Array  # i32[num_seqs, B]
     bias_values: jax.Array  # f32[num_seqs, B]
     token_bitmask: jax.Array  # i32[num_seqs, W], packed: bit t % 32 of word t // 32 = token t
+    # Static, so part of the program: some row has a penalty; some row samples (temperature >
+    # 0). A batch with neither (greedy decoding, the common case) runs no branch at all: on a
+    # CPU, XLA's conditionals around the [num_seqs, vocab] logits cost several times the argmax
+    # (the sampler program at 64 rows of a 49152-token vocabulary: 19.4 ms, 4.4 ms without).
+    penalties: bool = struct.field(pytree_node=False, default=True)
+    random: bool = struct.field(pytree_node=False, default=True)
 
     @classmethod
     def build(
@@ -181,6 +189,8 @@ class SamplingInput:
             bias_ids=bias_ids,
             bias_values=bias_values,
             token_bitmask=bitmask,
+            penalties=bool(histories),
+            random=any(r.temperature > 0 for r in rows),
         )
 
 
@@ -319,6 +329,17 @@ def process_logits(logits: jax.Array, s: SamplingInput) -> jax.Array:
     return _filter(x, s, jnp.ones(x.shape[0], jnp.bool_))
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """i32[...]: ``jnp.argmax(x, axis=-1)`` (the first maximum; the first NaN if any), as a max
+    then a min over the positions that hold it. XLA's CPU backend runs argmax's paired
+    (value, index) reduction element by element; these two plain reductions vectorize (the greedy
+    sampler program at 64 rows of a 49152-token vocabulary: 4.0 ms, 9.9 ms with jnp.argmax)."""
+    top = jnp.max(x, axis=-1, keepdims=True)  # NaN if any element is NaN
+    positions = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    hit = (x == top) | jnp.isnan(x)
+    return jnp.min(jnp.where(hit, positions, x.shape[-1]), axis=-1)
+
+
 def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
     """One key per row, ``fold_in(fold_in(BASE_KEY, seed), position)``: batch-invariant."""
     base = jax.random.key(_BASE_SEED)
@@ -329,16 +350,20 @@ def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
 def sample(logits: jax.Array, s: SamplingInput) -> SamplerOutput:
     """logits f32[num_seqs, vocab] -> one token per row, with raw logprobs (pure, jittable)."""
     logits = logits.astype(jnp.float32)
-    penalised = _penalise(_constrain(logits, s), s)
-    greedy = jnp.argmax(penalised, axis=-1)
-    random = s.temperature > 0
+    penalised = _constrain(logits, s)
+    if s.penalties:  # static: some row has a penalty
+        penalised = _penalise(penalised, s)
+    tokens = greedy = argmax(penalised)
+    if s.random:  # static: some row samples
+        random = s.temperature > 0
 
-    def draw(penalised):
-        x = _filter(_scale(penalised, s), s, random)
-        return jax.vmap(jax.random.categorical)(row_keys(s.seeds, s.positions), x)
+        def draw(penalised):
+            x = _filter(_scale(penalised, s), s, random)
+            return jax.vmap(jax.random.categorical)(row_keys(s.seeds, s.positions), x)
 
-    sampled = jax.lax.cond(jnp.any(random), draw, lambda _: greedy, penalised)
-    tokens = jnp.where(random, sampled, greedy).astype(jnp.int32)
+        sampled = jax.lax.cond(jnp.any(random), draw, lambda _: greedy, penalised)
+        tokens = jnp.where(random, sampled, greedy)
+    tokens = tokens.astype(jnp.int32)
     lse = jax.nn.logsumexp(logits, axis=-1)  # [num_seqs]
     width = min(TOP_LOGPROBS_WIDTH, logits.shape[1])
     top_logits, top_ids = jax.lax.cond(
@@ -360,6 +385,7 @@ def sample(logits: jax.Array, s: SamplingInput) -> SamplerOutput:
 
 __all__ = [
     "TOP_LOGPROBS_WIDTH",
+    "argmax",
     "bitmask_width",
     "SamplerOutput",
     "SamplingInput",

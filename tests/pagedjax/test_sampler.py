@@ -379,3 +379,52 @@ def test_real_vocab_size_mixed_batch():
             out.logprobs[i], log_softmax(logits[i])[out.tokens[i]], atol=1e-5
         )
     assert out.tokens[1] == np.argmax(ref_penalise(logits[1], rows[1]))
+
+
+def test_argmax_is_jnp_argmax_on_ties_nans_and_infinities():
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((7, 300)).astype(np.float32)
+    x[0, [11, 40, 299]] = 9.0  # ties: the first wins
+    x[1, [5, 17]] = np.nan  # a NaN wins, the first one
+    x[2] = -np.inf  # nothing finite: position 0
+    x[3, 0] = np.inf
+    x[3, 8] = np.inf
+    x[4, 299] = 50.0  # the last position
+    x[5, :] = 0.0  # all equal
+    x[5, 3] = -0.0
+    x[6, 123] = np.nan
+    x[6, 0] = np.inf  # NaN beats inf, as in jnp.argmax
+    got = np.asarray(jax.jit(sampler.argmax)(x))
+    want = np.asarray(jax.numpy.argmax(x, axis=-1))
+    np.testing.assert_array_equal(got, want)
+    assert got.dtype == np.int32 and list(got[:5]) == [11, 5, 0, 0, 299]
+    bf16 = jax.numpy.asarray(x, jax.numpy.bfloat16)
+    np.testing.assert_array_equal(sampler.argmax(bf16), jax.numpy.argmax(bf16, axis=-1))
+
+
+def test_greedy_batches_take_the_branchless_program_with_the_same_outputs():
+    rng = np.random.default_rng(11)
+    logits = rng.standard_normal((S, V)).astype(np.float32) * 3
+    greedy = [SamplingRow(position=i) for i in range(S - 2)]
+    s = SamplingInput.build(greedy, S, V, K, history_width=HISTORY)
+    assert (s.penalties, s.random) == (False, False)
+    general = s.replace(penalties=True, random=True)  # the branches, here all not taken
+    fast, slow = (jax.tree.map(np.asarray, _run(logits, x)[0]) for x in (s, general))
+    for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(slow), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(fast.tokens, np.argmax(logits, axis=-1))
+    # One row that samples, or one penalty, switches the batch to the general program; the
+    # greedy rows' tokens stay the same.
+    mixed = [*greedy, SamplingRow(temperature=0.8, seed=3, position=1)]
+    m = SamplingInput.build(mixed, S, V, K, history_width=HISTORY)
+    assert (m.penalties, m.random) == (False, True)
+    out = jax.tree.map(np.asarray, _run(logits, m)[0])
+    np.testing.assert_array_equal(out.tokens[: S - 2], fast.tokens[: S - 2])
+    pen = SamplingInput.build(
+        [*greedy, SamplingRow(presence_penalty=0.5, output_token_ids=[1])],
+        S,
+        V,
+        K,
+        history_width=HISTORY,
+    )
+    assert (pen.penalties, pen.random) == (True, False)
