@@ -279,13 +279,17 @@ def test_a_request_failing_in_the_engine_ends_alone(server):
 
 def test_a_step_that_raises_ends_every_stream_with_an_error_then_done(server):
     engine, original = server.engine, server.engine.step
-    calls = []
+    failed = []
 
-    def step():
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("the step blew up")
-        return original()
+    def step():  # fails once, with all three requests in the engine: until they are, no
+        # step runs (adds come in between steps), so none can finish before the failure
+        if failed:
+            return original()
+        if len(engine.requests) < 3:
+            time.sleep(0.005)
+            return []
+        failed.append(1)
+        raise RuntimeError("the step blew up")
 
     streams = []
 
