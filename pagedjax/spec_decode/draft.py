@@ -163,7 +163,7 @@ class DraftModelRunner:
             logits.shape[0],
             self.target.config.vocab_size,
             history_width=self.target.max_model_len,
-        )
+        ).without_flags()
         before = _compiles
         tokens, q = draft_sample(logits, jax.device_put(sampling, self.target._inputs))
         tokens, q = np.asarray(tokens), np.asarray(q)
@@ -217,7 +217,7 @@ class DraftModelRunner:
                     logits = jax.device_put(np.zeros((s, vocab), np.float32), self.target._inputs)
                     sampling = SamplingInput.build(
                         [row], s, vocab, history_width=self.target.max_model_len
-                    )
+                    ).without_flags()
                     sampling = jax.device_put(sampling, self.target._inputs)
                     draft_sample.lower(logits, sampling).compile()
                     name = f"draft_sample s{s}" + " penalties" * penalties

@@ -100,6 +100,11 @@ class SamplingInput:
     penalties: bool = struct.field(pytree_node=False, default=True)
     random: bool = struct.field(pytree_node=False, default=True)
 
+    def without_flags(self) -> SamplingInput:
+        """The same rows with the static flags at their general values, for a program that
+        reads neither (the draft model's sampler), so that they never compile it twice."""
+        return self.replace(penalties=True, random=True)
+
     @classmethod
     def build(
         cls,
