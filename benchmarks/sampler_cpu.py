@@ -42,10 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((n, vocab), np.float32))
     rows = jnp.arange(n, dtype=jnp.int32)
 
-    def program(argmax):  # runner._sample's function, traced now with this argmax
+    def program(argmax):  # what runner._sample runs, traced now with this argmax
+        def step(logits, rows, s):  # a function of its own: jax caches traces by function
+            return sampler.sample(logits[rows], s)
+
         sampler.argmax, own = argmax, sampler.argmax
         try:
-            return jax.jit(runner._sample_step).lower(logits, rows, greedy).compile()
+            return jax.jit(step).lower(logits, rows, greedy).compile()
         finally:
             sampler.argmax = own
 
