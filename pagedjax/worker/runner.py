@@ -371,8 +371,13 @@ class Runner:
         sampling: bool = True,
     ):
         bias = ((0, 1.0),) if constrained else ()
-        row = SamplingRow(repetition_penalty=1.5 if penalties else 1.0, logit_bias=bias)
-        rows = [dataclasses.replace(row, temperature=1.0 if sampling else 0.0)]
+        rows = [
+            SamplingRow(
+                temperature=1.0 if sampling else 0.0,
+                repetition_penalty=1.5 if penalties else 1.0,
+                logit_bias=bias,
+            )
+        ]
         size = num_seqs * self.batcher.logits_per_step(decode=not verify)  # its logits rows
         args = (
             self._logits_like(size),
