@@ -39,7 +39,9 @@ class StepProfile:
         self.wall_seconds = 0.0  # steps' wall time while enabled
 
     @contextlib.contextmanager
-    def phase(self, name: str):
+    def phase(self, name: str, kind: str | None = None):
+        """Time the block as phase ``name``; a ``device`` phase also counts towards its step
+        ``kind`` (as ``count`` named it)."""
         if not self.enabled:
             yield
             return
@@ -47,7 +49,10 @@ class StepProfile:
         try:
             yield
         finally:
-            self.seconds[name] += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self.seconds[name] += elapsed
+            if kind is not None:
+                self.kinds.setdefault(kind, KindCounts()).device_seconds += elapsed
 
     def count(self, kind: str, real_tokens: int, padded_tokens: int, real_attn, padded_attn):
         k = self.kinds.setdefault(kind, KindCounts())

@@ -203,11 +203,14 @@ def print_profile(prof: dict) -> None:
     print(f"profiled run (phases timed, so no host/device overlap): {prof['elapsed_s']:.2f} s")
     shares = prof["phases_share"]
     print("  " + "  ".join(f"{k} {v:.0%} ({prof['phases_s'][k]:.2f} s)" for k, v in shares.items()))
-    head = ("steps", 7), ("real tok", 10), ("padded tok", 12), ("tok pad", 9), ("attn pad", 10)
+    head = [("steps", 7), ("device s", 10), ("ms/step", 9), ("real tok", 10)]
+    head += [("padded tok", 12), ("tok pad", 9), ("attn pad", 10)]
     print(f"  {'step kind':10}" + "".join(f"{name:>{w}}" for name, w in head))
     for kind, k in prof["kinds"].items():
         print(
-            f"  {kind:10}{k['steps']:7d}{k['real_tokens']:10d}{k['padded_tokens']:12d}"
+            f"  {kind:10}{k['steps']:7d}{k['device_seconds']:10.2f}"
+            f"{1e3 * k['device_seconds'] / max(k['steps'], 1):9.1f}"
+            f"{k['real_tokens']:10d}{k['padded_tokens']:12d}"
             f"{k['padded_tokens'] / max(k['real_tokens'], 1):9.2f}"
             f"{k['padded_attention'] / max(k['real_attention'], 1):10.2f}"
         )

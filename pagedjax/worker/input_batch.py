@@ -222,12 +222,19 @@ class InputBatcher:
         )
 
 
-def count_padding(profile, seqs: list[ScheduledSeq], step_input: StepInput, block_size: int):
-    """Record a step's real and padded work in ``profile`` (a StepProfile). Attention work is
-    query rows x keys: real, each row's causal context; padded, what the attention computes for
-    the bucketed shape: every padded row over the table width (a decode step, and the CPU
-    reference, whose query bound is the token bucket), or, for the kernels, every sequence slot
-    x its query bucket over the table width."""
+def count_padding(
+    profile,
+    seqs: list[ScheduledSeq],
+    step_input: StepInput,
+    block_size: int,
+    rows_only: bool = False,
+) -> str:
+    """Record a step's real and padded work in ``profile`` (a StepProfile); returns the step's
+    kind. Attention work is query rows x keys: real, each row's causal context; padded, what the
+    attention path computes for the bucketed shape: the real work where it reads only each row's
+    keys (``rows_only``: the native CPU kernel), else every padded row over the table width (a
+    decode step, and the CPU reference, whose query bound is the token bucket), or, for the
+    kernels, every sequence slot x its query bucket over the table width."""
     q_lens = [len(s.token_ids) for s in seqs]
     real_attn = 0
     for s, q in zip(seqs, q_lens, strict=True):
@@ -236,15 +243,13 @@ def count_padding(profile, seqs: list[ScheduledSeq], step_input: StepInput, bloc
     num_slots, width = step_input.block_tables.shape
     max_q = step_input.max_query_len
     kind = "decode" if max_q == 1 else "prefill" if min(q_lens) > 1 else "mixed"
-    profile.count(
-        kind,
-        sum(q_lens),
-        len(step_input.token_ids),
-        real_attn,
-        (num_slots * max_q if max_q < len(step_input.token_ids) else len(step_input.token_ids))
-        * width
-        * block_size,
-    )
+    if rows_only:
+        padded_attn = real_attn
+    else:
+        rows = num_slots * max_q if max_q < len(step_input.token_ids) else len(step_input.token_ids)
+        padded_attn = rows * width * block_size
+    profile.count(kind, sum(q_lens), len(step_input.token_ids), real_attn, padded_attn)
+    return kind
 
 
 def _packable(tokens, max_seqs: int, queries, max_context: int) -> bool:

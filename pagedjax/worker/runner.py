@@ -40,6 +40,7 @@ from pagedjax.models.llama import forward
 from pagedjax.models.quant import compute_dtype
 from pagedjax.models.sharding import pool_sharding, shard_params
 from pagedjax.models.step_input import StepInput
+from pagedjax.pallas_kernels import native_attention
 from pagedjax.spec_decode.rejection import verify_step
 from pagedjax.step_profile import StepProfile
 from pagedjax.utils import next_pow2, powers_of_two
@@ -98,6 +99,7 @@ class StepHandle:
     seqs: list[ScheduledSeq]
     num_rows: int  # real sampler rows
     num_top_logprobs: int
+    kind: str  # the step's kind in the profile: prefill, mixed or decode
 
     @property
     def tokens(self) -> jax.Array:
@@ -141,7 +143,8 @@ class Runner:
         self.num_blocks = num_blocks
         self.num_speculative_tokens = num_speculative_tokens
         self.batcher = InputBatcher(block_size, max_model_len, 1 + num_speculative_tokens)
-        self.batcher.query_buckets = pallas_kernels.resolve_backend(backend) != "reference"
+        on_reference = pallas_kernels.resolve_backend(backend) == "reference"
+        self.batcher.query_buckets = not on_reference
         self.max_blocks_per_seq = self.batcher.max_blocks_per_seq
         self.dtype = compute_dtype(params)  # linear kernels may be 8-bit (models/quant.py)
         # With a mesh (tensor parallelism), weights and pool are split by heads across devices
@@ -170,6 +173,8 @@ class Runner:
         self.compile_seconds = 0.0  # time spent tracing, lowering and compiling them
         self.channel = channel  # set in a multi-process run
         self.profile = profile or StepProfile()
+        # The profile's attention work: the native CPU kernel reads each row's own keys only.
+        self._attention_rows_only = on_reference and native_attention.available()
 
     def build_step_input(self, seqs: list[ScheduledSeq]) -> StepInput:
         return self.batcher.build(seqs)
@@ -185,7 +190,7 @@ class Runner:
         ``draft_probs``: f32[sampler rows, vocab], the proposer's q on each proposal's row."""
         handle = self.dispatch(seqs, num_top_logprobs, draft_probs)
         if self.profile.enabled:
-            with self.profile.phase("device"):
+            with self.profile.phase("device", handle.kind):
                 jax.block_until_ready((handle.out, handle.scored))
         return self.fetch(handle)
 
@@ -209,12 +214,12 @@ class Runner:
             logit_rows, drafts = self.batcher.sample_rows(seqs, step_input)
             sampling = self._sampling_input(rows, len(logit_rows), num_top_logprobs)
             step_input, targets = prompt_logprobs.extend_logits_rows(step_input, seqs)
-        count_padding(prof, seqs, step_input, self.block_size)
-        with prof.phase("device"):
+        kind = count_padding(prof, seqs, step_input, self.block_size, self._attention_rows_only)
+        with prof.phase("device", kind):
             args = (step_input, logit_rows, sampling, targets, drafts, draft_probs)
             args += () if prev_tokens is None else (prev_tokens,)
             out, scored = self._call("run_step", *args)
-        return StepHandle(out, scored, seqs, len(rows), num_top_logprobs)
+        return StepHandle(out, scored, seqs, len(rows), num_top_logprobs, kind)
 
     def fetch(self, handle: StepHandle) -> SamplerOutput:
         """Wait for a dispatched step; its sampler output as host arrays (see ``execute``)."""

@@ -8,6 +8,7 @@ import pytest
 from hf_models import make_tiny_model
 
 from pagedjax.entrypoints.cli import main
+from pagedjax.pallas_kernels import native_attention
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,7 @@ def test_throughput_runs_both_sides_in_their_own_processes(tiny, capsys):
             "2",
             "--roofline-seconds",
             "0.2",
+            "--profile",
             "--json",
         ],
     )
@@ -74,6 +76,17 @@ def test_throughput_runs_both_sides_in_their_own_processes(tiny, capsys):
                 / 1e9
             )
         )
+    # The profiled run: every step's device time falls to its kind; the CPU's native kernel
+    # attends over each row's own keys, so no attention work is padding.
+    prof = ours["profile"]
+    kinds = prof["kinds"]
+    assert set(kinds) <= {"prefill", "mixed", "decode"} and "decode" in kinds
+    assert all(k["steps"] > 0 and k["device_seconds"] > 0 for k in kinds.values())
+    assert sum(k["device_seconds"] for k in kinds.values()) == pytest.approx(
+        prof["phases_s"]["device"]
+    )
+    if native_attention.available():
+        assert all(k["padded_attention"] == k["real_attention"] for k in kinds.values())
     assert ours["compilation_cache"] == "0"  # the cold run compiles for real
     assert ours["programs_compiled_cold"] > 0 and ours["programs_compiled_warm"] == 0
     assert res["warm_ratio"] == pytest.approx(

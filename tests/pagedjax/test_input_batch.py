@@ -58,3 +58,53 @@ def test_build_matches_the_per_sequence_definition(seed):
     else:  # padding sequences own no rows
         assert set(qsl[len(seqs) :].tolist()) == {sum(lens)}
         assert step.max_query_len >= max(lens)
+
+
+def test_count_padding_names_the_kind_and_counts_attention_work():
+    from pagedjax.step_profile import StepProfile
+    from pagedjax.worker.input_batch import count_padding
+
+    batcher = InputBatcher(block_size=4, max_model_len=64)
+    prefill = ScheduledSeq(token_ids=[1, 2, 3], start_pos=2, block_table=[1, 2])
+    decode = ScheduledSeq(token_ids=[4], start_pos=6, block_table=[3, 4])
+    # real attention work: row i of a chunk sees start_pos + i + 1 keys
+    real = {"prefill": 3 + 4 + 5, "mixed": 3 + 4 + 5 + 7, "decode": 7 + 7}
+    for kind, seqs in (
+        ("prefill", [prefill]),
+        ("mixed", [prefill, decode]),
+        ("decode", [decode, decode]),
+    ):
+        step = batcher.build(seqs)
+        for rows_only in (False, True):
+            profile = StepProfile()
+            assert count_padding(profile, seqs, step, 4, rows_only) == kind
+            k = profile.kinds[kind]
+            assert (k.steps, k.real_tokens, k.real_attention) == (
+                1,
+                sum(len(s.token_ids) for s in seqs),
+                real[kind],
+            )
+            if rows_only:  # the native kernel reads each row's own keys only
+                assert k.padded_attention == k.real_attention
+            else:  # the padded shape: every (bucketed) row over the whole table width
+                width = step.block_tables.shape[1] * 4
+                assert k.padded_attention > k.real_attention
+                assert k.padded_attention % width == 0
+
+
+def test_profile_device_time_falls_to_the_step_kind():
+    from pagedjax.step_profile import StepProfile
+
+    profile = StepProfile()
+    with profile.phase("device", "decode"):  # off: nothing is timed
+        pass
+    assert profile.kinds == {} and profile.seconds["device"] == 0.0
+    profile.enabled = True
+    for kind in ("decode", "prefill", "decode"):
+        with profile.phase("device", kind):
+            pass
+    with profile.phase("fetch"):
+        pass
+    assert set(profile.kinds) == {"decode", "prefill"}
+    total = sum(k.device_seconds for k in profile.kinds.values())
+    assert total == pytest.approx(profile.seconds["device"]) and total > 0
