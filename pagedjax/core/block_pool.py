@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import heapq
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 
 # hash_fn(parent_hash, token_ids, extra_key) -> hash of a full block, chained over its prefix.
 HashFn = Callable[[int | None, tuple[int, ...], Hashable], int]
@@ -44,6 +45,29 @@ class BlockManagerStats:
     num_swapped_in: int  # blocks copied host -> device
 
 
+class LowestFirst:
+    """Free ids, handed out lowest first (a min-heap). A sequence's blocks then come from the low
+    end of the pool, ascending: several allocated at once (a prompt's) are neighbours in memory,
+    which a CPU reads at about twice the rate of scattered ones, and the pool's live part stays
+    compact. Iterates in ascending order."""
+
+    def __init__(self, ids: Iterable[int]):
+        self._heap = list(ids)
+        heapq.heapify(self._heap)
+
+    def append(self, block_id: int) -> None:
+        heapq.heappush(self._heap, block_id)
+
+    def pop(self) -> int:
+        return heapq.heappop(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted(self._heap))
+
+
 class Block:
     __slots__ = ("block_id", "ref_count", "num_tokens", "generation", "hash", "key")
 
@@ -67,7 +91,7 @@ class BlockPool:
         self.block_size = block_size
         self.num_host_blocks = num_host_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_block_ids: deque[int] = deque(range(1, num_blocks))
+        self.free_block_ids = LowestFirst(range(1, num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.hash_to_block_id: dict[int, int] = {}
 
@@ -93,7 +117,7 @@ class BlockPool:
     def _take_free_block(self) -> Block:
         # Pristine blocks first; evicting a cached prefix only when none is left.
         if self.free_block_ids:
-            block = self.blocks[self.free_block_ids.popleft()]
+            block = self.blocks[self.free_block_ids.pop()]
         else:
             block = self.blocks[self.evictable.popitem(last=False)[0]]
             self._uncache(block)

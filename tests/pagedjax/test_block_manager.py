@@ -83,6 +83,23 @@ def test_null_block_is_never_handed_out():
 # ---- allocate ----------------------------------------------------------------------------------
 
 
+def test_free_blocks_are_handed_out_lowest_first():
+    """A prompt's blocks come out ascending and adjacent whatever order blocks were freed in
+    (a CPU reads adjacent pages at about twice the rate of scattered ones)."""
+    bm = BlockManager(num_blocks=16, block_size=BS, watermark=0.0)
+    (a,) = admit(bm, make_group(list(range(3 * BS))))
+    (b,) = admit(bm, make_group(list(range(2 * BS))))
+    (c,) = admit(bm, make_group(list(range(3 * BS))))
+    assert [bm.get_block_table(s) for s in (a, b, c)] == [[1, 2, 3], [4, 5], [6, 7, 8]]
+    bm.free(c)  # freed tail first, as the block manager frees
+    bm.free(a)
+    (d,) = admit(bm, make_group(list(range(5 * BS))))
+    assert bm.get_block_table(d) == [1, 2, 3, 6, 7]
+    (e,) = admit(bm, make_group(list(range(2 * BS))))
+    assert bm.get_block_table(e) == [8, 9]
+    assert list(bm.free_block_ids) == list(range(10, 16))  # iterates ascending
+
+
 def test_allocate_gives_ceil_len_over_block_size_blocks():
     bm = BlockManager(num_blocks=16, block_size=BS)
     (seq,) = admit(bm, make_group(list(range(9))))
@@ -503,6 +520,7 @@ def test_blocks_swapped_back_in_are_cached_again_once_marked():
     bm.hash_to_block_id.clear()  # as if the device copies had been evicted
     for block_id in list(bm.evictable):
         bm.evictable.pop(block_id)
+        bm.blocks[block_id].hash = bm.blocks[block_id].key = None  # as eviction leaves it
         bm.free_block_ids.append(block_id)
     bm.swap_in(group)
     bm.mark_blocks_computed(a)
