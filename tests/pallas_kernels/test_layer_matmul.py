@@ -222,3 +222,33 @@ def test_model_step_reads_its_kernels_in_place():
     assert weight_stack_slices(hlo, stacks) == []
     target = native.load("matmul_cpu", SYMBOLS).target("LayerMatmul")
     assert hlo.count(target) >= 7  # q, k, v, o, gate, up, down
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernel unavailable")
+def test_on_cpu_traces_one_branch_and_lowers_per_platform():
+    """``native.on_cpu`` records one equation when traced (neither branch's body), and each
+    platform's lowering holds its own branch only: the CPU custom call for a CPU, XLA's dot for
+    a GPU, both behind a platform switch for a program lowered for both."""
+    x, w = _arrays(4, 64, 32, 2, jnp.float32, jnp.float32)
+    calls = {"xla": 0}
+
+    def xla_path(x, w, layer, live):
+        calls["xla"] += 1
+        return layer_matmul_reference(x, w, layer)
+
+    def native_path(x, w, layer, live):
+        return layer_matmul(x, w, layer, live)
+
+    def f(x, w):
+        return native.on_cpu(native_path, xla_path, x, w, jnp.int32(1), jnp.int32(4))
+
+    traced = jax.jit(f).trace(x, w)
+    assert calls["xla"] == 0
+    assert [e.primitive.name for e in traced.jaxpr.eqns] == ["pagedjax_on_cpu"]
+    cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+    assert "LayerMatmul" in cpu and "dot_general" not in cpu and calls["xla"] == 0
+    gpu = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "LayerMatmul" not in gpu and "dot_general" in gpu and calls["xla"] == 1
+    both = traced.lower(lowering_platforms=("cpu", "cuda")).as_text()
+    assert "LayerMatmul" in both and "dot_general" in both
+    np.testing.assert_allclose(jax.jit(f)(x, w), oracle(x, w, 1), rtol=1e-5, atol=1e-5)
