@@ -5,7 +5,12 @@
 // rows sees to the last, reads each live K/V page row once straight from the pool (no gathered
 // copy), and folds it into every query vector of the run (the GQA group's heads x the rows) with
 // flash attention's online softmax. Slots outside a vector's keys [window start, position] are
-// skipped, never multiplied by zero: stale slots may hold NaN.
+// never read or masked off by selection, never multiplied by zero: stale slots may hold NaN.
+//
+// Head dims 64 and 128 (fold_panel): each chunk of up to 16 keys is transposed once, so that a
+// query's 16 scores are a run of broadcast multiply-adds into one register (no lane sums per key)
+// and the softmax runs on 16 lanes; a row's arithmetic is the same in a decode, a prefill tile or
+// a chunk of any size. Other head dims (fold_block): one query vector at a time, one key at a time.
 //
 // Pools: float32, bfloat16, int8 or float8_e4m3fn pages (8-bit ones with f32 per-slot scales,
 // value = page * scale); the arithmetic is float32. Queries float32 or bfloat16; the output has
@@ -20,6 +25,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -75,95 +81,111 @@ const float* page_f32(const void* page, int64_t base, int64_t a, int64_t b, floa
 }
 
 // ---------------------------------------------------------------------------------------------
-// Vector pieces. `kD` is the head dim when known at compile time (64, 128: unrolled, the output
-// accumulators held in registers across a page's keys), 0 when only `n` knows it. Measured at
-// SmolLM2's shapes: plain loops accumulating through memory cost ~2x the compute.
+// Vector pieces
 
 constexpr int kLanes = 16;
-// Halves and quarters of common.h's f32x16, for its lane sum.
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
 
-inline float sum16(f32x16 v) {  // a tree of adds, not a 16-long chain
-  f32x8 lo, hi;
-  std::memcpy(&lo, &v, 32);
-  std::memcpy(&hi, reinterpret_cast<char*>(&v) + 32, 32);
-  const f32x8 h8 = lo + hi;
-  f32x4 a, b;
-  std::memcpy(&a, &h8, 16);
-  std::memcpy(&b, reinterpret_cast<const char*>(&h8) + 16, 16);
-  const f32x4 h4 = a + b;
-  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+// Lanes of a and b (0-15: a's, 16-31: b's) by constant indices.
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, i32x16{__VA_ARGS__})
+#endif
+// Interleaves of two vectors in runs of 1, 2, 4, 8 lanes: the low halves' runs, then the high.
+#define PAGEDJAX_LO1 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23
+#define PAGEDJAX_HI1 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31
+#define PAGEDJAX_LO2 0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23
+#define PAGEDJAX_HI2 8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31
+#define PAGEDJAX_LO4 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23
+#define PAGEDJAX_HI4 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31
+#define PAGEDJAX_LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define PAGEDJAX_HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+
+// A tree over v's lanes in four swaps (halves, quarters, pairs, neighbours), all in registers
+// (halves taken through memory stall on store forwarding): every lane ends up holding
+// op(all lanes).
+template <typename Op>
+inline f32x16 lane_tree(f32x16 v, Op op) {
+  v = op(v, SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = op(v, SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = op(v, SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  return op(v, SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
 }
 
-template <int kD>
+inline float sum16(f32x16 v) {
+  return lane_tree(v, [](f32x16 a, f32x16 b) { return a + b; })[0];
+}
+
+// Any head dim (fold_block): plain loops over 16-lane vectors and a scalar tail.
+
 float dot(const float* a, const float* b, int64_t n) {
-  if constexpr (kD > 0) {
-    static_assert(kD % (2 * kLanes) == 0, "fixed head dims are multiples of 32");
-    f32x16 x = load16(a) * load16(b), y = load16(a + kLanes) * load16(b + kLanes);
-    for (int i = 2 * kLanes; i < kD; i += 2 * kLanes) {
-      x += load16(a + i) * load16(b + i);
-      y += load16(a + i + kLanes) * load16(b + i + kLanes);
-    }
-    return sum16(x + y);
-  } else {
-    f32x16 x = {};
-    int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes) x += load16(a + i) * load16(b + i);
-    float tail = 0.0f;
-    for (; i < n; ++i) tail += a[i] * b[i];
-    return sum16(x) + tail;
-  }
+  f32x16 x = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) x += load16(a + i) * load16(b + i);
+  float tail = 0.0f;
+  for (; i < n; ++i) tail += a[i] * b[i];
+  return sum16(x) + tail;
 }
 
 // acc = alpha * acc + sum over keys j in [a, b) of w[j] * v[j]: v's rows are `n` apart.
-template <int kD>
 void accumulate(float alpha, const float* w, const float* v, int64_t a, int64_t b, float* acc,
                 int64_t n) {
-  if constexpr (kD > 0) {
-    constexpr int kChunks = kD / kLanes;
-    f32x16 r[kChunks];
-    for (int c = 0; c < kChunks; ++c) r[c] = load16(acc + c * kLanes) * alpha;
-    for (int64_t j = a; j < b; ++j) {
-      for (int c = 0; c < kChunks; ++c) r[c] += w[j] * load16(v + j * kD + c * kLanes);
-    }
-    for (int c = 0; c < kChunks; ++c) store16(acc + c * kLanes, r[c]);
-  } else {
-    int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes) {
-      f32x16 r = load16(acc + i) * alpha;
-      for (int64_t j = a; j < b; ++j) r += w[j] * load16(v + j * n + i);
-      store16(acc + i, r);
-    }
-    for (; i < n; ++i) {
-      float r = acc[i] * alpha;
-      for (int64_t j = a; j < b; ++j) r += w[j] * v[j * n + i];
-      acc[i] = r;
-    }
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    f32x16 r = load16(acc + i) * alpha;
+    for (int64_t j = a; j < b; ++j) r += w[j] * load16(v + j * n + i);
+    store16(acc + i, r);
+  }
+  for (; i < n; ++i) {
+    float r = acc[i] * alpha;
+    for (int64_t j = a; j < b; ++j) r += w[j] * v[j * n + i];
+    acc[i] = r;
   }
 }
 
-// exp(x) in float32 within ~2 ulp (Cephes' expf polynomial), branch-free so that loops over it
-// vectorize: exp(-inf) = 0, large x saturates to inf, NaN stays NaN.
-inline float fast_exp(float x) {
-  const float lo = -87.5f, hi = 88.7f;
-  const float xc = x < lo ? lo : (x > hi ? hi : x);
-  const float n = std::nearbyint(xc * 1.44269504088896341f);
-  float r = xc - n * 0.693359375f;
+inline f32x16 splat(float x) { return f32x16{} + x; }
+
+// The largest of v's lanes, NaN lanes passed over (as std::max(m, NaN) keeps m).
+inline float max16(f32x16 v) {
+  v = v != v ? splat(-INFINITY) : v;
+  return lane_tree(v, [](f32x16 a, f32x16 b) { return a > b ? a : b; })[0];
+}
+
+// Lanes [0, n) of p, zeros past them (never reads p[n..]).
+inline f32x16 load_first(const float* p, int64_t n) {
+  f32x16 v = {};
+  for (int64_t i = 0; i < n; ++i) v[i] = p[i];
+  return v;
+}
+
+// exp(x) in float32 within ~2 ulp (Cephes' expf polynomial), branch-free, for a float or 16
+// lanes (T = f32x16): exp(-inf) = 0, large x saturates to inf, NaN stays NaN.
+template <typename T>
+inline T fast_exp(T x) {
+  using I = std::conditional_t<std::is_same_v<T, float>, int32_t, i32x16>;
+  const T lo = T{} + -87.5f, hi = T{} + 88.7f, magic = T{} + 12582912.0f;  // 1.5 * 2^23
+  const T xc = x < lo ? lo : (x > hi ? hi : x);
+  const T n = (xc * 1.44269504088896341f + magic) - magic;  // rounded to an integer
+  T r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
+  T y = T{} + 1.9875691500e-4f;
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * r * r + r + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &y, 4);
-  bits += int32_t(n) << 23;  // y * 2^n; n in [-126, 128]
-  float out;
-  std::memcpy(&out, &bits, 4);
-  out = x < lo ? 0.0f : (x > hi ? INFINITY : out);
+  I bits;
+  std::memcpy(&bits, &y, sizeof bits);
+  if constexpr (std::is_same_v<T, float>) {
+    bits += int32_t(n) << 23;  // y * 2^n; n in [-126, 128]
+  } else {
+    bits += __builtin_convertvector(n, i32x16) << 23;
+  }
+  T out;
+  std::memcpy(&out, &bits, sizeof out);
+  out = x < lo ? T{} : (x > hi ? T{} + INFINITY : out);
   return x != x ? x : out;
 }
 
@@ -227,10 +249,12 @@ void load_queries(const Problem& p, const Task& t, int64_t group, float* q) {
     for (int64_t g = 0; g < group; ++g) {
       const int64_t src = ((t.row0 + r) * p.num_heads + t.kv_head * group + g) * d;
       float* dst = q + (r * group + g) * d;
-      for (int64_t i = 0; i < d; ++i) {
-        float x = p.q_bf16 ? bf16_to_f32(static_cast<const uint16_t*>(p.q)[src + i])
-                           : static_cast<const float*>(p.q)[src + i];
-        dst[i] = x * p.scale;
+      if (p.q_bf16) {
+        const uint16_t* x = static_cast<const uint16_t*>(p.q) + src;
+        for (int64_t i = 0; i < d; ++i) dst[i] = bf16_to_f32(x[i]) * p.scale;
+      } else {
+        const float* x = static_cast<const float*>(p.q) + src;
+        for (int64_t i = 0; i < d; ++i) dst[i] = x[i] * p.scale;
       }
     }
   }
@@ -256,13 +280,13 @@ void store_outputs(const Problem& p, const Task& t, int64_t group, const Scratch
   }
 }
 
-// One query vector over keys [a, b) of a page whose rows k/v (f32) start at key 0.
-template <int kD>
+// One query vector over keys [a, b) of a page whose rows k/v (f32) start at key 0, for a head
+// dim only known at run time.
 void fold_block(const Problem& p, const float* q, const float* k, const float* v,
                 const float* ks, const float* vs, int64_t a, int64_t b, float* s, float* m,
                 float* l, float* acc) {
-  const int64_t d = kD > 0 ? kD : p.head_dim;
-  for (int64_t j = a; j < b; ++j) s[j] = dot<kD>(q, k + j * d, d);
+  const int64_t d = p.head_dim;
+  for (int64_t j = a; j < b; ++j) s[j] = dot(q, k + j * d, d);
   if (ks) {
     for (int64_t j = a; j < b; ++j) s[j] *= ks[j];
   }
@@ -281,7 +305,114 @@ void fold_block(const Problem& p, const float* q, const float* k, const float* v
   if (vs) {
     for (int64_t j = a; j < b; ++j) s[j] *= vs[j];
   }
-  accumulate<kD>(alpha, s, v, a, b, acc, d);
+  accumulate(alpha, s, v, a, b, acc, d);
+}
+
+// out[i * 16 + j] = rows[j * stride + i] for a 16 x 16 block whose rows past n are taken as
+// zeros (and never read): four rounds of pairwise interleaves, 64 two-source shuffles, leave
+// column i in vector bitreverse(i).
+inline void transpose16(const float* rows, int64_t stride, int64_t n, float* out) {
+  f32x16 v[16], w[16];
+  for (int64_t j = 0; j < 16; ++j) v[j] = j < n ? load16(rows + j * stride) : f32x16{};
+#define PAGEDJAX_ROUND(d, LO, HI)                              \
+  for (int base = 0; base < 16; base += 2 * d) {               \
+    for (int m = 0; m < d; ++m) {                              \
+      const f32x16 a = v[base + m], b = v[base + m + d];       \
+      w[base + m] = SHUFFLE(a, b, LO);                         \
+      w[base + m + d] = SHUFFLE(a, b, HI);                     \
+    }                                                          \
+  }                                                            \
+  for (int j = 0; j < 16; ++j) v[j] = w[j];
+  PAGEDJAX_ROUND(1, PAGEDJAX_LO1, PAGEDJAX_HI1)
+  PAGEDJAX_ROUND(2, PAGEDJAX_LO2, PAGEDJAX_HI2)
+  PAGEDJAX_ROUND(4, PAGEDJAX_LO4, PAGEDJAX_HI4)
+  PAGEDJAX_ROUND(8, PAGEDJAX_LO8, PAGEDJAX_HI8)
+#undef PAGEDJAX_ROUND
+  constexpr int kBitReverse[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+  for (int k = 0; k < 16; ++k) store16(out + kBitReverse[k] * 16, v[k]);
+}
+
+// The 16 scores of NV (<= 4) query vectors (kD floats apart) against a transposed chunk: two
+// chains each, so that 2 to 8 independent multiply-add chains share each row of kt.
+template <int kD, int NV>
+inline void panel_scores_n(const float* q, const float* kt, f32x16* out) {
+  f32x16 x[NV], y[NV];
+  for (int v = 0; v < NV; ++v) x[v] = y[v] = f32x16{};
+  for (int i = 0; i < kD; i += 2) {
+    const f32x16 a = load16(kt + i * kLanes), b = load16(kt + (i + 1) * kLanes);
+    for (int v = 0; v < NV; ++v) {
+      x[v] += q[v * kD + i] * a;
+      y[v] += q[v * kD + i + 1] * b;
+    }
+  }
+  for (int v = 0; v < NV; ++v) out[v] = x[v] + y[v];
+}
+
+template <int kD>
+inline void panel_scores(const float* q, int64_t count, const float* kt, f32x16* out) {
+  switch (count) {
+    case 4: return panel_scores_n<kD, 4>(q, kt, out);
+    case 3: return panel_scores_n<kD, 3>(q, kt, out);
+    case 2: return panel_scores_n<kD, 2>(q, kt, out);
+    default: return panel_scores_n<kD, 1>(q, kt, out);
+  }
+}
+
+// Every query vector of a task (its rows x the GQA group) over keys [a, b) of a page (rows k,
+// v in f32 from the page's key 0, whose position is t0): each chunk of up to 16 keys is
+// transposed once (kt: [kD][16]), so a vector's 16 scores are kD broadcast multiply-adds into
+// one register; the online softmax runs on the 16 lanes. Row r's vectors see keys [lo_r, hi_r)
+// (causal, window): the chunk's other lanes are masked off, and only its own keys' V rows are
+// read.
+template <int kD>
+void fold_panel(const Problem& p, const Task& t, Scratch& sc, const float* k, const float* v,
+                const float* ks, const float* vs, int64_t t0, int64_t a, int64_t b) {
+  constexpr int kC = kD / kLanes;
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  alignas(64) float kt[kD * kLanes];
+  for (int64_t j0 = a; j0 < b; j0 += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, b - j0);
+    for (int c = 0; c < kD; c += kLanes) transpose16(k + j0 * kD + c, kD, n, kt + c * kLanes);
+    const f32x16 k_scale = ks ? load_first(ks + j0, n) : f32x16{};
+    const f32x16 v_scale = vs ? load_first(vs + j0, n) : f32x16{};
+    f32x16 scores[4];
+    for (int64_t r = 0; r < t.rows; ++r) {
+      int64_t lo, hi;
+      key_range(p, t, t.pos0 + r, &lo, &hi);
+      const int64_t ra = std::max(lo - t0, j0), rb = std::min(hi - t0, j0 + n);
+      if (ra >= rb) continue;
+      const auto live = (lane >= int32_t(ra - j0)) & (lane < int32_t(rb - j0));
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t vec = r * group + g;
+        if (g % 4 == 0) {  // the scores of this vector and up to 3 more, together
+          panel_scores<kD>(sc.q.data() + vec * kD, std::min<int64_t>(4, group - g), kt, scores);
+        }
+        f32x16 s = scores[g % 4];
+        if (ks) s *= k_scale;
+        if (const float cap = p.soft_cap; cap > 0.0f) {
+          for (int64_t j = ra - j0; j < rb - j0; ++j) s[j] = cap * std::tanh(s[j] / cap);
+        }
+        s = live ? s : splat(-INFINITY);
+        float& m = sc.m[vec];
+        const float m_new = std::max(m, max16(s));
+        f32x16 e = fast_exp(s - m_new);
+        e = live ? e : f32x16{};
+        const float alpha = fast_exp(m - m_new);  // 0 when nothing was seen before
+        sc.l[vec] = sc.l[vec] * alpha + sum16(e);
+        m = m_new;
+        if (vs) e *= v_scale;
+        float* acc = sc.acc.data() + vec * kD;
+        f32x16 o[kC];
+        for (int c = 0; c < kC; ++c) o[c] = load16(acc + c * kLanes) * alpha;
+        for (int64_t j = ra; j < rb; ++j) {
+          const float w = e[j - j0];
+          for (int c = 0; c < kC; ++c) o[c] += w * load16(v + j * kD + c * kLanes);
+        }
+        for (int c = 0; c < kC; ++c) store16(acc + c * kLanes, o[c]);
+      }
+    }
+  }
 }
 
 // Pages ahead to prefetch: measured a few % faster than none; 2 or 4 ahead, no better.
@@ -315,15 +446,19 @@ void run_task(const Problem& p, const Task& t) {
     const float* v = page_f32<P>(p.v_pages, slot0 * d, a * d, b * d, sc.v.data());
     const float* ks = p.k_scales ? p.k_scales + slot0 : nullptr;
     const float* vs = p.v_scales ? p.v_scales + slot0 : nullptr;
-    for (int64_t r = 0; r < t.rows; ++r) {
-      int64_t lo, hi;
-      key_range(p, t, t.pos0 + r, &lo, &hi);
-      const int64_t ra = std::max(lo, t0 + a) - t0, rb = std::min(hi, t0 + b) - t0;
-      if (ra >= rb) continue;
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t vec = r * group + g;
-        fold_block<kD>(p, sc.q.data() + vec * d, k, v, ks, vs, ra, rb, sc.s.data(), &sc.m[vec],
-                   &sc.l[vec], sc.acc.data() + vec * d);
+    if constexpr (kD > 0) {
+      fold_panel<kD>(p, t, sc, k, v, ks, vs, t0, a, b);
+    } else {
+      for (int64_t r = 0; r < t.rows; ++r) {
+        int64_t lo, hi;
+        key_range(p, t, t.pos0 + r, &lo, &hi);
+        const int64_t ra = std::max(lo, t0 + a) - t0, rb = std::min(hi, t0 + b) - t0;
+        if (ra >= rb) continue;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t vec = r * group + g;
+          fold_block(p, sc.q.data() + vec * d, k, v, ks, vs, ra, rb, sc.s.data(), &sc.m[vec],
+                     &sc.l[vec], sc.acc.data() + vec * d);
+        }
       }
     }
   }

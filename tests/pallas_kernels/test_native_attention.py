@@ -139,8 +139,13 @@ def _ragged(request, *, block_size=16, head_dim=64, heads=(8, 2), dtype="float32
 
 @pytest.mark.parametrize(
     "block_size,head_dim,heads,dtype",
-    [(16, 64, (8, 2), "float32"), (8, 128, (16, 2), "bfloat16"), (32, 80, (2, 2), "float32")],
-    ids=["bs16-d64-gqa4-f32", "bs8-d128-gqa8-bf16", "bs32-d80-gqa1-f32"],
+    [
+        (16, 64, (8, 2), "float32"),
+        (8, 128, (16, 2), "bfloat16"),
+        (32, 80, (2, 2), "float32"),
+        (32, 64, (2, 2), "float32"),  # two 16-key chunks per page, one head per KV head
+    ],
+    ids=["bs16-d64-gqa4-f32", "bs8-d128-gqa8-bf16", "bs32-d80-gqa1-f32", "bs32-d64-gqa1-f32"],
 )
 def test_ragged_matches_oracles(request, block_size, head_dim, heads, dtype):
     case = _ragged(request, block_size=block_size, head_dim=head_dim, heads=heads, dtype=dtype)
@@ -156,6 +161,33 @@ def test_ragged_matches_oracles(request, block_size, head_dim, heads, dtype):
     # Tiles smaller than a sequence's rows and than a block: the same answer.
     out = native_ragged(*case.args(), **kw, sliding_window=WINDOW, tile_rows=3)
     check(out, numpy_attention(case, window=WINDOW, soft_cap=None), dtype, "tile_rows=3")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_row_gets_the_same_bits_in_a_decode_or_any_tile(request, head_dim):
+    """At head dims 64 and 128 a row's arithmetic does not depend on what else the call holds:
+    a prefill tile of 16 rows, of 3, of 1, and the decode kernel give the same bits, so a token
+    computed in a mixed step, a chunk of any size or a decode step (preemption by recompute,
+    chunked prefill) is the same token."""
+    case = _ragged(request, head_dim=head_dim, heads=(12, 4), seqs=[(40, 40), (37, 17), (9, 9)])
+    kw = dict(scale=case.scale, max_query_len=case.max_query_len, sliding_window=jnp.int32(29))
+    tiles = [np.asarray(native_ragged(*case.args(), **kw, tile_rows=t)) for t in (16, 3, 1)]
+    for other in tiles[1:]:
+        np.testing.assert_array_equal(tiles[0], other)
+    # Each sequence's rows, one decode call per position (context cut at the row's own key).
+    qsl = np.asarray(case.query_start_loc)
+    for i, ctx in enumerate(np.asarray(case.context_lens)):
+        rows = range(int(qsl[i]), int(qsl[i + 1]))
+        first_pos = int(ctx) - len(rows)
+        for j, row in enumerate(rows):
+            lens = np.zeros_like(np.asarray(case.context_lens))
+            lens[i] = first_pos + j + 1
+            q = jnp.zeros((len(lens), *case.q.shape[1:]), case.q.dtype).at[i].set(case.q[row])
+            out = native_decode(
+                q, case.k_pages, case.v_pages, case.block_tables, jnp.asarray(lens),
+                scale=case.scale, sliding_window=jnp.int32(29),
+            )  # fmt: skip
+            np.testing.assert_array_equal(np.asarray(out[i]), tiles[0][row])
 
 
 def test_ragged_rows_past_max_query_len_are_zero(request):
