@@ -275,10 +275,12 @@ def test_phi3_recomputes_once_past_the_longrope_switch(built):
 
 
 def _count_dots(jaxpr) -> int:
-    """dot_general and ragged_dot equations, in sub-jaxprs (scan bodies, conds) too."""
+    """dot_general and ragged_dot equations, and native CPU kernel calls (``native.on_cpu``:
+    one equation each, whose branches lower per platform), in sub-jaxprs (scan bodies, conds)
+    too."""
     n = 0
     for eqn in jaxpr.eqns:
-        n += eqn.primitive.name in ("dot_general", "ragged_dot_general")
+        n += eqn.primitive.name in ("dot_general", "ragged_dot_general", "pagedjax_on_cpu")
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             n += _count_dots(sub)
     return n
