@@ -203,10 +203,7 @@ def _lowering(which: str):
 
 def _batch(batched, dims, *, branches, out_avals):
     """vmap: both branches mapped over the operands' batch axes (moved to the front)."""
-    moved = [
-        x if d is None else jnp.moveaxis(x, d, 0)
-        for x, d in zip(batched, dims, strict=True)
-    ]
+    moved = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(batched, dims, strict=True)]
     axes = tuple(None if d is None else 0 for d in dims)
 
     def mapped(fn):

@@ -6,9 +6,9 @@ import json
 
 import pytest
 from hf_models import make_tiny_model
+from pagedjax.pallas_kernels import native_attention
 
 from pagedjax.entrypoints.cli import main
-from pagedjax.pallas_kernels import native_attention
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from kernel_cases import HEADS, decode_case, fresh_rng, numpy_attention, rel_err
-from pagedjax.pallas_kernels import paged_attention
+from pagedjax.pallas_kernels import native, paged_attention
 from pagedjax.pallas_kernels.decode_cpu import SINGLE_PASS_TOKENS, paged_attention_chunked
 from test_sliding_window_soft_cap import poison_before_windows
 
@@ -69,9 +69,14 @@ def test_bfloat16(request):
     check(case, out, tol=1.5e-2)
 
 
-def test_engine_decode_on_cpu_takes_the_chunked_path_for_long_tables(request):
-    """The public entry point on the reference backend: one pass over a table of at most
-    SINGLE_PASS_TOKENS, the chunked loop over a longer one; the oracle's numbers either way."""
+def test_engine_decode_on_cpu_takes_the_chunked_path_for_long_tables(request, monkeypatch):
+    """The public entry point on the reference backend, where no native kernel serves (switched
+    off here; on a CPU where it builds, this XLA path is what other platforms lower): one pass
+    over a table of at most SINGLE_PASS_TOKENS, the chunked loop over a longer one; the
+    oracle's numbers either way."""
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    paged_attention.clear_cache()  # traced under the switch, and again after the test
+    request.addfinalizer(paged_attention.clear_cache)
     shape = dict(num_heads=4, num_kv_heads=2, block_size=8, head_dim=32, dtype=jnp.float32)
     case = decode_case(fresh_rng(request), LENS, **shape)
     fn = functools.partial(paged_attention, scale=case.scale, backend="reference")
