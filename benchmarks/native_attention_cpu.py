@@ -12,6 +12,14 @@ limit the read bandwidth of a large array's sum measured in the same run.
 
     python benchmarks/native_attention_cpu.py                 # ~1 min on 2 cores
     python benchmarks/native_attention_cpu.py --dtype bfloat16 --repeats 50
+
+``--layouts`` times instead a whole decode step's attention as the engine runs it: 30 layers in
+one program over a pool of the engine's size for the throughput benchmark (3 x 30 x 1456 blocks),
+64 sequences of 20-191 tokens, caches flushed between calls (a 256 MiB read), for three ways
+a block allocator can lay out the same tables: scattered blocks (a FIFO free list after long
+use), each prompt's blocks adjacent but descending (a FIFO list after one run: sequences free
+their tail first), and lowest first (block_pool.LowestFirst: a prompt's blocks ascending, the two
+blocks decoding appended interleaved across the sequences).
 """
 
 from __future__ import annotations
@@ -133,6 +141,73 @@ def max_err(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
+LAYERS, LAYER_BLOCKS = 30, 1456  # the throughput benchmark's pool: 1456 blocks per layer
+
+
+def layout_tables(rng, blocks: np.ndarray, layout: str) -> np.ndarray:
+    """i32[num_seqs, width] tables of ``blocks[i]`` blocks each, within one layer's blocks."""
+    width = int(blocks.max())
+    tables = np.zeros((len(blocks), width), np.int32)
+    if layout == "scattered":
+        ids, start = rng.permutation(np.arange(1, LAYER_BLOCKS)), 0
+        for i, n in enumerate(blocks):
+            tables[i, :n] = ids[start : start + n]
+            start += n
+        return tables
+    prompt = np.maximum(blocks - 2, 1)  # the last two blocks were appended while decoding
+    nxt = 1
+    for i, n in enumerate(prompt):
+        run = np.arange(nxt, nxt + n)
+        tables[i, :n] = run if layout == "lowest first" else run[::-1]
+        nxt += n
+    for j in range(2):
+        for i in range(len(blocks)):
+            if prompt[i] + j < blocks[i]:
+                tables[i, prompt[i] + j] = nxt
+                nxt += 1
+    return tables
+
+
+def layouts(repeats: int) -> None:
+    rng = np.random.default_rng(0)
+    shape = (NUM_KV_HEADS, LAYERS * LAYER_BLOCKS, BLOCK, HEAD_DIM)
+    k = jnp.asarray(rng.standard_normal(shape, np.float32))
+    v = jnp.asarray(rng.standard_normal(shape, np.float32))
+    lens = rng.integers(20, 192, 64).astype(np.int32)
+    blocks = -(-lens // BLOCK)
+    q = jnp.asarray(rng.standard_normal((64, NUM_HEADS, HEAD_DIM), np.float32))
+
+    @jax.jit
+    def step(q, k, v, tables, lens):  # each layer reads its own blocks, as the engine's scan
+        outs = [
+            na.paged_attention_native(q + i, k, v, tables + i * LAYER_BLOCKS, lens, scale=0.125)
+            for i in range(LAYERS)
+        ]
+        return sum(o[:, 0, 0] for o in outs)
+
+    flush, total = jnp.ones((64 << 20,), jnp.float32), jax.jit(jnp.sum)
+    names = ("scattered", "descending runs", "lowest first")
+    tables = {n: jnp.asarray(layout_tables(rng, blocks, n)) for n in names}
+    times = {n: [] for n in names}
+    args = lambda n: (q, k, v, tables[n], jnp.asarray(lens))  # noqa: E731
+    for n in names:
+        jax.block_until_ready(step(*args(n)))
+    for _ in range(repeats):
+        for n in names:
+            total(flush).block_until_ready()
+            t0 = time.perf_counter()
+            jax.block_until_ready(step(*args(n)))
+            times[n].append(time.perf_counter() - t0)
+    kv = live_bytes(lens, k, False) * LAYERS
+    print(f"uptime: {os.popen('uptime').read().strip()}")
+    print(f"decode attention, {LAYERS} layers, 64 sequences of 20-191 tokens: {kv / 1e6:.0f} MB")
+    print(f"{'block tables':<18} {'min ms':>8} {'med ms':>8} {'GB/s':>7}")
+    for n in names:
+        best = min(times[n])
+        print(f"{n:<18} {best * 1e3:8.2f} {statistics.median(times[n]) * 1e3:8.2f} ", end="")
+        print(f"{kv / best / 1e9:7.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=20)
@@ -140,9 +215,12 @@ def main() -> None:
         "--dtype", default="float32", choices=("float32", "bfloat16", "int8", "float8_e4m3fn")
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layouts", action="store_true", help="a decode step over 3 layouts")
     opts = parser.parse_args()
     if not na.available():
         sys.exit("the native kernel is unavailable (PAGEDJAX_NATIVE=0, or its build failed)")
+    if opts.layouts:
+        return layouts(opts.repeats)
     rng = np.random.default_rng(opts.seed)
     cases = [
         decode_case(rng, opts.dtype, 100, 200, 16, paged_attention_reference),
