@@ -10,8 +10,9 @@ native kernels are unavailable, it is the plain ``jnp.dot`` of the slice
 (``layer_matmul_reference``), which a GPU or TPU compiler fuses.
 
 ``matmul_transposed`` is ``x @ w.T`` for ``w`` [N, K] (the embedding table as a tied LM head):
-on a CPU a native kernel that streams ``w``'s rows once as dot products; XLA's CPU dot reads
-that layout at about half the memory bandwidth.
+on a CPU a native kernel that streams ``w``'s rows once, as dot products for a few rows of x
+(XLA's CPU dot reads that layout at about half the memory bandwidth), and for more rows through
+panels of w transposed on the fly and multiplied as the layer kernels multiply w.
 """
 
 from __future__ import annotations
@@ -23,9 +24,6 @@ from . import native
 
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 SYMBOLS = ("LayerMatmul", "MatmulTransposed")  # native/matmul_cpu.cc's handlers
-# Above this many rows XLA's dot of x @ w.T is the faster (SmolLM2's tied head, 2-core CPU: 8
-# rows 7.9 ms native against 9.2 XLA, 64 rows 33.2 against 24.1).
-TRANSPOSED_MAX_ROWS = 16
 
 
 def layer_matmul_reference(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
@@ -74,14 +72,13 @@ def matmul_transposed_reference(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def matmul_transposed(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x`` [M, K] @ ``w``.T ([N, K]) -> [M, N], x's dtype: native on a CPU for up to
-    ``TRANSPOSED_MAX_ROWS`` rows, else XLA's dot."""
+    """``x`` [M, K] @ ``w``.T ([N, K]) -> [M, N], x's dtype: native on a CPU (SmolLM2's tied
+    head, 2-core CPU: 1.0-1.2x XLA's dot from 16 to 128 rows, more at fewer), else XLA's dot."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(
             f"matmul_transposed needs x [M, K] and w [N, K], got {x.shape} and {w.shape}"
         )
-    supported = native_supported(x, w) and x.shape[0] <= TRANSPOSED_MAX_ROWS
-    lib = native.load("matmul_cpu", SYMBOLS) if supported else None
+    lib = native.load("matmul_cpu", SYMBOLS) if native_supported(x, w) else None
     if lib is None:
         return matmul_transposed_reference(x, w)
     call = jax.ffi.ffi_call(

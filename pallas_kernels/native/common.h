@@ -1,5 +1,5 @@
-// What the native CPU kernels share: bfloat16 conversions, a 16-float vector type, and a
-// parallel loop over XLA's intra-op thread pool. Included by each NAME.cc (a library of its own);
+// What the native CPU kernels share: bfloat16 conversions, a 16-float vector type, lane shuffles
+// and a 16 x 16 transpose, and a parallel loop over XLA's intra-op thread pool. Included by each NAME.cc (a library of its own);
 // pallas_kernels/native/__init__.py hashes this header into every build's key.
 
 #pragma once
@@ -45,6 +45,63 @@ inline f32x16 load16(const float* p) {
 }
 
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+
+// 16 bfloat16 values widened to floats.
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+inline f32x16 load16(const uint16_t* p) {
+  v16h h;
+  std::memcpy(&h, p, sizeof h);
+  v16u u = __builtin_convertvector(h, v16u) << 16;
+  f32x16 v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// Lanes of a and b (0-15: a's, 16-31: b's) by constant indices.
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, i32x16{__VA_ARGS__})
+#endif
+// Interleaves of two vectors in runs of 1, 2, 4, 8 lanes: the low halves' runs, then the high.
+#define PAGEDJAX_LO1 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23
+#define PAGEDJAX_HI1 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31
+#define PAGEDJAX_LO2 0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23
+#define PAGEDJAX_HI2 8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31
+#define PAGEDJAX_LO4 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23
+#define PAGEDJAX_HI4 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31
+#define PAGEDJAX_LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define PAGEDJAX_HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+
+// out[i * out_stride + j] = rows[j * stride + i] (as float) for a 16 x 16 block whose rows past
+// n are taken as zeros (and never read): four rounds of pairwise interleaves, 64 two-source
+// shuffles, leave column i in vector bitreverse(i).
+template <typename T>
+inline void transpose16(const T* rows, int64_t stride, int64_t n, float* out,
+                        int64_t out_stride) {
+  f32x16 v[16], w[16];
+  for (int64_t j = 0; j < 16; ++j) v[j] = j < n ? load16(rows + j * stride) : f32x16{};
+#define PAGEDJAX_ROUND(d, LO, HI)                              \
+  for (int base = 0; base < 16; base += 2 * d) {               \
+    for (int m = 0; m < d; ++m) {                              \
+      const f32x16 a = v[base + m], b = v[base + m + d];       \
+      w[base + m] = SHUFFLE(a, b, LO);                         \
+      w[base + m + d] = SHUFFLE(a, b, HI);                     \
+    }                                                          \
+  }                                                            \
+  for (int j = 0; j < 16; ++j) v[j] = w[j];
+  PAGEDJAX_ROUND(1, PAGEDJAX_LO1, PAGEDJAX_HI1)
+  PAGEDJAX_ROUND(2, PAGEDJAX_LO2, PAGEDJAX_HI2)
+  PAGEDJAX_ROUND(4, PAGEDJAX_LO4, PAGEDJAX_HI4)
+  PAGEDJAX_ROUND(8, PAGEDJAX_LO8, PAGEDJAX_HI8)
+#undef PAGEDJAX_ROUND
+  constexpr int kBitReverse[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+  for (int k = 0; k < 16; ++k) store16(out + kBitReverse[k] * out_stride, v[k]);
+}
 
 // work(0 .. n-1) over the pool's threads (at most `max_threads`; 0: all). The caller claims
 // items too, and waits only for items a worker has claimed (which are running), so it never

@@ -28,10 +28,6 @@ namespace {
 
 using namespace pagedjax_native;
 
-// bfloat16 weights, 16 at a time, widened to common.h's f32x16.
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-
 // A register block: R rows x V vectors of accumulators (R * V <= 16 of the 32 AVX-512
 // registers). Few rows take wide tiles (long contiguous runs of each weight row), more rows
 // narrower ones, so every weight a tile covers is read once for all its rows.
@@ -39,17 +35,6 @@ constexpr int64_t ACCUMULATORS = 16;
 
 inline float load1(const float* p, int64_t i) { return p[i]; }
 inline float load1(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
-
-using pagedjax_native::load16;  // the float overload, beside this one
-
-inline f32x16 load16(const uint16_t* p) {
-  v16h h;
-  std::memcpy(&h, p, sizeof h);
-  v16u u = __builtin_convertvector(h, v16u) << 16;
-  f32x16 v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
 
 // Rows [m0, m0 + R) of y, columns [n0, n0 + 16 V): the tile's weights are read once for the R
 // rows.
@@ -178,6 +163,42 @@ void dot_tile(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64
   }
 }
 
+// ---- y = x @ w.T for more rows of x: w's rows packed into transposed panels ------------------
+// A dot product per output costs a lane sum each: fine at a few rows of x, where reading w once
+// bounds the time, not at many. There, PANEL rows of w at a time are transposed into a panel
+// [K][PANEL] (common.h's transpose16), which every row block of x multiplies as layer_matmul's
+// tiles multiply w (register blocks of 8 rows x 32 columns).
+
+constexpr int64_t PANEL = 32;
+// x's rows up to which the dot products serve (SmolLM2's tied head on a 2-core CPU: even at 4
+// rows, faster by 12-25% at 8 to 16).
+constexpr int64_t DOT_MAX_ROWS = 4;
+
+// Columns [n0, n0 + PANEL) of y (fewer at the right edge), all M rows.
+template <typename W>
+void panel_tile(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64_t n0,
+                float* y) {
+  const int64_t cols = std::min(PANEL, N - n0);
+  thread_local std::vector<float> buf;
+  buf.resize(K * PANEL + M * PANEL);
+  float* panel = buf.data();  // [K][PANEL]: panel[k][j] = w[n0 + j][k], zeros past cols
+  float* tile = panel + K * PANEL;  // [M][PANEL]
+  const int64_t K16 = K - K % 16;
+  for (int64_t h = 0; h < PANEL; h += 16) {
+    const int64_t rows = std::clamp<int64_t>(cols - h, 0, 16);
+    for (int64_t k = 0; k < K16; k += 16) {
+      transpose16(w + (n0 + h) * K + k, K, rows, panel + k * PANEL + h, PANEL);
+    }
+    for (int64_t k = K16; k < K; ++k) {
+      for (int64_t j = 0; j < 16; ++j) {
+        panel[k * PANEL + h + j] = j < rows ? load1(w + (n0 + h + j) * K, k) : 0.0f;
+      }
+    }
+  }
+  rows_of_tile<PANEL / 16, float>(x, M, K, panel, PANEL, 0, tile);
+  for (int64_t r = 0; r < M; ++r) std::memcpy(y + r * N + n0, tile + r * PANEL, cols * 4);
+}
+
 // x (f32 or bf16) in f32, y computed in f32 and written back in x's dtype; `compute(xp, yp, W*)`
 // gets w's data as float* or uint16_t* (bf16). Only the first M of x's rows are computed; y's
 // rows from M to `rows` (x's whole height) are zeros.
@@ -261,11 +282,21 @@ ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Any
     return ffi::Error::InvalidArgument("matmul_transposed: x and w must be float32 or bfloat16");
   }
   const int64_t M = xd[0], K = xd[1], N = wd[0];
+  const bool w_bf16 = w.element_type() == ffi::BF16;
+  if (M > DOT_MAX_ROWS) {
+    const int64_t tiles = (N + PANEL - 1) / PANEL;
+    return with_f32(x, w.untyped_data(), w_bf16, *y, M, M, K, N,
+                    [&](const float* xp, float* yp, const auto* wp) {
+                      parallel_for(pool, tiles, 0, [=](int64_t t) {
+                        panel_tile(xp, M, K, wp, N, t * PANEL, yp);
+                      });
+                    });
+  }
   // w's rows per register tile: many for few rows of x, fewer for more (see ACCUMULATORS).
   const int64_t T = M <= 2 ? 8 : 4;
   constexpr int64_t ROWS = 256;  // w's rows per work item
   const int64_t tiles = (N + ROWS - 1) / ROWS;
-  return with_f32(x, w.untyped_data(), w.element_type() == ffi::BF16, *y, M, M, K, N,
+  return with_f32(x, w.untyped_data(), w_bf16, *y, M, M, K, N,
                   [&](const float* xp, float* yp, const auto* wp) {
                     parallel_for(pool, tiles, 0, [=](int64_t t) {
                       const int64_t n0 = t * ROWS;

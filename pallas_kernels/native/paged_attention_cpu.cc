@@ -84,24 +84,6 @@ const float* page_f32(const void* page, int64_t base, int64_t a, int64_t b, floa
 // Vector pieces
 
 constexpr int kLanes = 16;
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-// Lanes of a and b (0-15: a's, 16-31: b's) by constant indices.
-#if defined(__clang__)
-#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, i32x16{__VA_ARGS__})
-#endif
-// Interleaves of two vectors in runs of 1, 2, 4, 8 lanes: the low halves' runs, then the high.
-#define PAGEDJAX_LO1 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23
-#define PAGEDJAX_HI1 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31
-#define PAGEDJAX_LO2 0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23
-#define PAGEDJAX_HI2 8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31
-#define PAGEDJAX_LO4 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23
-#define PAGEDJAX_HI4 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31
-#define PAGEDJAX_LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
-#define PAGEDJAX_HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
-
 // A tree over v's lanes in four swaps (halves, quarters, pairs, neighbours), all in registers
 // (halves taken through memory stall on store forwarding): every lane ends up holding
 // op(all lanes).
@@ -308,30 +290,6 @@ void fold_block(const Problem& p, const float* q, const float* k, const float* v
   accumulate(alpha, s, v, a, b, acc, d);
 }
 
-// out[i * 16 + j] = rows[j * stride + i] for a 16 x 16 block whose rows past n are taken as
-// zeros (and never read): four rounds of pairwise interleaves, 64 two-source shuffles, leave
-// column i in vector bitreverse(i).
-inline void transpose16(const float* rows, int64_t stride, int64_t n, float* out) {
-  f32x16 v[16], w[16];
-  for (int64_t j = 0; j < 16; ++j) v[j] = j < n ? load16(rows + j * stride) : f32x16{};
-#define PAGEDJAX_ROUND(d, LO, HI)                              \
-  for (int base = 0; base < 16; base += 2 * d) {               \
-    for (int m = 0; m < d; ++m) {                              \
-      const f32x16 a = v[base + m], b = v[base + m + d];       \
-      w[base + m] = SHUFFLE(a, b, LO);                         \
-      w[base + m + d] = SHUFFLE(a, b, HI);                     \
-    }                                                          \
-  }                                                            \
-  for (int j = 0; j < 16; ++j) v[j] = w[j];
-  PAGEDJAX_ROUND(1, PAGEDJAX_LO1, PAGEDJAX_HI1)
-  PAGEDJAX_ROUND(2, PAGEDJAX_LO2, PAGEDJAX_HI2)
-  PAGEDJAX_ROUND(4, PAGEDJAX_LO4, PAGEDJAX_HI4)
-  PAGEDJAX_ROUND(8, PAGEDJAX_LO8, PAGEDJAX_HI8)
-#undef PAGEDJAX_ROUND
-  constexpr int kBitReverse[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-  for (int k = 0; k < 16; ++k) store16(out + kBitReverse[k] * 16, v[k]);
-}
-
 // The 16 scores of NV (<= 4) query vectors (kD floats apart) against a transposed chunk: two
 // chains each, so that 2 to 8 independent multiply-add chains share each row of kt.
 template <int kD, int NV>
@@ -373,7 +331,7 @@ void fold_panel(const Problem& p, const Task& t, Scratch& sc, const float* k, co
   alignas(64) float kt[kD * kLanes];
   for (int64_t j0 = a; j0 < b; j0 += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, b - j0);
-    for (int c = 0; c < kD; c += kLanes) transpose16(k + j0 * kD + c, kD, n, kt + c * kLanes);
+    for (int c = 0; c < kD; c += kLanes) transpose16(k + j0 * kD + c, kD, n, kt + c * kLanes, kLanes);
     const f32x16 k_scale = ks ? load_first(ks + j0, n) : f32x16{};
     const f32x16 v_scale = vs ? load_first(vs + j0, n) : f32x16{};
     f32x16 scores[4];

@@ -87,7 +87,19 @@ def test_under_a_scan_each_layer_reads_its_own_kernel():
 
 @pytest.mark.parametrize(
     "m,k,n",
-    [(1, 576, 4099), (2, 64, 8), (3, 37, 13), (8, 100, 260), (16, 16, 33), (0, 8, 4), (40, 8, 9)],
+    [
+        (1, 576, 4099),
+        (2, 64, 8),
+        (3, 37, 13),
+        (4, 64, 40),
+        # from 5 rows, w's rows transposed in panels of 32 (edges: w rows, K past 16s)
+        (8, 100, 260),
+        (16, 16, 33),
+        (0, 8, 4),
+        (40, 8, 9),
+        (64, 576, 1000),
+        (9, 40, 70),
+    ],
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_transposed_against_float64(m, k, n, dtype):
