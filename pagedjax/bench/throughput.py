@@ -29,7 +29,9 @@ quantized; ``--compare-quantization`` also runs the unquantized pagedjax side fi
 of its own, and reports both and their ratio (quantized / unquantized output tok/s).
 
 Reported per side: min and median of the warm runs, the cold run, output tok/s, and the useful
-FLOP/s as a fraction of the measured matmul roofline; the ratios warm (min vs min) and cold.
+FLOP/s as a fraction of the measured matmul roofline; the ratios warm (min vs min) and cold; and
+the share of CPU time a virtual machine's host stole while each process ran (on a shared host,
+a figure taken while it was high is slowed by the neighbours, not by the code).
 """
 
 from __future__ import annotations
@@ -47,8 +49,29 @@ from pagedjax.bench.throughput_sides import Request, synthetic_requests  # noqa:
 from pagedjax.models.quant import QUANTIZATIONS
 
 
+def cpu_ticks() -> tuple[int, int] | None:
+    """(ticks stolen by the hypervisor, all ticks) over every CPU since boot, from /proc/stat;
+    None where there is none (not Linux)."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    # cpu user nice system idle iowait irq softirq steal [guest guest_nice: inside user, nice]
+    ticks = [int(x) for x in fields[1:9]]
+    return (ticks[7], sum(ticks)) if fields[0] == "cpu" and len(ticks) == 8 else None
+
+
+def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of CPU time the hypervisor gave to other guests between two cpu_ticks()."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def _run_side(side: str, spec: dict, env: dict | None = None) -> dict:
-    """One side in a fresh process; its JSON result."""
+    """One side in a fresh process; its JSON result, with ``cpu_steal_share`` (a shared VM's
+    stolen time while the side ran: a busy host slows whichever side it hits)."""
+    start = cpu_ticks()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "spec.json"
         path.write_text(json.dumps(spec))
@@ -60,7 +83,10 @@ def _run_side(side: str, spec: dict, env: dict | None = None) -> dict:
         )
     if proc.returncode != 0:
         raise RuntimeError(f"the {side} side failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return {
+        **json.loads(proc.stdout.strip().splitlines()[-1]),
+        "cpu_steal_share": steal_share(start, cpu_ticks()),
+    }
 
 
 def _rates(side: dict, out_tokens: int, flops: float, roof: float) -> dict:
@@ -127,6 +153,7 @@ def benchmark(args) -> dict:
         "output_tokens": out_tokens,
         "workload_gflop": flops / 1e9,
         "matmul_gflops_per_s": {k: v / 1e9 for k, v in prep["matmul_flops_per_s"].items()},
+        "prepare_cpu_steal_share": prep["cpu_steal_share"],
         "repeats": args.repeats,
         "pagedjax": ours,
         "transformers": theirs,
@@ -179,6 +206,13 @@ def print_report(res: dict) -> None:
                 f"{label} parameters: {mib:.1f} MiB, kernels {r['kernel_dtype']}; KV pool "
                 f"{r.get('kv_cache_dtype')}; {r.get('num_overlapped_steps')} steps overlapped"
             )
+    stolen = [("roofline", res.get("prepare_cpu_steal_share"))]
+    stolen += [(label.split(" (")[0], r.get("cpu_steal_share")) for label, r in sides]
+    if all(share is not None for _, share in stolen):
+        print(
+            "CPU time stolen by the hypervisor while each ran (/proc/stat): "
+            + ", ".join(f"{label} {share:.1%}" for label, share in stolen)
+        )
     p = res["pagedjax"]
     print(
         f"pagedjax cold run: {p['programs_compiled_cold']} programs compiled "

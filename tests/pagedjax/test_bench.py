@@ -8,6 +8,7 @@ import pytest
 from hf_models import make_tiny_model
 from pagedjax.pallas_kernels import native_attention
 
+from pagedjax.bench.throughput import cpu_ticks, steal_share
 from pagedjax.entrypoints.cli import main
 
 
@@ -87,6 +88,9 @@ def test_throughput_runs_both_sides_in_their_own_processes(tiny, capsys):
     )
     if native_attention.available():
         assert all(k["padded_attention"] == k["real_attention"] for k in kinds.values())
+    if cpu_ticks() is not None:  # Linux: each process's stolen share is reported
+        shares = [res["prepare_cpu_steal_share"], ours["cpu_steal_share"]]
+        assert all(0.0 <= x <= 1.0 for x in shares + [theirs["cpu_steal_share"]])
     assert ours["compilation_cache"] == "0"  # the cold run compiles for real
     assert ours["programs_compiled_cold"] > 0 and ours["programs_compiled_warm"] == 0
     assert res["warm_ratio"] == pytest.approx(
@@ -98,6 +102,14 @@ def test_throughput_runs_both_sides_in_their_own_processes(tiny, capsys):
     print_report(res)  # the table with the transformers side (no parameter bytes of its own)
     table = capsys.readouterr().out
     assert "transformers (batch" in table and "pagedjax parameters:" in table
+
+
+def test_steal_share_is_the_stolen_part_of_the_ticks_between_two_readings():
+    assert steal_share((10, 1000), (40, 1300)) == pytest.approx(0.1)
+    assert steal_share((10, 1000), (10, 1000)) is None  # no time passed
+    assert steal_share(None, (40, 1300)) is None  # no /proc/stat
+    now = cpu_ticks()
+    assert now is None or 0 <= now[0] <= now[1]
 
 
 def test_workload_flops_count_tokens_attention_and_head():
