@@ -1,6 +1,6 @@
 """The block allocator under the block manager: device blocks with reference counts, a free list
-of pristine blocks, an LRU of cached prefix blocks (free but still holding their KV, evicted
-only when no pristine block is left), host blocks for swapping, and usage counters.
+of pristine blocks (lowest id first), an LRU of cached prefix blocks (free but still holding their
+KV, evicted only when no pristine block is left), host blocks for swapping, and usage counters.
 
 Pure Python; imports no jax. Block 0 is the null block: never handed out, the target of the
 runner's padding.
