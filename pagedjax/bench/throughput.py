@@ -153,7 +153,7 @@ def benchmark(args) -> dict:
         "output_tokens": out_tokens,
         "workload_gflop": flops / 1e9,
         "matmul_gflops_per_s": {k: v / 1e9 for k, v in prep["matmul_flops_per_s"].items()},
-        "prepare_cpu_steal_share": prep["cpu_steal_share"],
+        "prepare_cpu_steal_share": prep.get("cpu_steal_share"),
         "repeats": args.repeats,
         "pagedjax": ours,
         "transformers": theirs,
