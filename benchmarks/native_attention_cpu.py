@@ -5,7 +5,9 @@ pool of ~3000 blocks) and 64 sequences, on the same arrays in one run:
   * decode, contexts 100-200 in 16-block tables (XLA: ``paged_attention_reference``) and
     256-512 in 32-block tables (XLA: ``paged_attention_chunked``);
   * one ragged step: a 128-token prefill plus 63 decodes (XLA:
-    ``ragged_paged_attention_reference``).
+    ``ragged_paged_attention_reference``);
+  * a prefill step of 16 prompts of 128 tokens, whose pages are in cache (the arithmetic
+    bounds it, not memory).
 The native kernel runs on one thread and on all of XLA's intra-op threads. Reported: min and
 median of ``--repeats`` timed calls, the live K/V bytes read / time (GB/s), and as the machine's
 limit the read bandwidth of a large array's sum measured in the same run.
@@ -110,6 +112,26 @@ def ragged_case(rng, dtype) -> Case:
         ragged_paged_attention_reference,
         na.ragged_paged_attention_native,
         read,
+    )
+
+
+def prefill_case(rng, dtype) -> Case:
+    """16 prompts of 128 tokens (the throughput benchmark's first step): the pages were just
+    written, so they are in cache and the kernel's arithmetic bounds it."""
+    k, v, scales = pool(rng, dtype)
+    lens = np.full(16, 128, np.int32)
+    qsl = (np.arange(17) * 128).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((2048, NUM_HEADS, HEAD_DIM), np.float32))
+    args = (q, k, v, tables(rng, lens, 8), jnp.asarray(lens), jnp.asarray(qsl))
+    kw = {"scale": HEAD_DIM**-0.5, "max_query_len": 128, **scales}
+    tiles = -(-128 // na.TILE_ROWS)  # each tile reads its sequence's pages once
+    return Case(
+        "prefill 16 x 128 tokens",
+        args,
+        kw,
+        ragged_paged_attention_reference,
+        na.ragged_paged_attention_native,
+        tiles * live_bytes(lens, k, bool(scales)),
     )
 
 
@@ -226,6 +248,7 @@ def main() -> None:
         decode_case(rng, opts.dtype, 100, 200, 16, paged_attention_reference),
         decode_case(rng, opts.dtype, 256, 512, 32, paged_attention_chunked),
         ragged_case(rng, opts.dtype),
+        prefill_case(rng, opts.dtype),
     ]
     print(f"uptime: {os.popen('uptime').read().strip()}")
     limit = read_gbps(opts.repeats)
