@@ -40,8 +40,8 @@ class StepProfile:
 
     @contextlib.contextmanager
     def phase(self, name: str, kind: str | None = None):
-        """Time the block as phase ``name``; a ``device`` phase also counts towards its step
-        ``kind`` (as ``count`` named it)."""
+        """Time the block as phase ``name``; with a step ``kind`` (as ``count`` named it: the
+        runner passes one for its device phases) the time is also that kind's device time."""
         if not self.enabled:
             yield
             return
