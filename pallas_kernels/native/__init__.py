@@ -29,9 +29,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from jax._src import dispatch
-from jax.extend import core as jex_core
-from jax.interpreters import batching, mlir
 
 ENV_SWITCH = "PAGEDJAX_NATIVE"  # "0" / "false" / "off" / "no": never build or call them
 ENV_DIR = "PAGEDJAX_CACHE_DIR"
@@ -161,7 +158,7 @@ def on_cpu(native_fn, xla_fn, *args, **kwargs):
     branches = _Branches(native_fn, xla_fn, tuple(sorted(static.items())), in_tree)
     out_shapes = jax.eval_shape(functools.partial(native_fn, **static), *args, **arrays)
     out_flat, out_tree = jax.tree.flatten(out_shapes)
-    outs = _on_cpu_p.bind(
+    outs = _on_cpu_p().bind(
         *flat,
         branches=branches,
         out_avals=tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in out_flat),
@@ -193,14 +190,6 @@ def _abstract_eval(*avals, branches, out_avals):
     return out_avals
 
 
-def _lowering(which: str):
-    def rule(ctx, *operands, branches, out_avals):
-        fn = branches.flat(getattr(branches, which))
-        return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)
-
-    return rule
-
-
 def _batch(batched, dims, *, branches, out_avals):
     """vmap: both branches mapped over the operands' batch axes (moved to the front)."""
     moved = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(batched, dims, strict=True)]
@@ -216,10 +205,26 @@ def _batch(batched, dims, *, branches, out_avals):
     return list(outs), [0] * len(outs)
 
 
-_on_cpu_p = jex_core.Primitive("pagedjax_on_cpu")
-_on_cpu_p.multiple_results = True
-_on_cpu_p.def_impl(functools.partial(dispatch.apply_primitive, _on_cpu_p))
-_on_cpu_p.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(_on_cpu_p, _lowering("native_fn"), platform="cpu")
-mlir.register_lowering(_on_cpu_p, _lowering("xla_fn"))
-batching.primitive_batchers[_on_cpu_p] = _batch
+@functools.cache
+def _on_cpu_p():
+    """The primitive, made and registered on first use: only where a native kernel is called (a
+    GPU or TPU process never touches JAX's primitive internals here)."""
+    from jax._src import dispatch
+    from jax.extend import core as jex_core
+    from jax.interpreters import batching, mlir
+
+    def lowering(which: str):
+        def rule(ctx, *operands, branches, out_avals):
+            fn = branches.flat(getattr(branches, which))
+            return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)
+
+        return rule
+
+    p = jex_core.Primitive("pagedjax_on_cpu")
+    p.multiple_results = True
+    p.def_impl(functools.partial(dispatch.apply_primitive, p))
+    p.def_abstract_eval(_abstract_eval)
+    mlir.register_lowering(p, lowering("native_fn"), platform="cpu")
+    mlir.register_lowering(p, lowering("xla_fn"))
+    batching.primitive_batchers[p] = _batch
+    return p
