@@ -103,38 +103,79 @@ inline void transpose16(const T* rows, int64_t stride, int64_t n, float* out,
   for (int k = 0; k < 16; ++k) store16(out + kBitReverse[k] * out_stride, v[k]);
 }
 
-// work(0 .. n-1) over the pool's threads (at most `max_threads`; 0: all). The caller claims
-// items too, and waits only for items a worker has claimed (which are running), so it never
-// waits on a worker the pool has not started: a worker that starts late finds nothing left and
-// returns without touching the (by then gone) problem.
+// Items claimed from a shared counter. A running item may claim the item its thread runs after
+// it early (`next()`), to prefetch for it near its own end.
+class Claims {
+ public:
+  explicit Claims(int64_t n) : n_(n) {}
+  int64_t n() const { return n_; }
+  int64_t claim() { return next_.fetch_add(1); }
+
+ private:
+  std::atomic<int64_t> next_{0};
+  int64_t n_;
+};
+
+class NextItem {  // what a running item sees of its thread's next claim
+ public:
+  explicit NextItem(Claims& claims) : claims_(claims) {}
+  // The item this thread runs after the current one, claimed now if not yet; -1: none.
+  int64_t next() {
+    if (next_ == kUnclaimed) next_ = claims_.claim();
+    return next_ < claims_.n() ? next_ : -1;
+  }
+  int64_t take() {  // the next claim, made now if the item did not ask
+    next();
+    const int64_t i = next_;
+    next_ = kUnclaimed;
+    return i;
+  }
+
+ private:
+  static constexpr int64_t kUnclaimed = -2;
+  Claims& claims_;
+  int64_t next_ = kUnclaimed;
+};
+
+// work(i, next) for i in 0 .. n-1 over the pool's threads (at most `max_threads`; 0: all). The
+// caller claims items too, and waits only for items a worker has claimed (which are running, or
+// held by a running worker), so it never waits on a worker the pool has not started: a worker
+// that starts late finds nothing left and returns without touching the (by then gone) problem.
 struct Shared {
-  std::atomic<int64_t> next{0}, done{0};
-  int64_t n = 0;
-  std::function<void(int64_t)> work;
+  explicit Shared(int64_t n) : claims(n) {}
+  Claims claims;
+  std::atomic<int64_t> done{0};
+  std::function<void(int64_t, NextItem&)> work;
 
   void drain() {
-    for (int64_t i; (i = next.fetch_add(1)) < n;) {
-      work(i);
+    NextItem next(claims);
+    for (int64_t i = claims.claim(); i < claims.n(); i = next.take()) {
+      work(i, next);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
-inline void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t max_threads,
-                         std::function<void(int64_t)> work) {
+inline void parallel_for_ahead(ffi::ThreadPool& pool, int64_t n, int64_t max_threads,
+                               std::function<void(int64_t, NextItem&)> work) {
   int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   if (max_threads > 0) threads = std::min(threads, max_threads);
   threads = std::min(threads, n);
+  auto shared = std::make_shared<Shared>(n);
+  shared->work = std::move(work);
   if (threads <= 1) {
-    for (int64_t i = 0; i < n; ++i) work(i);
+    shared->drain();
     return;
   }
-  auto shared = std::make_shared<Shared>();
-  shared->n = n;
-  shared->work = std::move(work);
   for (int64_t w = 1; w < threads; ++w) pool.Schedule([shared] { shared->drain(); });
   shared->drain();
   while (shared->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+// work(i) for i in 0 .. n-1, as parallel_for_ahead.
+inline void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t max_threads,
+                         std::function<void(int64_t)> work) {
+  parallel_for_ahead(pool, n, max_threads, [work](int64_t i, NextItem&) { work(i); });
 }
 
 }  // namespace pagedjax_native
