@@ -71,14 +71,22 @@ def matmul_transposed_reference(x: jax.Array, w: jax.Array) -> jax.Array:
     return y.astype(x.dtype)
 
 
+# x's rows up to which matmul_transposed is native. SmolLM2's tied head on a 2-core CPU
+# (benchmarks/layer_matmul_cpu.py, time XLA / native): 1.07 at 96 rows, 1.04 at 128, 0.94 at 192,
+# 0.88-0.90 at 256 and 512.
+TRANSPOSED_NATIVE_MAX_ROWS = 128
+
+
 def matmul_transposed(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x`` [M, K] @ ``w``.T ([N, K]) -> [M, N], x's dtype: native on a CPU (SmolLM2's tied
-    head, 2-core CPU: 1.1-1.2x XLA's dot from 8 to 128 rows, within 10% at 1), else XLA's dot."""
+    """``x`` [M, K] @ ``w``.T ([N, K]) -> [M, N], x's dtype: native on a CPU up to
+    ``TRANSPOSED_NATIVE_MAX_ROWS`` rows of x (SmolLM2's tied head, 2-core CPU: 1.04-1.2x XLA's
+    dot from 8 to 128 rows, within 10% at 1), else XLA's dot."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(
             f"matmul_transposed needs x [M, K] and w [N, K], got {x.shape} and {w.shape}"
         )
-    lib = native.load("matmul_cpu", SYMBOLS) if native_supported(x, w) else None
+    native_rows = x.shape[0] <= TRANSPOSED_NATIVE_MAX_ROWS
+    lib = native.load("matmul_cpu", SYMBOLS) if native_rows and native_supported(x, w) else None
     if lib is None:
         return matmul_transposed_reference(x, w)
     call = jax.ffi.ffi_call(

@@ -17,7 +17,11 @@ from pagedjax.pallas_kernels import (
     matmul_transposed_reference,
     native,
 )
-from pagedjax.pallas_kernels.layer_matmul import SYMBOLS, native_supported
+from pagedjax.pallas_kernels.layer_matmul import (
+    SYMBOLS,
+    TRANSPOSED_NATIVE_MAX_ROWS,
+    native_supported,
+)
 
 NATIVE = native.load("matmul_cpu", SYMBOLS) is not None
 
@@ -114,6 +118,17 @@ def test_transposed_against_float64(m, k, n, dtype):
     ref = matmul_transposed_reference(x, w)
     np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(ref, np.float64),
                                rtol=tol, atol=tol)  # fmt: skip
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernel unavailable")
+def test_transposed_is_native_up_to_its_row_limit_then_xla():
+    w = jnp.zeros((40, 16), jnp.float32)
+    for m, native_call in (
+        (TRANSPOSED_NATIVE_MAX_ROWS, True),
+        (TRANSPOSED_NATIVE_MAX_ROWS + 1, False),
+    ):
+        text = jax.jit(matmul_transposed).lower(jnp.zeros((m, 16), jnp.float32), w).as_text()
+        assert ("MatmulTransposed" in text) == native_call, m
 
 
 def test_rows_past_live_rows_are_zeros_and_the_rest_exact():
