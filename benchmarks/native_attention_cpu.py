@@ -4,6 +4,8 @@ At SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64, bloc
 pool of ~3000 blocks) and 64 sequences, on the same arrays in one run:
   * decode, contexts 100-200 in 16-block tables (XLA: ``paged_attention_reference``) and
     256-512 in 32-block tables (XLA: ``paged_attention_chunked``);
+  * 64 decodes of 160 keys that share 10 blocks, whose pages stay in cache (the decode's
+    arithmetic alone);
   * one ragged step: a 128-token prefill plus 63 decodes (XLA:
     ``ragged_paged_attention_reference``);
   * a prefill step of 16 prompts of 128 tokens, whose pages are in cache (the arithmetic
@@ -92,6 +94,26 @@ def decode_case(rng, dtype, lo, hi, width, xla_fn) -> Case:
     name = f"decode ctx {lo}-{hi}, {width}-block tables"
     read = live_bytes(lens, k, bool(scales))
     return Case(name, args, kw, xla_fn, na.paged_attention_native, read)
+
+
+def cached_decode_case(rng, dtype) -> Case:
+    """64 decodes of 160 keys that all read the same 10 blocks (240 KB of float32 pages, in L2):
+    the decode's arithmetic alone, to set against the cases whose pages come from memory."""
+    k, v, scales = pool(rng, dtype)
+    lens = np.full(64, 160, np.int32)
+    shared = jnp.asarray(np.tile(np.arange(1, 11, dtype=np.int32), (64, 1)))
+    q = jnp.asarray(rng.standard_normal((64, NUM_HEADS, HEAD_DIM), np.float32))
+    args = (q, k, v, shared, jnp.asarray(lens))
+    kw = {"scale": HEAD_DIM**-0.5, **scales}
+    read = live_bytes(lens, k, bool(scales))  # as if each sequence's pages were its own
+    return Case(
+        "decode ctx 160, 10 shared blocks (cache)",
+        args,
+        kw,
+        paged_attention_reference,
+        na.paged_attention_native,
+        read,
+    )
 
 
 def ragged_case(rng, dtype) -> Case:
@@ -247,6 +269,7 @@ def main() -> None:
     cases = [
         decode_case(rng, opts.dtype, 100, 200, 16, paged_attention_reference),
         decode_case(rng, opts.dtype, 256, 512, 32, paged_attention_chunked),
+        cached_decode_case(rng, opts.dtype),
         ragged_case(rng, opts.dtype),
         prefill_case(rng, opts.dtype),
     ]
