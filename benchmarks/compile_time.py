@@ -62,7 +62,7 @@ def step_programs(model: str | None, repeats: int) -> list[dict]:
                 def fresh(*args):
                     return forward(*args)
 
-                fn = jax.jit(fresh, static_argnums=(3, 4, 5, 6), donate_argnums=(1,))
+                fn = jax.jit(fresh, static_argnums=(3, 4, 5, 6, 7), donate_argnums=(1,))
                 loadavg = load()
                 t0 = time.perf_counter()
                 lowered = fn.lower(
@@ -73,6 +73,7 @@ def step_programs(model: str | None, repeats: int) -> list[dict]:
                     r.backend,
                     r.mesh,
                     unroll,
+                    r.packed_weights,
                 )
                 t1 = time.perf_counter()
                 lowered.compile()

@@ -53,12 +53,16 @@ class Attention(nn.Module):
     dtype: jnp.dtype
     backend: str
     mesh: Mesh | None = None
+    packed: bool = False  # the projections' stacked kernels are packed (models/layers.py Dense)
 
     @nn.compact
     def __call__(self, x, cos, sin, kv: KVPool, layer, window, step: StepInput, live):
         c, n = self.config, self.config.num_layers
         tokens = x.shape[0]
-        linear = functools.partial(dense, dtype=self.dtype, layers=n, in_place=self.mesh is None)
+        in_place = self.mesh is None
+        linear = functools.partial(
+            dense, dtype=self.dtype, layers=n, in_place=in_place, packed=self.packed and in_place
+        )
         q = linear(c.num_heads * c.head_dim, c.qkv_bias, name="q_proj")(x, layer, live)
         k = linear(c.num_kv_heads * c.head_dim, c.qkv_bias, name="k_proj")(x, layer, live)
         v = linear(c.num_kv_heads * c.head_dim, c.qkv_bias, name="v_proj")(x, layer, live)
@@ -81,13 +85,18 @@ class MLP(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype
     in_place: bool = True
+    packed: bool = False  # the stacked kernels are packed (models/layers.py Dense)
 
     @nn.compact
     def __call__(self, x, layer, live=None):
         c = self.config
         act = activation(c)
         linear = functools.partial(
-            dense, dtype=self.dtype, layers=c.num_layers, in_place=self.in_place
+            dense,
+            dtype=self.dtype,
+            layers=c.num_layers,
+            in_place=self.in_place,
+            packed=self.packed and self.in_place,
         )
         up = linear(c.intermediate_size, c.mlp_bias, name="up_proj")(x, layer, live)
         if c.gated_mlp:
@@ -107,6 +116,7 @@ class DecoderLayer(nn.Module):
     dtype: jnp.dtype
     backend: str
     mesh: Mesh | None = None
+    packed: bool = False
 
     @nn.compact
     def __call__(self, carry, per_layer, cos, sin, step: StepInput, stacks):
@@ -119,7 +129,7 @@ class DecoderLayer(nn.Module):
         window = per_layer.get("window") if window is None else window
         layer = per_layer["layer"]  # i32[]: every parameter here is stacked, taken at this row
         live = live_rows(step)  # i32[]: rows past it are padding
-        attn = Attention(c, dt, self.backend, self.mesh, name="self_attn")
+        attn = Attention(c, dt, self.backend, self.mesh, self.packed, name="self_attn")
 
         def layer_norm(name):
             return lambda h: norm(c, dt, name, c.num_layers)(h, layer)
@@ -128,7 +138,7 @@ class DecoderLayer(nn.Module):
             if c.num_experts:
                 row, is_moe = per_layer["mlp_row"], per_layer.get("is_moe")
                 return layer_mlp(h, stacks, row, is_moe, c, self.mesh)
-            return MLP(c, dt, self.mesh is None, name="mlp")(h, layer, live)
+            return MLP(c, dt, self.mesh is None, self.packed, name="mlp")(h, layer, live)
 
         if not c.norm_before:  # post-norm (OPT-350m)
             h, kv = attn(x, cos, sin, kv, layer, window, step, live)
@@ -168,6 +178,9 @@ class DecoderModel(nn.Module):
     backend: str = "auto"
     mesh: Mesh | None = None  # tensor parallelism by heads (models/sharding.py)
     unroll_layers: bool = False  # unroll the layer scan (one copy of the layer per layer)
+    # The layers' stacked float kernels are packed tile-major for the native CPU matmul
+    # (models/llama.py pack_layer_kernels, which decides when they can be).
+    packed_weights: bool = False
 
     @nn.compact
     def __call__(self, kv_pool: KVPool, step: StepInput):
@@ -201,7 +214,7 @@ class DecoderModel(nn.Module):
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=c.num_layers,
             unroll=c.num_layers if self.unroll_layers else 1,
-        )(c, dt, self.backend, self.mesh, name="layers")
+        )(c, dt, self.backend, self.mesh, self.packed_weights, name="layers")
         data = jax.tree.map(jnp.asarray, per_layer_data(c))
         (x, kv_pool), _ = layers((x, tuple(kv_pool)), data, cos, sin, step, stacks)
         x = x[step.logits_indices]

@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .. import pallas_kernels
+from ..pallas_kernels.layer_matmul import PACK_WIDTH
 from . import quant
 from .config import ModelConfig, longrope_attention_factor
 from .sharding import AXIS, pool_specs
@@ -47,19 +48,28 @@ class Dense(nn.Module):
     Inside the layer scan (``layers`` set) the parameters are stacked, ``kernel`` [layers, in,
     out], and the call takes the scan's ``layer``: a float kernel is multiplied where it lies
     (``pallas_kernels.layer_matmul``; on a CPU XLA would copy the slice before its dot), unless
-    ``in_place`` is off (tensor parallelism: the sharded dot is XLA's). ``live_rows``: x's rows
-    past it are padding (the native kernel leaves them zero)."""
+    ``in_place`` is off (tensor parallelism: the sharded dot is XLA's). ``packed``: the stacked
+    float kernel is held packed tile-major, [layers, out / 32, in, 32]
+    (``pallas_kernels.pack_stacked``; models/llama.py ``pack_layer_kernels``), for the native
+    CPU kernel to stream. ``live_rows``: x's rows past it are padding (the native kernel leaves
+    them zero)."""
 
     features: int
     use_bias: bool
     dtype: jnp.dtype
     layers: int | None = None  # stacked over this many layers (the scan's parameters)
     in_place: bool = True  # a stacked float kernel is read in place (layer_matmul)
+    packed: bool = False  # ... and held packed tile-major (requires layers and in_place)
 
     @nn.compact
     def __call__(self, x, layer=None, live_rows=None):
         init = nn.initializers.lecun_normal()
         lead = () if self.layers is None else (self.layers,)
+        if self.packed:
+            shape = (*lead, self.features // PACK_WIDTH, x.shape[-1], PACK_WIDTH)
+            kernel = self.param("kernel", init, shape, self.dtype)
+            y = pallas_kernels.packed_layer_matmul(x.astype(self.dtype), kernel, layer, live_rows)
+            return self._bias(y, lead, layer)
         kernel = self.param("kernel", init, (*lead, x.shape[-1], self.features), self.dtype)
         x = x.astype(self.dtype)
         dims = (((x.ndim - 1,), (0,)), ((), ()))
@@ -77,6 +87,9 @@ class Dense(nn.Module):
             y = jax.lax.dot_general(x, kernel.astype(self.dtype), dims)
             if scale is not None and scale.ndim < kernel.ndim:  # per output column
                 y = y * scale.astype(self.dtype)
+        return self._bias(y, lead, layer)
+
+    def _bias(self, y, lead, layer):
         if not self.use_bias:
             return y
         bias = self.param("bias", nn.initializers.zeros, (*lead, self.features), self.dtype)
@@ -85,9 +98,15 @@ class Dense(nn.Module):
 
 
 def dense(
-    features: int, bias: bool, dtype, name: str, layers: int | None = None, in_place: bool = True
+    features: int,
+    bias: bool,
+    dtype,
+    name: str,
+    layers: int | None = None,
+    in_place: bool = True,
+    packed: bool = False,
 ) -> nn.Module:
-    return Dense(features, bias, dtype, layers, in_place, name=name)
+    return Dense(features, bias, dtype, layers, in_place, packed, name=name)
 
 
 class RMSNorm(nn.Module):

@@ -16,6 +16,9 @@ from .layer_matmul import (
     layer_matmul_reference,
     matmul_transposed,
     matmul_transposed_reference,
+    pack_stacked,
+    packed_layer_matmul,
+    unpack_stacked,
 )
 from .paged_attention import (
     paged_attention,
@@ -36,6 +39,8 @@ __all__ = [
     "layer_matmul_reference",
     "matmul_transposed",
     "matmul_transposed_reference",
+    "pack_stacked",
+    "packed_layer_matmul",
     "paged_attention",
     "paged_attention_reference",
     "quantize_kv",
@@ -44,6 +49,7 @@ __all__ = [
     "resolve_backend",
     "scatter_blocks",
     "scatter_blocks_reference",
+    "unpack_stacked",
     "write_kv",
     "write_kv_reference",
 ]

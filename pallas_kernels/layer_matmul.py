@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from . import native
 
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-SYMBOLS = ("LayerMatmul", "MatmulTransposed")  # native/matmul_cpu.cc's handlers
+SYMBOLS = ("LayerMatmul", "LayerMatmulPacked", "MatmulTransposed")  # native/matmul_cpu.cc's
+PACK_WIDTH = 32  # columns per tile of a packed stack (pack_stacked)
 
 
 def layer_matmul_reference(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
@@ -62,6 +63,53 @@ def layer_matmul(
     live = jnp.asarray(x.shape[0] if live_rows is None else live_rows, jnp.int32).reshape(())
     elsewhere = lambda x, w, layer, live: layer_matmul_reference(x, w, layer)  # noqa: E731
     return native.on_cpu(call, elsewhere, x, w, layer, live)
+
+
+def pack_stacked(w: jax.Array) -> jax.Array:
+    """A stacked kernel [L, K, N] packed tile-major, [L, N / 32, K, 32]: tile t holds columns
+    [32 t, 32 t + 32) of every row, so that each tile the native kernel computes is one
+    contiguous run of weights, which a CPU streams from DRAM (row-major, a tile's rows lie N
+    apart, each on a page of its own: 11-21% slower at 64 rows, benchmarks/weight_layout_cpu.cc).
+    N must be a multiple of 32."""
+    L, K, N = w.shape
+    if N % PACK_WIDTH:
+        raise ValueError(f"pack_stacked needs N a multiple of {PACK_WIDTH}, got {w.shape}")
+    return jnp.transpose(w.reshape(L, K, N // PACK_WIDTH, PACK_WIDTH), (0, 2, 1, 3))
+
+
+def unpack_stacked(p: jax.Array) -> jax.Array:
+    """``pack_stacked``'s inverse: [L, N / 32, K, 32] -> [L, K, N]."""
+    L, T, K, W = p.shape
+    return jnp.transpose(p, (0, 2, 1, 3)).reshape(L, K, T * W)
+
+
+def packed_layer_matmul_reference(x: jax.Array, p: jax.Array, layer: jax.Array) -> jax.Array:
+    """``x`` [M, K] @ layer ``layer`` of a packed stack ``p`` [L, N / 32, K, 32] -> [M, N]."""
+    return layer_matmul_reference(x, unpack_stacked(p[layer][None]), 0)
+
+
+def packed_layer_matmul(
+    x: jax.Array, p: jax.Array, layer: jax.Array, live_rows: jax.Array | None = None
+) -> jax.Array:
+    """``layer_matmul`` over a stack packed by ``pack_stacked`` ([L, N / 32, K, 32]): the same
+    products, summed in the same order (bit for bit the row-major kernel's), with each tile's
+    weights read as one run."""
+    if x.ndim != 2 or p.ndim != 4 or p.shape[3] != PACK_WIDTH or x.shape[1] != p.shape[2]:
+        raise ValueError(
+            f"packed_layer_matmul needs x [M, K] and w [L, N / {PACK_WIDTH}, K, {PACK_WIDTH}], "
+            f"got {x.shape} and {p.shape}"
+        )
+    lib = native.load("matmul_cpu", SYMBOLS) if native_supported(x, p) else None
+    if lib is None:
+        return packed_layer_matmul_reference(x, p, layer)
+    n = p.shape[1] * PACK_WIDTH
+    call = jax.ffi.ffi_call(
+        lib.target("LayerMatmulPacked"), jax.ShapeDtypeStruct((x.shape[0], n), x.dtype)
+    )
+    layer = jnp.asarray(layer, jnp.int32).reshape(())
+    live = jnp.asarray(x.shape[0] if live_rows is None else live_rows, jnp.int32).reshape(())
+    elsewhere = lambda x, p, layer, live: packed_layer_matmul_reference(x, p, layer)  # noqa: E731
+    return native.on_cpu(call, elsewhere, x, p, layer, live)
 
 
 def matmul_transposed_reference(x: jax.Array, w: jax.Array) -> jax.Array:

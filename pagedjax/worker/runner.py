@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from pagedjax import compilation, pallas_kernels
 from pagedjax.distributed import Channel
 from pagedjax.models.config import ModelConfig
-from pagedjax.models.llama import forward
+from pagedjax.models.llama import forward, pack_layer_kernels
 from pagedjax.models.quant import compute_dtype
 from pagedjax.models.sharding import pool_sharding, shard_params
 from pagedjax.models.step_input import StepInput
@@ -62,8 +62,8 @@ __all__ = ["Runner", "ScheduledSeq", "StepHandle", "StepShape", "WarmupReport"]
 logger = logging.getLogger(__name__)
 
 
-def _model_step(params, kv_pool, step_input, config, backend, mesh):
-    return forward(params, kv_pool, step_input, config, backend, mesh)
+def _model_step(params, kv_pool, step_input, config, backend, mesh, packed=False):
+    return forward(params, kv_pool, step_input, config, backend, mesh, packed_weights=packed)
 
 
 def _sample_step(logits, logit_rows, sampling):
@@ -73,9 +73,9 @@ def _sample_step(logits, logit_rows, sampling):
 
 # Module-level so that engines with the same model and shapes share compiled programs; static
 # arguments are hashable configuration only (stable persistent-cache keys).
-_step = jax.jit(_model_step, static_argnums=(3, 4, 5), donate_argnums=(1,))
+_step = jax.jit(_model_step, static_argnums=(3, 4, 5, 6), donate_argnums=(1,))
 _sample = jax.jit(_sample_step)
-_forward = jax.jit(forward, static_argnums=(3, 4, 5), donate_argnums=(1,))
+_forward = jax.jit(_model_step, static_argnums=(3, 4, 5, 6), donate_argnums=(1,))
 
 _compiles = 0  # programs compiled (or loaded from the persistent cache) in this process
 
@@ -155,10 +155,14 @@ class Runner:
         if mesh is not None:
             self._inputs = NamedSharding(mesh, PartitionSpec())
             params = self.params = shard_params(params, mesh)
+            self.packed_weights = False
             pool = pool_sharding(mesh)
         else:
             self._inputs = pool = SingleDeviceSharding(jax.local_devices()[0])
-            params = self.params = jax.device_put(params, pool)
+            params = jax.device_put(params, pool)
+            # On a CPU the layer kernels are packed for the native matmul (models/llama.py).
+            params, self.packed_weights = pack_layer_kernels(params)
+            self.params = params
         self.kv_cache = KVCache(
             config,
             num_blocks=num_blocks,
@@ -262,6 +266,7 @@ class Runner:
             self.config,
             self.backend,
             self.mesh,
+            self.packed_weights,
         )
         scored = None
         if targets is not None:  # a step that scores prompt rows (worker/prompt_logprobs.py)
@@ -358,6 +363,7 @@ class Runner:
             self.config,
             self.backend,
             self.mesh,
+            self.packed_weights,
         )
 
     def _logits_like(self, num_seqs: int):
@@ -434,6 +440,7 @@ class Runner:
             self.config,
             self.backend,
             self.mesh,
+            self.packed_weights,
         )
         return logits
 

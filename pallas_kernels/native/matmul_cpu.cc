@@ -36,17 +36,18 @@ constexpr int64_t ACCUMULATORS = 16;
 inline float load1(const float* p, int64_t i) { return p[i]; }
 inline float load1(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
 
-// Rows [m0, m0 + R) of y, columns [n0, n0 + 16 V): the tile's weights are read once for the R
-// rows.
+// Rows [m0, m0 + R) of a tile 16 V columns wide: w points at the tile's first weight, its rows
+// ldw apart (N row-major, the tile's width packed); y at the tile's first output, its rows ldy
+// apart. The tile's weights are read once for the R rows.
 template <int64_t R, int64_t V, typename W>
-inline void block(const float* x, int64_t K, const W* w, int64_t N, int64_t m0, int64_t n0,
-                  float* y) {
+inline void block(const float* x, int64_t K, const W* w, int64_t ldw, int64_t m0, float* y,
+                  int64_t ldy) {
   f32x16 acc[R][V];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < V; ++j) acc[r][j] = f32x16{};
   const float* xr = x + m0 * K;
   for (int64_t k = 0; k < K; ++k) {
-    const W* row = w + k * N + n0;
+    const W* row = w + k * ldw;
     f32x16 wk[V];
     for (int64_t j = 0; j < V; ++j) wk[j] = load16(row + 16 * j);
     for (int64_t r = 0; r < R; ++r) {
@@ -55,21 +56,22 @@ inline void block(const float* x, int64_t K, const W* w, int64_t N, int64_t m0, 
     }
   }
   for (int64_t r = 0; r < R; ++r)
-    std::memcpy(y + (m0 + r) * N + n0, acc[r], 16 * V * sizeof(float));
+    std::memcpy(y + (m0 + r) * ldy, acc[r], 16 * V * sizeof(float));
 }
 
-// All M rows over columns [n0, n0 + 16 V), in row blocks of up to ACCUMULATORS / V.
+// All M rows of a tile 16 V columns wide (w, ldw, y, ldy as in `block`), in row blocks of up to
+// ACCUMULATORS / V.
 template <int64_t V, typename W>
-void rows_of_tile(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64_t n0,
-                  float* y) {
+void rows_of_tile(const float* x, int64_t M, int64_t K, const W* w, int64_t ldw, float* y,
+                  int64_t ldy) {
   constexpr int64_t MR = ACCUMULATORS / V;
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) block<MR, V, W>(x, K, w, N, m, n0, y);
+  for (; m + MR <= M; m += MR) block<MR, V, W>(x, K, w, ldw, m, y, ldy);
   const int64_t rest = M - m;
   if (rest == 0) return;
   // The remaining rows, one template per count (MR is at most 16).
   [&]<int64_t... I>(std::integer_sequence<int64_t, I...>) {
-    ((rest == I + 1 ? (block<I + 1, V, W>(x, K, w, N, m, n0, y), 0) : 0), ...);
+    ((rest == I + 1 ? (block<I + 1, V, W>(x, K, w, ldw, m, y, ldy), 0) : 0), ...);
   }(std::make_integer_sequence<int64_t, MR - 1>{});
 }
 
@@ -94,10 +96,10 @@ void column_tile(const float* x, int64_t M, int64_t K, const W* w, int64_t N, in
                  int64_t cols, int64_t V, float* y) {
   while (cols > 0) {
     const int64_t vecs = std::min(V, cols / 16);
-    if (vecs >= 8) rows_of_tile<8, W>(x, M, K, w, N, n0, y);
-    else if (vecs >= 4) rows_of_tile<4, W>(x, M, K, w, N, n0, y);
-    else if (vecs >= 2) rows_of_tile<2, W>(x, M, K, w, N, n0, y);
-    else if (vecs >= 1) rows_of_tile<1, W>(x, M, K, w, N, n0, y);
+    if (vecs >= 8) rows_of_tile<8, W>(x, M, K, w + n0, N, y + n0, N);
+    else if (vecs >= 4) rows_of_tile<4, W>(x, M, K, w + n0, N, y + n0, N);
+    else if (vecs >= 2) rows_of_tile<2, W>(x, M, K, w + n0, N, y + n0, N);
+    else if (vecs >= 1) rows_of_tile<1, W>(x, M, K, w + n0, N, y + n0, N);
     else return columns_scalar<W>(x, M, K, w, N, n0, cols, y);
     const int64_t done = 16 * (vecs >= 8 ? 8 : vecs >= 4 ? 4 : vecs >= 2 ? 2 : 1);
     n0 += done;
@@ -195,7 +197,7 @@ void panel_tile(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int
       }
     }
   }
-  rows_of_tile<PANEL / 16, float>(x, M, K, panel, PANEL, 0, tile);
+  rows_of_tile<PANEL / 16, float>(x, M, K, panel, PANEL, tile, PANEL);
   for (int64_t r = 0; r < M; ++r) std::memcpy(y + r * N + n0, tile + r * PANEL, cols * 4);
 }
 
@@ -271,6 +273,37 @@ ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
                   });
 }
 
+// The same product with the stack packed tile-major: w [L, N / 32, K, 32], tile t holding
+// columns [32 t, 32 t + 32) of every row (layer_matmul.py's pack_stacked). A tile's weights are
+// one contiguous run, which the hardware prefetcher streams from DRAM; row-major, its rows lie N
+// apart, each on a page of its own (benchmarks/weight_layout_cpu.cc).
+constexpr int64_t PACKED = 32;
+
+ffi::Error LayerMatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                 ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live,
+                                 ffi::Result<ffi::AnyBuffer> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || wd[2] != xd[1] || wd[3] != PACKED) {
+    return ffi::Error::InvalidArgument(
+        "layer_matmul (packed): x must be [M, K] and w [L, N / 32, K, 32]");
+  }
+  if (!float_types(x, w)) {
+    return ffi::Error::InvalidArgument("layer_matmul: x and w must be float32 or bfloat16");
+  }
+  const int64_t rows = xd[0], K = xd[1], L = wd[0], tiles = wd[1], N = tiles * PACKED;
+  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, L - 1);
+  const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, rows);  // rows worth computing
+  const char* wl = static_cast<const char*>(w.untyped_data()) + l * K * N * itemsize(w);
+  return with_f32(x, wl, w.element_type() == ffi::BF16, *y, M, rows, K, N,
+                  [&](const float* xp, float* yp, const auto* wp) {
+                    parallel_for(pool, tiles, 0, [=](int64_t t) {
+                      rows_of_tile<PACKED / 16>(xp, M, K, wp + t * K * PACKED, PACKED,
+                                                yp + t * PACKED, N);
+                    });
+                  });
+}
+
 ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                                 ffi::Result<ffi::AnyBuffer> y) {
   const auto xd = x.dimensions();
@@ -308,6 +341,15 @@ ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Any
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerMatmul, LayerMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerMatmulPacked, LayerMatmulPackedImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()

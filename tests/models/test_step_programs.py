@@ -38,7 +38,7 @@ def step_hlo(layers: int, max_query_len: int, unroll: bool = False) -> str:
     )  # fmt: skip
     args = (param_shapes(c), (pool, pool), step, c, "reference", None)
     if unroll:
-        fn = jax.jit(forward, static_argnums=(3, 4, 5, 6), donate_argnums=(1,))
+        fn = jax.jit(forward, static_argnums=(3, 4, 5, 6, 7), donate_argnums=(1,))
         return fn.lower(*args, True).compile().as_text()
     return runner_mod._step.lower(*args).compile().as_text()
 

@@ -16,11 +16,15 @@ from pagedjax.pallas_kernels import (
     matmul_transposed,
     matmul_transposed_reference,
     native,
+    pack_stacked,
+    packed_layer_matmul,
+    unpack_stacked,
 )
 from pagedjax.pallas_kernels.layer_matmul import (
     SYMBOLS,
     TRANSPOSED_NATIVE_MAX_ROWS,
     native_supported,
+    packed_layer_matmul_reference,
 )
 
 NATIVE = native.load("matmul_cpu", SYMBOLS) is not None
@@ -279,3 +283,90 @@ def test_on_cpu_traces_one_branch_and_lowers_per_platform():
     both = traced.lower(lowering_platforms=("cpu", "cuda")).as_text()
     assert "LayerMatmul" in both and "dot_general" in both
     np.testing.assert_allclose(jax.jit(f)(x, w), oracle(x, w, 1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernel unavailable")
+@pytest.mark.parametrize("m,k,n", [(0, 8, 32), (1, 40, 64), (3, 37, 96), (8, 64, 32), (9, 16, 160)])
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
+def test_packed_stack_gives_the_row_major_kernels_bits(m, k, n, w_dtype):
+    """A stack packed tile-major multiplies bit for bit as the row-major one (the same sums in
+    the same order), for every live row count, and unpacks to itself."""
+    x, w = _arrays(max(m, 1), k, n, 3, jnp.float32, w_dtype, seed=m + n)
+    x = x[:m]
+    packed = pack_stacked(w)
+    assert packed.shape == (3, n // 32, k, 32)
+    np.testing.assert_array_equal(unpack_stacked(packed), w)
+    for layer in (0, 2):
+        for live in {0, m // 2, m}:
+            want = jax.jit(layer_matmul)(x, w, jnp.int32(layer), jnp.int32(live))
+            got = jax.jit(packed_layer_matmul)(x, packed, jnp.int32(layer), jnp.int32(live))
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        if m:
+            np.testing.assert_allclose(
+                packed_layer_matmul_reference(x, packed, layer), oracle(x, w, layer), rtol=2e-2
+            )
+
+
+def test_packing_names_a_width_it_cannot_pack():
+    with pytest.raises(ValueError, match=r"multiple of 32, got \(2, 8, 40\)"):
+        pack_stacked(jnp.zeros((2, 8, 40)))
+    x, w = _arrays(2, 16, 64, 2, jnp.float32, jnp.float32)
+    with pytest.raises(ValueError, match=r"got \(2, 16\) and \(2, 16, 64\)"):
+        packed_layer_matmul(x, w, jnp.int32(0))
+
+
+def _decode_step(c, num_seqs: int, blocks: int, block_size: int, seed: int):
+    from pagedjax.models.step_input import StepInput
+
+    rng = np.random.default_rng(seed)
+    i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    lens = rng.integers(1, blocks * block_size + 1, num_seqs)
+    tables = np.arange(num_seqs * blocks).reshape(num_seqs, blocks)
+    last = lens - 1
+    slots = tables[np.arange(num_seqs), last // block_size] * block_size + last % block_size
+    return StepInput(
+        i32(rng.integers(0, c.vocab_size, num_seqs)),
+        i32(lens - 1),
+        i32(slots),
+        i32(tables),
+        i32(lens),
+        i32(np.arange(num_seqs + 1)),
+        i32(np.arange(num_seqs)),
+        max_query_len=1,
+    )
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernel unavailable")
+def test_a_model_with_packed_kernels_gives_the_same_logits_and_pool():
+    """pack_layer_kernels packs every layer projection; the packed step's logits and KV pool
+    are bit for bit the row-major step's. A width that cannot be packed leaves all as they are."""
+    from pagedjax.models.config import ModelConfig
+    from pagedjax.models.llama import forward, pack_layer_kernels, param_shapes
+
+    c = ModelConfig("LlamaForCausalLM", 256, 64, 128, 2, 4, 2, 16)
+    shapes = param_shapes(c)
+    keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(shapes))))
+    params = jax.tree.map(lambda s: 0.1 * jax.random.normal(next(keys), s.shape, s.dtype), shapes)
+    packed, ok = pack_layer_kernels(params)
+    assert ok
+    for group, names in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down"))):
+        for name in names:
+            proj = f"{name}_proj"
+            kernel = params["layers"][group][proj]["kernel"]
+            np.testing.assert_array_equal(
+                unpack_stacked(packed["layers"][group][proj]["kernel"]), kernel
+            )
+    pool_shape = (2, 2 * 32, 8, 16)  # 32 blocks of 8 slots per layer
+    pool = jax.random.normal(jax.random.key(1), pool_shape, jnp.float32)
+    step = _decode_step(c, num_seqs=5, blocks=4, block_size=8, seed=2)
+    run = jax.jit(forward, static_argnums=(3, 4, 5, 6, 7))
+    plain = run(params, (pool, pool + 1), step, c, "reference", None, False, False)
+    fast = run(packed, (pool, pool + 1), step, c, "reference", None, False, True)
+    np.testing.assert_array_equal(np.asarray(fast[0]), np.asarray(plain[0]))
+    for a, b in zip(fast[1], plain[1], strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    odd = ModelConfig("LlamaForCausalLM", 256, 64, 120, 2, 4, 2, 16)  # MLP width 120
+    odd_params = jax.tree.map(jnp.zeros_like, param_shapes(odd))
+    same, ok = pack_layer_kernels(odd_params)
+    assert not ok and same is odd_params
