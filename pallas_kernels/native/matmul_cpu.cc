@@ -338,25 +338,22 @@ ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Any
                   });
 }
 
+// Both layer matmuls' operands: x, the stack, layer, live rows -> y.
+auto layer_matmul_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::AnyBuffer>();
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerMatmul, LayerMatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerMatmul, LayerMatmulImpl, layer_matmul_binding());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerMatmulPacked, LayerMatmulPackedImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerMatmulPacked, LayerMatmulPackedImpl, layer_matmul_binding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulTransposed, MatmulTransposedImpl,
                               ffi::Ffi::Bind()
