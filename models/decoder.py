@@ -59,9 +59,8 @@ class Attention(nn.Module):
     def __call__(self, x, cos, sin, kv: KVPool, layer, window, step: StepInput, live):
         c, n = self.config, self.config.num_layers
         tokens = x.shape[0]
-        in_place = self.mesh is None
         linear = functools.partial(
-            dense, dtype=self.dtype, layers=n, in_place=in_place, packed=self.packed and in_place
+            dense, dtype=self.dtype, layers=n, in_place=self.mesh is None, packed=self.packed
         )
         q = linear(c.num_heads * c.head_dim, c.qkv_bias, name="q_proj")(x, layer, live)
         k = linear(c.num_kv_heads * c.head_dim, c.qkv_bias, name="k_proj")(x, layer, live)
@@ -96,7 +95,7 @@ class MLP(nn.Module):
             dtype=self.dtype,
             layers=c.num_layers,
             in_place=self.in_place,
-            packed=self.packed and self.in_place,
+            packed=self.packed,
         )
         up = linear(c.intermediate_size, c.mlp_bias, name="up_proj")(x, layer, live)
         if c.gated_mlp:

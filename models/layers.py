@@ -59,13 +59,13 @@ class Dense(nn.Module):
     dtype: jnp.dtype
     layers: int | None = None  # stacked over this many layers (the scan's parameters)
     in_place: bool = True  # a stacked float kernel is read in place (layer_matmul)
-    packed: bool = False  # ... and held packed tile-major (requires layers and in_place)
+    packed: bool = False  # ... and held packed tile-major (with layers and in_place only)
 
     @nn.compact
     def __call__(self, x, layer=None, live_rows=None):
         init = nn.initializers.lecun_normal()
         lead = () if self.layers is None else (self.layers,)
-        if self.packed:
+        if self.packed and self.layers is not None and self.in_place:
             shape = (*lead, self.features // PACK_WIDTH, x.shape[-1], PACK_WIDTH)
             kernel = self.param("kernel", init, shape, self.dtype)
             y = pallas_kernels.packed_layer_matmul(x.astype(self.dtype), kernel, layer, live_rows)

@@ -116,31 +116,25 @@ def pack_layer_kernels(params) -> tuple[dict, bool]:
 
     layers = params.get("layers", {})
     found = [
-        layers[group][name]
+        (group, name)
         for group, names in PACKED_PROJECTIONS.items()
-        if group in layers
         for name in names
-        if name in layers[group]
+        if name in layers.get(group, {})
     ]
     packable = bool(found) and all(
         set(p) <= {"kernel", "bias"}  # no kernel_scale: quantized kernels stay as they are
         and p["kernel"].ndim == 3
         and p["kernel"].shape[2] % PACK_WIDTH == 0
         and jnp.dtype(p["kernel"].dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-        for p in found
+        for p in (layers[group][name] for group, name in found)
     )
     if not packable or native.load("matmul_cpu", SYMBOLS) is None:
         return params, False
     pack = jax.jit(pack_stacked)
-    new_layers = dict(layers)
-    for group, names in PACKED_PROJECTIONS.items():
-        if group not in layers:
-            continue
-        new_layers[group] = dict(layers[group])
-        for name in names:
-            if name in layers[group]:
-                kernel = layers[group][name]["kernel"]
-                new_layers[group][name] = {**layers[group][name], "kernel": pack(kernel)}
+    new_layers = {**layers, **{group: dict(layers[group]) for group, _ in found}}
+    for group, name in found:
+        proj = layers[group][name]
+        new_layers[group][name] = {**proj, "kernel": pack(proj["kernel"])}
     return {**params, "layers": new_layers}, True
 
 

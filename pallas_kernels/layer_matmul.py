@@ -53,15 +53,21 @@ def layer_matmul(
         raise ValueError(
             f"layer_matmul needs x [M, K] and w [L, K, N], got {x.shape} and {w.shape}"
         )
+    return _native_layer_matmul(
+        "LayerMatmul", layer_matmul_reference, x, w, w.shape[2], layer, live_rows
+    )
+
+
+def _native_layer_matmul(symbol, reference, x, w, n, layer, live_rows):
+    """The native handler ``symbol`` for x [M, K] and a stack w (n output columns) on a CPU,
+    ``reference(x, w, layer)`` elsewhere or without a native build."""
     lib = native.load("matmul_cpu", SYMBOLS) if native_supported(x, w) else None
     if lib is None:
-        return layer_matmul_reference(x, w, layer)
-    call = jax.ffi.ffi_call(
-        lib.target("LayerMatmul"), jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), x.dtype)
-    )
+        return reference(x, w, layer)
+    call = jax.ffi.ffi_call(lib.target(symbol), jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))
     layer = jnp.asarray(layer, jnp.int32).reshape(())
     live = jnp.asarray(x.shape[0] if live_rows is None else live_rows, jnp.int32).reshape(())
-    elsewhere = lambda x, w, layer, live: layer_matmul_reference(x, w, layer)  # noqa: E731
+    elsewhere = lambda x, w, layer, live: reference(x, w, layer)  # noqa: E731
     return native.on_cpu(call, elsewhere, x, w, layer, live)
 
 
@@ -99,17 +105,10 @@ def packed_layer_matmul(
             f"packed_layer_matmul needs x [M, K] and w [L, N / {PACK_WIDTH}, K, {PACK_WIDTH}], "
             f"got {x.shape} and {p.shape}"
         )
-    lib = native.load("matmul_cpu", SYMBOLS) if native_supported(x, p) else None
-    if lib is None:
-        return packed_layer_matmul_reference(x, p, layer)
     n = p.shape[1] * PACK_WIDTH
-    call = jax.ffi.ffi_call(
-        lib.target("LayerMatmulPacked"), jax.ShapeDtypeStruct((x.shape[0], n), x.dtype)
+    return _native_layer_matmul(
+        "LayerMatmulPacked", packed_layer_matmul_reference, x, p, n, layer, live_rows
     )
-    layer = jnp.asarray(layer, jnp.int32).reshape(())
-    live = jnp.asarray(x.shape[0] if live_rows is None else live_rows, jnp.int32).reshape(())
-    elsewhere = lambda x, p, layer, live: packed_layer_matmul_reference(x, p, layer)  # noqa: E731
-    return native.on_cpu(call, elsewhere, x, p, layer, live)
 
 
 def matmul_transposed_reference(x: jax.Array, w: jax.Array) -> jax.Array:
