@@ -31,9 +31,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import pallas_kernels
+from ..pallas_kernels.layer_matmul import PACK_WIDTH
 from .config import ModelConfig
 from .layers import (
     KVPool,
+    PackedEmbed,
     activation,
     apply_rope,
     dense,
@@ -171,20 +173,33 @@ def per_layer_data(config: ModelConfig) -> dict[str, np.ndarray]:
     return data
 
 
+def packs_tied_table(config: ModelConfig) -> bool:
+    """Whether a model whose layer kernels are packed (``DecoderModel.packed_weights``) holds its
+    embedding table packed too: a tied table (the LM head), its rows a multiple of 32."""
+    return bool(config.tie_word_embeddings) and config.vocab_size % PACK_WIDTH == 0
+
+
 class DecoderModel(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype = jnp.float32
     backend: str = "auto"
     mesh: Mesh | None = None  # tensor parallelism by heads (models/sharding.py)
     unroll_layers: bool = False  # unroll the layer scan (one copy of the layer per layer)
-    # The layers' stacked float kernels are packed tile-major for the native CPU matmul
-    # (models/llama.py pack_layer_kernels, which decides when they can be).
+    # The layers' stacked float kernels are packed tile-major for the native CPU matmul, and a
+    # tied table with them where packs_tied_table (models/llama.py pack_layer_kernels, which
+    # decides when they can be).
     packed_weights: bool = False
 
     @nn.compact
     def __call__(self, kv_pool: KVPool, step: StepInput):
         c, dt = self.config, self.dtype
-        embed = nn.Embed(c.vocab_size, c.embed_dim, dtype=dt, param_dtype=dt, name="embed_tokens")
+        # A tied table is packed with the layers (models/llama.py pack_layer_kernels).
+        if self.packed_weights and self.mesh is None and packs_tied_table(c):
+            embed = PackedEmbed(c.vocab_size, c.embed_dim, dt, name="embed_tokens")
+        else:
+            embed = nn.Embed(
+                c.vocab_size, c.embed_dim, dtype=dt, param_dtype=dt, name="embed_tokens"
+            )
         x = embed(step.token_ids)  # [num_tokens, embed_dim]
         if c.word_embed_proj_dim:
             x = dense(c.hidden_size, False, dt, "project_in")(x)
@@ -222,7 +237,9 @@ class DecoderModel(nn.Module):
         if c.word_embed_proj_dim:
             x = dense(c.embed_dim, False, dt, "project_out")(x)
         if c.tie_word_embeddings:
-            if self.mesh is None:  # x @ table.T; on a CPU a native kernel streams the table once
+            if isinstance(embed, PackedEmbed):  # the packed layer kernel, one stack of one
+                logits = embed.attend(x)
+            elif self.mesh is None:  # x @ table.T; on a CPU a native kernel streams the table once
                 logits = pallas_kernels.matmul_transposed(x, embed.embedding)
             else:
                 logits = embed.attend(x)

@@ -109,6 +109,28 @@ def dense(
     return Dense(features, bias, dtype, layers, in_place, packed, name=name)
 
 
+class PackedEmbed(nn.Module):
+    """``nn.Embed`` with its table held packed for the native CPU matmul
+    (``pallas_kernels.pack_table``: [num_embeddings / 32, features, 32], models/llama.py
+    ``pack_layer_kernels``), as a tied LM head reads it. ``__call__`` looks tokens up
+    (``packed_take``); ``attend`` is ``x @ table.T`` (``packed_matmul_transposed``)."""
+
+    num_embeddings: int
+    features: int
+    dtype: jnp.dtype
+
+    def setup(self):
+        shape = (self.num_embeddings // PACK_WIDTH, self.features, PACK_WIDTH)
+        init = nn.initializers.normal(1.0)
+        self.embedding = self.param("embedding", init, shape, self.dtype)
+
+    def __call__(self, ids):
+        return pallas_kernels.packed_take(self.embedding, ids)
+
+    def attend(self, x):
+        return pallas_kernels.packed_matmul_transposed(x.astype(self.dtype), self.embedding)
+
+
 class RMSNorm(nn.Module):
     """``(offset + weight) * x / rms(x)``; offset 0 (Llama: the product in the compute dtype) or
     1 (Gemma: the product in float32, then cast). ``layers``: stacked, taken at ``layer``."""

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from .config import ModelConfig
-from .decoder import DecoderModel
+from .decoder import DecoderModel, packs_tied_table
 from .layers import KVPool, apply_rope, rope_inv_freq  # noqa: F401 (re-exported)
 from .quant import compute_dtype
 from .sharding import scales_sharding
@@ -89,7 +89,7 @@ def forward(
     per device under shard_map.
     ``unroll_layers`` compiles one copy of the layer per layer (as a model without the scan
     would; for comparing compile times). ``packed_weights``: the layers' projection kernels are
-    packed (``pack_layer_kernels``).
+    packed, and a tied table where ``packs_tied_table`` (``pack_layer_kernels``).
     """
     dtype = compute_dtype(params)
     model = DecoderModel(config, dtype, backend, mesh, unroll_layers, packed_weights)
@@ -103,16 +103,18 @@ PACKED_PROJECTIONS = {
 }
 
 
-def pack_layer_kernels(params) -> tuple[dict, bool]:
+def pack_layer_kernels(params, config: ModelConfig) -> tuple[dict, bool]:
     """``(params, True)`` with the layers' projection kernels packed tile-major for the native
     CPU matmul (``pallas_kernels.pack_stacked``: each tile of 32 output columns one contiguous
-    run, which the CPU streams from DRAM: 11-21% faster at a decode step's 64 rows), to run with
-    ``forward(..., packed_weights=True)``; ``(params, False)`` unchanged where they cannot be:
-    the native kernel unavailable (not a CPU, switched off, no compiler), a quantized or
-    non-float kernel, or an output width not a multiple of 32. All or none are packed. Not for a
-    mesh: sharded kernels take XLA's dot."""
+    run, which the CPU streams from DRAM: 11-21% faster at a decode step's 64 rows), and a tied
+    embedding table with them where ``packs_tied_table(config)`` (``pallas_kernels.pack_table``:
+    the LM head runs the same kernel), to run with ``forward(..., packed_weights=True)``;
+    ``(params, False)`` unchanged where they cannot be: the native kernel unavailable (not a
+    CPU, switched off, no compiler), a quantized or non-float kernel, or an output width not a
+    multiple of 32. All or none are packed; parameters packed already come back as they are.
+    Not for a mesh: sharded kernels take XLA's dot."""
     from ..pallas_kernels import native
-    from ..pallas_kernels.layer_matmul import PACK_WIDTH, SYMBOLS, pack_stacked
+    from ..pallas_kernels.layer_matmul import PACK_WIDTH, SYMBOLS, pack_stacked, pack_table
 
     layers = params.get("layers", {})
     found = [
@@ -121,12 +123,15 @@ def pack_layer_kernels(params) -> tuple[dict, bool]:
         for name in names
         if name in layers.get(group, {})
     ]
+    projections = [layers[group][name] for group, name in found]
+    if found and all(set(p) <= {"kernel", "bias"} and p["kernel"].ndim == 4 for p in projections):
+        return params, True  # packed already (a runner built from another runner's parameters)
     packable = bool(found) and all(
         set(p) <= {"kernel", "bias"}  # no kernel_scale: quantized kernels stay as they are
         and p["kernel"].ndim == 3
         and p["kernel"].shape[2] % PACK_WIDTH == 0
         and jnp.dtype(p["kernel"].dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-        for p in (layers[group][name] for group, name in found)
+        for p in projections
     )
     if not packable or native.load("matmul_cpu", SYMBOLS) is None:
         return params, False
@@ -135,7 +140,11 @@ def pack_layer_kernels(params) -> tuple[dict, bool]:
     for group, name in found:
         proj = layers[group][name]
         new_layers[group][name] = {**proj, "kernel": pack(proj["kernel"])}
-    return {**params, "layers": new_layers}, True
+    params = {**params, "layers": new_layers}
+    if packs_tied_table(config):
+        table = params["embed_tokens"]["embedding"]
+        params["embed_tokens"] = {**params["embed_tokens"], "embedding": jax.jit(pack_table)(table)}
+    return params, True
 
 
 @functools.lru_cache(maxsize=16)

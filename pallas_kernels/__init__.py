@@ -17,8 +17,12 @@ from .layer_matmul import (
     matmul_transposed,
     matmul_transposed_reference,
     pack_stacked,
+    pack_table,
     packed_layer_matmul,
+    packed_matmul_transposed,
+    packed_take,
     unpack_stacked,
+    unpack_table,
 )
 from .paged_attention import (
     paged_attention,
@@ -40,7 +44,10 @@ __all__ = [
     "matmul_transposed",
     "matmul_transposed_reference",
     "pack_stacked",
+    "pack_table",
     "packed_layer_matmul",
+    "packed_matmul_transposed",
+    "packed_take",
     "paged_attention",
     "paged_attention_reference",
     "quantize_kv",
@@ -50,6 +57,7 @@ __all__ = [
     "scatter_blocks",
     "scatter_blocks_reference",
     "unpack_stacked",
+    "unpack_table",
     "write_kv",
     "write_kv_reference",
 ]

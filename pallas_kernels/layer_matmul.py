@@ -12,7 +12,10 @@ native kernels are unavailable, it is the plain ``jnp.dot`` of the slice
 ``matmul_transposed`` is ``x @ w.T`` for ``w`` [N, K] (the embedding table as a tied LM head):
 on a CPU a native kernel that streams ``w``'s rows once, as dot products for a few rows of x
 (XLA's CPU dot reads that layout at about half the memory bandwidth), and for more rows through
-panels of w transposed on the fly and multiplied as the layer kernels multiply w.
+panels of w transposed on the fly and multiplied as the layer kernels multiply w. Where the
+layers' kernels are packed (``pack_stacked``), the table is too (``pack_table``): the head is then
+``packed_matmul_transposed`` (the packed layer kernel, no transposes) and the embedding lookup
+``packed_take``.
 """
 
 from __future__ import annotations
@@ -109,6 +112,44 @@ def packed_layer_matmul(
     return _native_layer_matmul(
         "LayerMatmulPacked", packed_layer_matmul_reference, x, p, n, layer, live_rows
     )
+
+
+def pack_table(w: jax.Array) -> jax.Array:
+    """A table ``w`` [N, K] (a tied embedding) packed as ``pack_stacked`` packs ``w.T``, one
+    layer dropped: [N / 32, K, 32], tile t holding rows [32 t, 32 t + 32) of w, transposed. The
+    tied LM head ``x @ w.T`` then runs the packed layer kernel (``packed_matmul_transposed``),
+    and a token's row is ``packed_take``. N must be a multiple of 32."""
+    N, K = w.shape
+    if N % PACK_WIDTH:
+        raise ValueError(f"pack_table needs N a multiple of {PACK_WIDTH}, got {w.shape}")
+    return jnp.transpose(w.reshape(N // PACK_WIDTH, PACK_WIDTH, K), (0, 2, 1))
+
+
+def unpack_table(p: jax.Array) -> jax.Array:
+    """``pack_table``'s inverse: [N / 32, K, 32] -> [N, K]."""
+    T, K, W = p.shape
+    return jnp.transpose(p, (0, 2, 1)).reshape(T * W, K)
+
+
+def packed_take(p: jax.Array, ids: jax.Array) -> jax.Array:
+    """Rows ``ids`` of a table packed by ``pack_table`` ([N / 32, K, 32]) -> [len(ids), K]: row
+    i is ``p[i // 32, :, i % 32]`` (an embedding lookup; ids must lie in [0, N))."""
+    ids = jnp.asarray(ids, jnp.int32)
+    return p[ids // PACK_WIDTH, :, ids % PACK_WIDTH]
+
+
+def packed_matmul_transposed(x: jax.Array, p: jax.Array) -> jax.Array:
+    """``x`` [M, K] @ ``w.T`` for a table ``w`` [N, K] packed by ``pack_table`` -> [M, N], x's
+    dtype: the packed layer kernel over a stack of one (the same products as
+    ``packed_layer_matmul``, at any row count: each row's bits do not depend on how many rows
+    there are). SmolLM2's tied head on a 2-core CPU: 22% less time than ``matmul_transposed`` at
+    64 rows, about half at 8."""
+    if x.ndim != 2 or p.ndim != 3 or p.shape[2] != PACK_WIDTH or x.shape[1] != p.shape[1]:
+        raise ValueError(
+            f"packed_matmul_transposed needs x [M, K] and a packed table [N / {PACK_WIDTH}, K, "
+            f"{PACK_WIDTH}], got {x.shape} and {p.shape}"
+        )
+    return packed_layer_matmul(x, p[None], jnp.int32(0))
 
 
 def matmul_transposed_reference(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -161,7 +161,7 @@ class Runner:
             self._inputs = pool = SingleDeviceSharding(jax.local_devices()[0])
             params = jax.device_put(params, pool)
             # On a CPU the layer kernels are packed for the native matmul (models/llama.py).
-            params, self.packed_weights = pack_layer_kernels(params)
+            params, self.packed_weights = pack_layer_kernels(params, config)
             self.params = params
         self.kv_cache = KVCache(
             config,

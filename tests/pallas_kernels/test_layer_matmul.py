@@ -17,8 +17,12 @@ from pagedjax.pallas_kernels import (
     matmul_transposed_reference,
     native,
     pack_stacked,
+    pack_table,
     packed_layer_matmul,
+    packed_matmul_transposed,
+    packed_take,
     unpack_stacked,
+    unpack_table,
 )
 from pagedjax.pallas_kernels.layer_matmul import (
     SYMBOLS,
@@ -315,6 +319,39 @@ def test_packing_names_a_width_it_cannot_pack():
         packed_layer_matmul(x, w, jnp.int32(0))
 
 
+@pytest.mark.skipif(not NATIVE, reason="native kernel unavailable")
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
+def test_a_packed_table_looks_up_and_multiplies_each_row_alike_at_every_row_count(w_dtype):
+    """pack_table holds w [N, K] as [N / 32, K, 32]; packed_take is w[ids] bit for bit, and
+    packed_matmul_transposed is x @ w.T (against float64) with each row's bits the same whether
+    it is computed alone, among 2-9 rows or among 300 (past the unpacked head's native limit)."""
+    n, k = 96, 40
+    _, w = _arrays(1, k, n, 1, jnp.float32, w_dtype, seed=7)
+    w = w[0].T  # [N, K]
+    p = pack_table(w)
+    assert p.shape == (n // 32, k, 32)
+    np.testing.assert_array_equal(unpack_table(p), w)
+    ids = jnp.asarray([0, 31, 32, 95, 5, 5], jnp.int32)
+    np.testing.assert_array_equal(jax.jit(packed_take)(p, ids), w[ids])
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((300, k)), jnp.float32)
+    head = jax.jit(packed_matmul_transposed)
+    whole = np.asarray(head(x, p))
+    np.testing.assert_allclose(whole, np.asarray(x, np.float64) @ np.asarray(w, np.float64).T,
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    for m in range(1, 10):
+        np.testing.assert_array_equal(np.asarray(head(x[:m], p)), whole[:m])
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(matmul_transposed)(x[:9], w)), whole[:9], rtol=1e-5, atol=1e-5
+    )
+
+
+def test_a_table_that_cannot_be_packed_is_named():
+    with pytest.raises(ValueError, match=r"multiple of 32, got \(40, 8\)"):
+        pack_table(jnp.zeros((40, 8)))
+    with pytest.raises(ValueError, match=r"got \(2, 16\) and \(64, 16\)"):
+        packed_matmul_transposed(jnp.zeros((2, 16)), jnp.zeros((64, 16)))
+
+
 def _decode_step(c, num_seqs: int, blocks: int, block_size: int, seed: int):
     from pagedjax.models.step_input import StepInput
 
@@ -336,18 +373,25 @@ def _decode_step(c, num_seqs: int, blocks: int, block_size: int, seed: int):
     )
 
 
+def _random_params(c, seed=0):
+    from pagedjax.models.llama import param_shapes
+
+    shapes = param_shapes(c)
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(shapes))))
+    return jax.tree.map(lambda s: 0.1 * jax.random.normal(next(keys), s.shape, s.dtype), shapes)
+
+
 @pytest.mark.skipif(not NATIVE, reason="native kernel unavailable")
 def test_a_model_with_packed_kernels_gives_the_same_logits_and_pool():
     """pack_layer_kernels packs every layer projection; the packed step's logits and KV pool
-    are bit for bit the row-major step's. A width that cannot be packed leaves all as they are."""
+    are bit for bit the row-major step's. A width that cannot be packed leaves all as they are;
+    parameters packed already come back as they are."""
     from pagedjax.models.config import ModelConfig
     from pagedjax.models.llama import forward, pack_layer_kernels, param_shapes
 
     c = ModelConfig("LlamaForCausalLM", 256, 64, 128, 2, 4, 2, 16)
-    shapes = param_shapes(c)
-    keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(shapes))))
-    params = jax.tree.map(lambda s: 0.1 * jax.random.normal(next(keys), s.shape, s.dtype), shapes)
-    packed, ok = pack_layer_kernels(params)
+    params = _random_params(c)
+    packed, ok = pack_layer_kernels(params, c)
     assert ok
     for group, names in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down"))):
         for name in names:
@@ -356,6 +400,9 @@ def test_a_model_with_packed_kernels_gives_the_same_logits_and_pool():
             np.testing.assert_array_equal(
                 unpack_stacked(packed["layers"][group][proj]["kernel"]), kernel
             )
+    assert packed["embed_tokens"] is params["embed_tokens"]  # untied: the table stays as it is
+    again, ok = pack_layer_kernels(packed, c)
+    assert ok and again is packed
     pool_shape = (2, 2 * 32, 8, 16)  # 32 blocks of 8 slots per layer
     pool = jax.random.normal(jax.random.key(1), pool_shape, jnp.float32)
     step = _decode_step(c, num_seqs=5, blocks=4, block_size=8, seed=2)
@@ -368,5 +415,44 @@ def test_a_model_with_packed_kernels_gives_the_same_logits_and_pool():
 
     odd = ModelConfig("LlamaForCausalLM", 256, 64, 120, 2, 4, 2, 16)  # MLP width 120
     odd_params = jax.tree.map(jnp.zeros_like, param_shapes(odd))
-    same, ok = pack_layer_kernels(odd_params)
+    same, ok = pack_layer_kernels(odd_params, odd)
     assert not ok and same is odd_params
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernel unavailable")
+@pytest.mark.parametrize("vocab", [256, 250])
+def test_a_tied_table_is_packed_with_the_layers_when_its_rows_allow(vocab):
+    """A tied embedding table of 256 rows is packed with the layers (pack_table) and the packed
+    model's logits are the row-major model's up to the head's summation order, a row's bits the
+    same at 1 and at 5 sequences; its KV pool is bit for bit the same (the lookup is exact).
+    A table of 250 rows stays as it is and the layers are packed alone."""
+    import dataclasses
+
+    from pagedjax.models.config import ModelConfig
+    from pagedjax.models.llama import forward, pack_layer_kernels
+
+    c = dataclasses.replace(
+        ModelConfig("LlamaForCausalLM", vocab, 64, 128, 2, 4, 2, 16), tie_word_embeddings=True
+    )
+    params = _random_params(c, seed=3)
+    assert "lm_head" not in params
+    packed, ok = pack_layer_kernels(params, c)
+    assert ok
+    table = packed["embed_tokens"]["embedding"]
+    if vocab % 32:
+        assert table is params["embed_tokens"]["embedding"]
+    else:
+        assert table.shape == (vocab // 32, 64, 32)
+        np.testing.assert_array_equal(unpack_table(table), params["embed_tokens"]["embedding"])
+    pool = jax.random.normal(jax.random.key(1), (2, 2 * 32, 8, 16), jnp.float32)
+    step = _decode_step(c, num_seqs=5, blocks=4, block_size=8, seed=4)
+    run = jax.jit(forward, static_argnums=(3, 4, 5, 6, 7))
+    plain = run(params, (pool, pool + 1), step, c, "reference", None, False, False)
+    fast = run(packed, (pool, pool + 1), step, c, "reference", None, False, True)
+    np.testing.assert_allclose(np.asarray(fast[0]), np.asarray(plain[0]), rtol=1e-5, atol=1e-5)
+    for a, b in zip(fast[1], plain[1], strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if vocab % 32 == 0:  # one kernel at every row count (unpacked: dot products up to 4 rows)
+        one = jax.tree.map(lambda a: a[:1], step).replace(query_start_loc=step.query_start_loc[:2])
+        alone = run(packed, (pool, pool + 1), one, c, "reference", None, False, True)
+        np.testing.assert_array_equal(np.asarray(alone[0])[0], np.asarray(fast[0])[0])
