@@ -4,7 +4,9 @@ XLA's dot of the scanned slice (which XLA copies out of the stack first), side b
 For each row count M, a ``lax.scan`` over 30 layers multiplies an [M, 576] input by each layer's
 [576, 1536] kernel (SmolLM2's up projection, 106 MB of float32 weights), once through
 ``layer_matmul`` (native) and once through ``layer_matmul_reference`` (XLA), the two timed
-alternately; then the tied LM head, ``x @ table.T`` with SmolLM2's [49152, 576] table. Min of
+alternately; then the tied LM head, ``x @ table.T`` with SmolLM2's [49152, 576] table, through
+``matmul_transposed`` (the row-major table) and through ``packed_matmul_transposed`` (the table
+packed by ``pack_table``, as the runner holds it on a CPU), each against XLA's dot. Min of
 ``--repeats``; check the load first (``uptime``), the script prints it.
 
     python benchmarks/layer_matmul_cpu.py [--rows 1 8 64 256 2048] [--repeats 7]
@@ -48,6 +50,8 @@ def main(argv=None) -> int:
         layer_matmul_reference,
         matmul_transposed,
         matmul_transposed_reference,
+        pack_table,
+        packed_matmul_transposed,
     )
 
     if native.load("matmul_cpu", SYMBOLS) is None:
@@ -67,12 +71,18 @@ def main(argv=None) -> int:
 
     layer_fns = {"native": scanned(layer_matmul), "xla": scanned(layer_matmul_reference)}
     head_fns = {"native": jax.jit(matmul_transposed), "xla": jax.jit(matmul_transposed_reference)}
+    tables = (table, jax.jit(pack_table)(table))  # row-major, packed
+    packed_fns = {
+        "native": jax.jit(lambda x, t: packed_matmul_transposed(x, t[1])),
+        "xla": jax.jit(lambda x, t: matmul_transposed_reference(x, t[0])),
+    }
     print(f"{'rows':>5} {'op':<24} {'native ms':>10} {'xla ms':>8} {'xla/native':>10} GFLOP/s")
     for m in args.rows:
         x = jnp.asarray(rng.standard_normal((m, K), np.float32))
         for name, fns, operand, flop in (
             (f"{L} layers 576x1536", layer_fns, w, 2 * m * K * N * L),
             ("tied head 49152x576", head_fns, table, 2 * m * K * table.shape[0]),
+            ("tied head, packed", packed_fns, tables, 2 * m * K * table.shape[0]),
         ):
             t = _min_time(fns, (x, operand), args.repeats)
             rates = " / ".join(f"{flop / t[k] / 1e9:.0f}" for k in ("native", "xla"))
