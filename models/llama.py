@@ -137,8 +137,7 @@ def pack_layer_kernels(params, config: ModelConfig) -> tuple[dict, bool]:
         return params, False
     pack = jax.jit(pack_stacked)
     new_layers = {**layers, **{group: dict(layers[group]) for group, _ in found}}
-    for group, name in found:
-        proj = layers[group][name]
+    for (group, name), proj in zip(found, projections, strict=True):
         new_layers[group][name] = {**proj, "kernel": pack(proj["kernel"])}
     params = {**params, "layers": new_layers}
     if packs_tied_table(config):
