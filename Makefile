@@ -27,8 +27,8 @@ test-all: install
 	$(BIN)/python -m pytest -q
 
 # The GPU/TPU proof, one command (benchmarks/device_check.py; stages 1-5 about 8 minutes on one H200,
-# the serving stage 150 s more: within one 10-minute device command use ARGS=--budget-scale 0.8): JSON and
-# log under $(OUT). Needs no install: it runs on the machine's own python3 (jax with CUDA, torch,
+# the serving stage about 150 s more; ARGS=--budget-scale 0.8 fits the whole run in 10 minutes): JSON
+# and log under $(OUT). Needs no install: it runs on the machine's own python3 (jax with CUDA, torch,
 # transformers, flax, orbax) or this venv's, and finds the repository itself. ARGS=--toy: CPU run.
 OUT ?= device_check_out
 device-check:
@@ -37,7 +37,8 @@ device-check:
 
 # Wheels of what `pagedjax serve`, `pagedjax bench serve` and `transformers serve` need and the H200
 # device image lacks (or has too old), for Python 3.12 on manylinux x86-64, into wheelhouse/ (ignored
-# by git). A device run carries it (carry: ["wheelhouse"]); the device check's stage 6 installs it.
+# by git). Copy it beside the checkout on a GPU machine without an index: the device check's stage 6
+# installs it from there.
 WHEELHOUSE_PACKAGES ?= fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 \
 	annotated-types==0.8.0 typing-inspection==0.4.5 opentelemetry-api==1.45.2 uvicorn==0.54.0 \
 	httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 openai==3.57.0 jiter==0.19.0 \

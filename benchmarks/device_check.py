@@ -1,9 +1,8 @@
 """One command that proves and times pagedjax on a GPU: run it first whenever a GPU is at hand.
 
 Stages, each guarded (a failure is recorded with its traceback and the next stage still runs) and
-each with its own time budget (stages 1-5 are sized for 8 minutes on one H200, stage 6 for 150 s
-more: the budgets add up to the 10 minutes one device command may run, so give --budget-scale 0.8
-or split the run with --stages):
+each with its own time budget (stages 1-5 are sized for 8 minutes on one H200, stage 6 for about
+150 s more; --budget-scale 0.8 fits the whole run in 10 minutes, and --stages runs a part of it):
 
   1 env       jax/jaxlib/torch/transformers versions, backend, device kind, memory, the Pallas
               GPU lowerings this JAX offers (Triton; Mosaic GPU) and the ops it ships
@@ -40,10 +39,10 @@ No install is needed: the script puts the repository on sys.path (for a checkout
 installed, through a temporary tree of links that lays out ``pagedjax.models`` and
 ``pagedjax.pallas_kernels`` as an install does), so it runs on a machine's Python as it is (jax
 with CUDA, torch, transformers, flax, orbax), without network. Stage 6 also needs the HTTP
-packages, which the H200 image lacks (fastapi, starlette, pydantic, uvicorn; httpx2 for the
+packages, which a bare GPU image may lack (fastapi, starlette, pydantic, uvicorn; httpx2 for the
 client; openai for transformers serve): ``make wheelhouse`` downloads their wheels (Python 3.12,
-manylinux x86-64) into ``wheelhouse/`` (ignored by git), a device run carries it
-(``carry: ["wheelhouse"]``), and stage 6 installs them from there into a temporary directory
+manylinux x86-64) into ``wheelhouse/`` (ignored by git), copied beside the checkout on a machine
+without an index, and stage 6 installs them from there into a temporary directory
 (``pip install --no-index --no-deps --target``). Without them stage 6 is skipped with the names
 of what is missing; without a ``transformers`` executable (or its serving packages) it measures
 pagedjax alone.
@@ -1214,7 +1213,7 @@ def stage_peer(ctx: Context, budget: Budget, data: dict):
 
 # ---- stage 6: online serving over HTTP -----------------------------------------------------
 
-WHEELHOUSE = ROOT / "wheelhouse"  # `make wheelhouse`; carried to the device, never committed
+WHEELHOUSE = ROOT / "wheelhouse"  # `make wheelhouse`; copied beside the checkout, never committed
 SERVE_MODULES = ("fastapi", "starlette", "pydantic", "uvicorn", "prometheus_client", "httpx2")
 PEER_MODULES = {"transformers": ("fastapi", "uvicorn", "pydantic", "openai")}  # its serve command
 SERVER_MEM_FRACTION = "0.25"  # a server's JAX share of the GPU; this process holds 0.5
@@ -1227,7 +1226,7 @@ def missing_modules(names) -> list[str]:
 
 
 def install_wheelhouse(data: dict) -> Path | None:
-    """pip-install the carried wheels (no index, no dependencies) into a temporary directory put
+    """pip-install the wheelhouse's wheels (no index, no dependencies) into a temporary directory put
     first on sys.path; that directory, or None when there are no wheels."""
     wheels = sorted(WHEELHOUSE.glob("*.whl"))
     if not wheels:
@@ -1284,7 +1283,7 @@ def serve_peers(ctx: Context, data: dict) -> list[str]:
         if _find_exe(peer) is None:
             skipped[peer] = f"no {peer!r} executable beside {sys.executable} or on PATH"
         elif lacking:
-            skipped[peer] = f"{peer} serve needs {', '.join(lacking)} (make wheelhouse; carry it)"
+            skipped[peer] = f"{peer} serve needs {', '.join(lacking)} (make wheelhouse, then copy it here)"
         else:
             ready.append(peer)
     if skipped:
@@ -1342,8 +1341,8 @@ def stage_serve(ctx: Context, budget: Budget, data: dict):
     if lacking:
         raise StageSkipped(
             f"pagedjax serve / bench serve need {', '.join(lacking)}, absent here and not in "
-            f"{WHEELHOUSE}: run `make wheelhouse` on a machine with an index and carry "
-            "wheelhouse/ with the run"
+            f"{WHEELHOUSE}: run `make wheelhouse` on a machine with an index and copy "
+            "wheelhouse/ beside this checkout"
         )
     peers = serve_peers(ctx, data)
     scratch = Path(tempfile.mkdtemp(prefix="pagedjax-serve-"))
