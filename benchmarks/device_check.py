@@ -1226,8 +1226,8 @@ def missing_modules(names) -> list[str]:
 
 
 def install_wheelhouse(data: dict) -> Path | None:
-    """pip-install the wheelhouse's wheels (no index, no dependencies) into a temporary directory put
-    first on sys.path; that directory, or None when there are no wheels."""
+    """pip-install the wheelhouse's wheels (no index, no dependencies) into a temporary directory
+    put first on sys.path; that directory, or None when there are no wheels."""
     wheels = sorted(WHEELHOUSE.glob("*.whl"))
     if not wheels:
         return None
@@ -1283,7 +1283,8 @@ def serve_peers(ctx: Context, data: dict) -> list[str]:
         if _find_exe(peer) is None:
             skipped[peer] = f"no {peer!r} executable beside {sys.executable} or on PATH"
         elif lacking:
-            skipped[peer] = f"{peer} serve needs {', '.join(lacking)} (make wheelhouse, then copy it here)"
+            needs = ", ".join(lacking)
+            skipped[peer] = f"{peer} serve needs {needs} (make wheelhouse, then copy it here)"
         else:
             ready.append(peer)
     if skipped:
