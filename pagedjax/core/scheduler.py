@@ -16,6 +16,7 @@ from collections.abc import Collection
 from pagedjax import beam_search
 from pagedjax.config import PREEMPTION_MODES
 from pagedjax.core.block_manager import AllocStatus, BlockManager
+from pagedjax.core.longrope import LongRopeSwitch
 from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 
@@ -148,7 +149,8 @@ class Scheduler:
         block_manager.limit_chunk_tokens(max_num_batched_tokens)  # a windowed table's run-ahead
         # LongRoPE (models/config.py ModelConfig.longrope_switch_len), as the block manager keys
         # its prefix cache by it
-        self.longrope_switch_len = block_manager.rope_switch_len
+        self.longrope = LongRopeSwitch(block_manager, max_num_batched_tokens, max_model_len)
+        self.longrope_switch_len = self.longrope.switch
         self.num_longrope_recomputes = 0
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
@@ -217,7 +219,7 @@ class Scheduler:
         kept, prefilling = [], []
         while queue:
             group = queue.pop(0)
-            if self._crosses_longrope_switch(group):
+            if self.longrope.crosses(group):
                 self._recompute(group)
                 continue
             while not self.bm.can_append_slots(group):
@@ -285,8 +287,10 @@ class Scheduler:
                 self._abort(group, out, "its prompt no longer fits the device pool")
                 continue
             seq = group.get_seqs(SequenceStatus.WAITING)[0]
-            one_step = not self.enable_chunked_prefill or self._longrope_one_step(seq)
-            if one_step and seq.get_len() > budget:
+            one_step = not self.enable_chunked_prefill or self.longrope.one_step(seq)
+            if (one_step and seq.get_len() > budget) or self.longrope.short_first_chunk(
+                seq, budget
+            ):
                 self.waiting.appendleft(group)
                 break
             self.bm.allocate(group)
@@ -386,29 +390,7 @@ class Scheduler:
                 group.finished_beams.append((list(seq.output_token_ids), seq.cumulative_logprob))
                 self.finish_seq(seq, "length")
 
-    # ---- LongRoPE's switch -----------------------------------------------------------------
-
-    def _crosses_longrope_switch(self, group: SequenceGroup) -> bool:
-        """Whether group's sequence is about to grow past LongRoPE's switch length with its
-        earlier KV computed with the short factors: HF's generate then drops its cache and
-        re-runs the whole sequence with the long factors (Phi3ForCausalLM
-        .prepare_inputs_for_generation: input length >= switch + 1 and past <= switch). Once per
-        sequence; a group of several sequences (n > 1, beams) keeps its KV."""
-        switch = self.longrope_switch_len
-        seqs = group.get_seqs(SequenceStatus.RUNNING)
-        if switch is None or len(seqs) != 1 or seqs[0].longrope_recomputed:
-            return False
-        seq = seqs[0]
-        return self._longrope_one_step(seq) and 0 < seq.num_computed_tokens <= switch
-
-    def _longrope_one_step(self, seq: Sequence) -> bool:
-        """Whether seq is past the switch and its prefill fits one step, and so is prefilled
-        in one (waiting for the budget if need be), as HF runs a prompt: all with the long
-        factors. A longer one is chunked: its first chunks use the short factors (the model
-        picks them by the step's context length)."""
-        switch = self.longrope_switch_len
-        limit = min(self.token_budget, self.bm.max_chunk_tokens)
-        return switch is not None and switch < seq.get_len() <= limit
+    # ---- LongRoPE's switch (core/longrope.py) ----------------------------------------------------
 
     def _recompute(self, group: SequenceGroup) -> None:
         """Free the group's one sequence and queue it first, to be prefilled anew."""

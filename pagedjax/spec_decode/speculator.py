@@ -95,8 +95,8 @@ class Speculator:
 
     def add_drafts(self, sched, chunks: list[SeqChunk], budget: int) -> int:
         """Give each decode chunk (oldest request first) the proposals that fit the token
-        budget, the model's length, the request's max_tokens and the spare blocks; returns the
-        budget left."""
+        budget, the model's length, the request's max_tokens, LongRoPE's switch and the spare
+        blocks; returns the budget left."""
         for c in chunks:
             if budget <= 0:
                 break
@@ -112,6 +112,7 @@ class Speculator:
                 budget,
                 sched.max_model_len - seq.get_len(),
                 p.max_tokens - seq.get_output_len() - 1,
+                _room_before_switch(sched.longrope_switch_len, seq),
             )
             drafts = self.proposer.propose(seq.get_token_ids(), limit) if limit > 0 else []
             n = sched.bm.append_lookahead_slots(seq, len(drafts)) if drafts else 0
@@ -167,6 +168,15 @@ class Speculator:
         """The counts of one request (zeros if it never proposed)."""
         mine = self._per_request.get(group)
         return mine.copy() if mine is not None else SpecDecodingStats()
+
+
+def _room_before_switch(switch: int | None, seq: Sequence) -> int:
+    """Proposals that keep the step's context within LongRoPE's switch while seq is short of
+    it: a step reaching past the switch is rotated with the long factors throughout, and the
+    scheduler's re-run (core/scheduler.py) must see the sequence cross it one token at a time."""
+    if switch is None or seq.get_len() > switch:
+        return 2**62
+    return switch - seq.get_len()
 
 
 def _none() -> None:

@@ -229,12 +229,32 @@ def test_longrope_prompt_past_the_switch_waits_for_one_step_rather_than_chunks()
     assert [(c.group.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 16)]
 
 
-def test_longrope_prompt_longer_than_the_budget_is_chunked_and_not_recomputed():
-    bm, sched = make_longrope(switch=12, budget=8)
-    sched.add(group("r", 20, 0.0))
-    sizes = []
-    for _ in range(4):
+def test_longrope_prompt_longer_than_the_budget_is_chunked_past_the_switch():
+    """Every chunk of a prompt past the switch runs with a context past it (the long factors):
+    the first waits for a step with more room than the switch."""
+    bm, sched = make_longrope(switch=12, budget=16)
+    for i in range(4):
+        sched.add(group(f"d{i}", 3, float(i)))
+    sched.add(group("r", 40, 9.0))
+    steps = []
+    for i in range(5):
         out = sched.schedule()
-        sizes.append([c.num_tokens for c in out.chunks])
+        steps.append(
+            [(c.group.request_id, c.seq.num_computed_tokens, c.num_tokens) for c in out.chunks]
+        )
         run_step(sched, out)
-    assert sizes == [[8], [8], [4], [1]] and sched.num_longrope_recomputes == 0
+        if i == 1:  # the short ones end: r has the budget to itself
+            for j in range(4):
+                sched.abort(f"d{j}")
+    # The short prompts (12), then their decodes (4), leave r 4 and 12: it waits for 16.
+    assert steps[0] == [(f"d{j}", 0, 3) for j in range(4)]
+    assert steps[1] == [(f"d{j}", 3, 1) for j in range(4)]
+    assert steps[2:] == [[("r", 0, 16)], [("r", 16, 16)], [("r", 32, 8)]]
+    assert sched.num_longrope_recomputes == 0
+
+
+def test_longrope_budget_within_the_switch_is_refused():
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=8 .* 12 tokens"):
+        make_longrope(switch=12, budget=8)
+    bm = BlockManager(64, BS, watermark=0.0, rope_switch_len=12)
+    Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=8, max_model_len=12)  # never crosses
