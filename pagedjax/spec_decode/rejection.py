@@ -71,12 +71,10 @@ def rejection_sample(
         # A residual with no mass goes with an acceptance probability of 1: never drawn from.
         return accept, jax.vmap(jax.random.categorical)(fold(keys, 2), residual)
 
-    accept, recovered = jax.lax.cond(
-        jnp.any(random),
-        verify_random,
-        lambda _: (jnp.zeros_like(has), jnp.zeros_like(d)),
-        None,
-    )
+    if s.random:  # static: some row samples (no branch on data: the host never waits)
+        accept, recovered = verify_random(None)
+    else:
+        accept, recovered = jnp.zeros_like(has), jnp.zeros_like(d)
     accepted = has & jnp.where(random, accept, base.tokens == d)
     tokens = jnp.where(accepted, d, jnp.where(random, recovered, base.tokens)).astype(jnp.int32)
     return VerifyOutput(

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import itertools
 import logging
 import os
 import time
@@ -44,7 +43,7 @@ from pagedjax.pallas_kernels import native_attention
 from pagedjax.spec_decode.rejection import verify_step
 from pagedjax.step_profile import StepProfile
 from pagedjax.utils import next_pow2, powers_of_two
-from pagedjax.worker import prompt_logprobs, token_fill
+from pagedjax.worker import prompt_logprobs, sampler, token_fill
 from pagedjax.worker.input_batch import (
     InputBatcher,
     ScheduledSeq,
@@ -306,13 +305,10 @@ class Runner:
         for shape in shapes:
             jobs.append((f"model {shape}", lambda shape=shape: self._lower_step(shape)))
         for s in sorted({shape.num_seqs for shape in shapes}):
-            for pen, con, rand in itertools.product((False, True), repeat=3):
-                # con: logit bias or a grammar's allowed tokens; rand: some row samples (an
-                # all-greedy batch has a program of its own, without the sampling branch)
+            for variant in sampler.variants():  # static flags, e.g. greedy or not
                 for v in (False, True) if self.num_speculative_tokens else (False,):
-                    name = f"sampler s{s}" + " penalties" * pen + " constrained" * con
-                    name += " sampling" * rand + " verify" * v  # v: can verify proposals
-                    args = (s, pen, con, v, rand)
+                    name = f"sampler s{s} {variant}" + " verify" * v  # v: can verify proposals
+                    args = (s, variant, v)
                     jobs.append((name, lambda a=args: self._lower_sample(*a)))
         if fill_tokens:  # async scheduling's placeholder fill (worker/token_fill.py)
             jobs += token_fill.warmup_jobs(shapes, self._inputs)
@@ -373,27 +369,14 @@ class Runner:
             np.zeros((num_seqs, self.config.vocab_size), np.float32), self._inputs
         )
 
-    def _lower_sample(
-        self,
-        num_seqs: int,
-        penalties: bool,
-        constrained: bool = False,
-        verify: bool = False,
-        sampling: bool = True,
-    ):
-        bias = ((0, 1.0),) if constrained else ()
-        rows = [
-            SamplingRow(
-                temperature=1.0 if sampling else 0.0,
-                repetition_penalty=1.5 if penalties else 1.0,
-                logit_bias=bias,
-            )
-        ]
+    def _lower_sample(self, num_seqs: int, variant: sampler.Variant, verify: bool = False):
         size = num_seqs * self.batcher.logits_per_step(decode=not verify)  # its logits rows
+        sampling = self._sampling_input([variant.row()], size, int(variant.top_logprobs))
+        assert sampling.variant == variant, (sampling.variant, variant)
         args = (
             self._logits_like(size),
             jax.device_put(np.zeros(size, np.int32), self._inputs),
-            jax.device_put(self._sampling_input(rows, size, 0), self._inputs),
+            jax.device_put(sampling, self._inputs),
         )
         if verify:
             args += (jax.device_put(np.full(size, -1, np.int32), self._inputs),)

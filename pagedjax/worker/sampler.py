@@ -13,20 +13,30 @@ its seed, its logits and the position being sampled, never on which requests sha
 Filtering keeps every token at or above a per-row threshold logit (ties at the threshold survive),
 so it never scatters a permutation back. The threshold comes from the ``_NUM_CANDIDATES`` largest
 logits (``lax.top_k``) when they decide it exactly (top-k <= that many, or a nucleus that closes
-inside them); only rows they cannot decide fall back to a full sort, and each row uses the same
-computation whatever shares its batch, so the fallback cannot change another row's tokens.
+inside them), else from a full sort; each row takes the one its own settings and logits pick,
+whatever shares its batch, so the sort cannot change another row's tokens.
+
+Nothing here branches on data (no ``lax.cond`` or loop): on a GPU a conditional makes the host wait
+for the device before it can dispatch the next program. What a batch needs is decided on the host
+from its rows, as static fields of ``SamplingInput`` (part of the program): whether some row has a
+penalty, whether some row samples, how much filtering the sampling rows need (``Filters``: min-p
+only, the candidates, or the candidates and a full sort: a batch with a top-p row, or a top-k
+beyond the candidates, sorts every row's logits), and whether some row wants top logprobs (no
+top-k over the vocabulary otherwise). A greedy batch without penalties, bias or logprobs runs
+the argmax alone.
 
 The runner compiles sampling as its own program, apart from the model step, and every input here
 has a shape set by the batch's row count alone (plus one token-history width when some row uses
-penalties, and one bias width and bitmask width when some row has a logit bias or a grammar;
-two static flags, whether some row has a penalty and whether some row samples, pick a program
-without those branches for a greedy batch), so sampling options never multiply the model's
-programs, and a new request never compiles (the runner's warm-up compiles each variant).
+penalties, and one bias width and bitmask width when some row has a logit bias or a grammar), so
+sampling options never multiply the model's programs, and a new request never compiles (the
+runner's warm-up compiles each variant: ``variants``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import itertools
 from collections.abc import Sequence
 
 import jax
@@ -64,6 +74,27 @@ class SamplingRow:
     token_bitmask: np.ndarray | None = None  # i32[ceil(vocab / 32)], bit t: token t allowed
 
 
+class Filters(enum.IntEnum):
+    """How much of the top-k / top-p machinery a batch's sampling rows need (static)."""
+
+    MIN_P = 0  # no row has top-k or top-p: min-p's threshold alone
+    CANDIDATES = 1  # every such row's top-k is within the candidates: they decide it exactly
+    SORT = 2  # some row may need the full sort (top-p, or a top-k beyond the candidates)
+
+
+def filters_needed(rows: Sequence[SamplingRow], vocab_size: int) -> Filters:
+    """The least filtering that gives every row in ``rows`` its exact threshold."""
+    level = Filters.MIN_P
+    width = min(vocab_size, _NUM_CANDIDATES)
+    for r in rows:
+        k = min(r.top_k, vocab_size) if r.top_k > 0 else vocab_size  # vocab_size: off
+        if r.top_p < 1 or width < k < vocab_size:
+            return Filters.SORT
+        if k < vocab_size:
+            level = Filters.CANDIDATES
+    return level
+
+
 def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
@@ -87,24 +118,37 @@ class SamplingInput:
     # output tokens; padded with vocab_size. One column wide when no row uses penalties.
     token_history: jax.Array  # i32[num_seqs, W]
     prompt_lens: jax.Array  # i32[num_seqs]
-    num_top_logprobs: jax.Array  # i32[], top logprobs wanted by some row (0 = skip them)
     # Logit bias and allowed tokens: MAX_LOGIT_BIAS and ceil(vocab / 32) columns when some row
     # has either (bias ids padded with vocab_size, masks with -1: all allowed), else 0 columns.
     bias_ids: jax.Array  # i32[num_seqs, B]
     bias_values: jax.Array  # f32[num_seqs, B]
     token_bitmask: jax.Array  # i32[num_seqs, W], packed: bit t % 32 of word t // 32 = token t
-    # Static, so part of the program: some row has a penalty; some row samples (temperature >
-    # 0). A batch with neither (greedy decoding, the common case) runs no branch at all: on a
-    # CPU, XLA's conditionals around the [num_seqs, vocab] logits cost several times the argmax
-    # (the sampler program at 64 rows of a 49152-token vocabulary: 20.4 ms, 4.8 ms without;
+    # Static, so part of the program (see the module doc): some row has a penalty; some row
+    # samples (temperature > 0); the filtering the rows need; some row wants top logprobs. A
+    # greedy batch (the common case) runs the argmax alone: on a CPU the work around the
+    # [num_seqs, vocab] logits costs several times the argmax (the sampler program at 64 rows of
+    # a 49152-token vocabulary: 20.4 ms with it skipped by conditionals, 4.8 ms without it;
     # benchmarks/sampler_cpu.py).
     penalties: bool = struct.field(pytree_node=False, default=True)
     random: bool = struct.field(pytree_node=False, default=True)
+    filters: Filters = struct.field(pytree_node=False, default=Filters.SORT)
+    top_logprobs: bool = struct.field(pytree_node=False, default=False)
+
+    @property
+    def variant(self) -> Variant:
+        return Variant(
+            self.penalties,
+            self.token_bitmask.shape[1] > 0,
+            self.random,
+            self.filters,
+            self.top_logprobs,
+        )
 
     def without_flags(self) -> SamplingInput:
-        """The same rows with the static flags at their general values, for a program that
-        reads neither (the draft model's sampler), so that they never compile it twice."""
-        return self.replace(penalties=True, random=True)
+        """The same rows with the static flags at their general values (top logprobs off), for
+        a program that reads none of them (the draft model's sampler), so that they never
+        compile it twice."""
+        return self.replace(penalties=True, random=True, filters=Filters.SORT, top_logprobs=False)
 
     @classmethod
     def build(
@@ -179,6 +223,7 @@ class SamplingInput:
                 bias_values[i, : len(ids)] = values
             if r.token_bitmask is not None:
                 bitmask[i] = r.token_bitmask
+        random = any(r.temperature > 0 for r in rows)
         return cls(
             temperature=col("temperature", np.float32, 0.0),
             top_k=col("top_k", np.int32, 0),
@@ -191,13 +236,51 @@ class SamplingInput:
             repetition_penalty=col("repetition_penalty", np.float32, 1.0),
             token_history=history,
             prompt_lens=prompt_lens,
-            num_top_logprobs=np.asarray(num_top_logprobs, np.int32),
             bias_ids=bias_ids,
             bias_values=bias_values,
             token_bitmask=bitmask,
             penalties=bool(histories),
-            random=any(r.temperature > 0 for r in rows),
+            random=random,
+            # Greedy rows are never filtered: a batch without a sampling row needs no filter.
+            filters=filters_needed(rows, vocab_size) if random else Filters.MIN_P,
+            top_logprobs=num_top_logprobs > 0,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """The static part of a ``SamplingInput``: which sampler program a batch runs."""
+
+    penalties: bool = False
+    constrained: bool = False  # some row has a logit bias or an allowed-token mask
+    random: bool = False
+    filters: Filters = Filters.MIN_P
+    top_logprobs: bool = False
+
+    def __str__(self) -> str:
+        words = [k for k in ("penalties", "constrained", "top_logprobs") if getattr(self, k)]
+        if self.random:
+            words.append(f"sampling {self.filters.name.lower()}")
+        return " ".join(words) or "greedy"
+
+    def row(self) -> SamplingRow:
+        """A row whose batch runs this variant's program (warm-up)."""
+        return SamplingRow(
+            temperature=1.0 if self.random else 0.0,
+            top_k={Filters.MIN_P: 0, Filters.CANDIDATES: 1, Filters.SORT: 0}[self.filters],
+            top_p=0.5 if self.filters == Filters.SORT else 1.0,
+            repetition_penalty=1.5 if self.penalties else 1.0,
+            logit_bias=((0, 1.0),) if self.constrained else (),
+        )
+
+
+def variants() -> list[Variant]:
+    """Every sampler program a batch of some row count can run (greedy ones filter nothing)."""
+    out = []
+    for pen, con, lp in itertools.product((False, True), repeat=3):
+        out.append(Variant(pen, con, False, Filters.MIN_P, lp))
+        out += [Variant(pen, con, True, f, lp) for f in Filters]
+    return out
 
 
 @struct.dataclass
@@ -205,7 +288,7 @@ class SamplerOutput:
     tokens: jax.Array  # i32[num_seqs], the sampled token
     logprobs: jax.Array  # f32[num_seqs], its log-probability under the raw model
     # i32[num_seqs, K], most likely tokens under the raw model, descending (K = TOP_LOGPROBS_WIDTH
-    # or the vocabulary if smaller; zeros when no row asked for them)
+    # or the vocabulary if smaller; 0 when no row asked for them)
     top_token_ids: jax.Array
     top_logprobs: jax.Array  # f32[num_seqs, K], their raw log-probabilities
 
@@ -240,14 +323,6 @@ def _constrain(logits: jax.Array, s: SamplingInput) -> jax.Array:
     token = jnp.arange(vocab)
     words = s.token_bitmask[:, token // 32]  # [num_seqs, vocab]
     return jnp.where((words >> (token % 32)) & 1 == 1, logits, -jnp.inf)
-
-
-def _penalise(logits: jax.Array, s: SamplingInput) -> jax.Array:
-    """Repetition, frequency and presence penalties; skipped when no row uses any."""
-    used = jnp.any(
-        (s.presence_penalty != 0) | (s.frequency_penalty != 0) | (s.repetition_penalty != 1)
-    )
-    return jax.lax.cond(used, _apply_penalties, lambda x, _: x, logits, s)
 
 
 def _scale(logits: jax.Array, s: SamplingInput) -> jax.Array:
@@ -285,10 +360,14 @@ def _cutoff(xs, row_max, n1, in_xs, mass_outside, top_p, top_k_on):
 
 
 def _threshold(x: jax.Array, s: SamplingInput, active: jax.Array) -> jax.Array:
-    """f32[num_seqs]: the smallest logit each row keeps (only rows in `active` need top-k/p)."""
+    """f32[num_seqs]: the smallest logit each row keeps (only rows in `active` need top-k/p).
+    Which of the candidates' and the full sort's thresholds a row takes depends on its own
+    settings and logits alone; ``s.filters`` only says which of them some row needs."""
     num_seqs, vocab = x.shape
     row_max = jnp.max(x, axis=-1)
     min_p_threshold = row_max + jnp.log(s.min_p)  # p >= min_p * p_max, in logit space
+    if s.filters == Filters.MIN_P:  # static: no row has top-k or top-p
+        return jnp.minimum(min_p_threshold, row_max)
     k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)
     top_k_on = k < vocab
     sorts = active & (top_k_on | (s.top_p < 1))
@@ -296,31 +375,23 @@ def _threshold(x: jax.Array, s: SamplingInput, active: jax.Array) -> jax.Array:
     def survivors(xs):
         return jnp.minimum(k, jnp.sum(xs >= min_p_threshold[:, None], axis=-1))
 
-    def by_rank(x):
-        width = min(vocab, _NUM_CANDIDATES)
-        # The barrier keeps XLA from merging slices into the top-k, which (on CPU) turns it back
-        # into a full sort.
-        xs = jax.lax.optimization_barrier(jax.lax.top_k(x, width)[0])  # [num_seqs, width]
-        n1 = survivors(xs)
-        in_xs = (k <= width) | (n1 < width)
-        mass_outside = jax.lax.cond(
-            jnp.any(sorts & ~in_xs & (s.top_p < 1)),
-            lambda: jnp.sum(
-                jnp.where(x >= min_p_threshold[:, None], jnp.exp(x - row_max[:, None]), 0.0), -1
-            ),
-            lambda: jnp.zeros(num_seqs, x.dtype),
-        )
-        threshold, exact = _cutoff(xs, row_max, n1, in_xs, mass_outside, s.top_p, top_k_on)
-
-        def full_sort():
-            xs = _sort_descending(x)
-            full, _ = _cutoff(xs, row_max, survivors(xs), True, mass_outside, s.top_p, top_k_on)
-            return jnp.where(exact, threshold, full)
-
-        threshold = jax.lax.cond(jnp.any(sorts & ~exact), full_sort, lambda: threshold)
-        return jnp.where(sorts, threshold, min_p_threshold)
-
-    threshold = jax.lax.cond(jnp.any(sorts), by_rank, lambda _: min_p_threshold, x)
+    width = min(vocab, _NUM_CANDIDATES)
+    # The barrier keeps XLA from merging slices into the top-k, which (on CPU) turns it back
+    # into a full sort.
+    xs = jax.lax.optimization_barrier(jax.lax.top_k(x, width)[0])  # [num_seqs, width]
+    n1 = survivors(xs)
+    in_xs = (k <= width) | (n1 < width)
+    if s.filters == Filters.SORT:  # static: some row's nucleus may reach past the candidates
+        kept = jnp.where(x >= min_p_threshold[:, None], jnp.exp(x - row_max[:, None]), 0.0)
+        mass_outside = jnp.sum(kept, -1)
+    else:  # every active row's prefix lies within the candidates (in_xs)
+        mass_outside = jnp.zeros(num_seqs, x.dtype)
+    threshold, exact = _cutoff(xs, row_max, n1, in_xs, mass_outside, s.top_p, top_k_on)
+    if s.filters == Filters.SORT:
+        xs = _sort_descending(x)
+        full, _ = _cutoff(xs, row_max, survivors(xs), True, mass_outside, s.top_p, top_k_on)
+        threshold = jnp.where(exact, threshold, full)
+    threshold = jnp.where(sorts, threshold, min_p_threshold)
     return jnp.minimum(threshold, row_max)  # the most likely token always survives
 
 
@@ -331,8 +402,10 @@ def _filter(x: jax.Array, s: SamplingInput, active: jax.Array) -> jax.Array:
 def process_logits(logits: jax.Array, s: SamplingInput) -> jax.Array:
     """f32[num_seqs, vocab]: penalised, temperature-scaled (greedy rows unscaled) and filtered
     logits (-inf outside min-p / top-k / top-p): what a sampled row draws from."""
-    x = _scale(_penalise(_constrain(logits.astype(jnp.float32), s), s), s)
-    return _filter(x, s, jnp.ones(x.shape[0], jnp.bool_))
+    x = _constrain(logits.astype(jnp.float32), s)
+    if s.penalties:  # static: some row has a penalty
+        x = _apply_penalties(x, s)
+    return _filter(_scale(x, s), s, jnp.ones(x.shape[0], jnp.bool_))
 
 
 def argmax(x: jax.Array) -> jax.Array:
@@ -358,29 +431,22 @@ def sample(logits: jax.Array, s: SamplingInput) -> SamplerOutput:
     logits = logits.astype(jnp.float32)
     penalised = _constrain(logits, s)
     if s.penalties:  # static: some row has a penalty
-        penalised = _penalise(penalised, s)
+        penalised = _apply_penalties(penalised, s)
     tokens = greedy = argmax(penalised)
     if s.random:  # static: some row samples
         random = s.temperature > 0
-
-        def draw(penalised):
-            x = _filter(_scale(penalised, s), s, random)
-            return jax.vmap(jax.random.categorical)(row_keys(s.seeds, s.positions), x)
-
-        sampled = jax.lax.cond(jnp.any(random), draw, lambda _: greedy, penalised)
+        x = _filter(_scale(penalised, s), s, random)
+        sampled = jax.vmap(jax.random.categorical)(row_keys(s.seeds, s.positions), x)
         tokens = jnp.where(random, sampled, greedy)
     tokens = tokens.astype(jnp.int32)
     lse = jax.nn.logsumexp(logits, axis=-1)  # [num_seqs]
-    width = min(TOP_LOGPROBS_WIDTH, logits.shape[1])
-    top_logits, top_ids = jax.lax.cond(
-        s.num_top_logprobs > 0,
-        lambda x: tuple(jax.lax.top_k(x, width)),  # [num_seqs, K]
-        lambda x: (
-            jnp.zeros((x.shape[0], width), x.dtype),
-            jnp.zeros((x.shape[0], width), jnp.int32),
-        ),
-        logits,
-    )
+    # Top logprobs at one width whatever a row asks (no new program), none when no row asks.
+    width = min(TOP_LOGPROBS_WIDTH, logits.shape[1]) if s.top_logprobs else 0
+    if width:
+        top_logits, top_ids = jax.lax.top_k(logits, width)  # [num_seqs, K]
+    else:
+        top_logits = jnp.zeros((logits.shape[0], 0), logits.dtype)
+        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
     return SamplerOutput(
         tokens=tokens,
         logprobs=jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse,
@@ -396,6 +462,9 @@ __all__ = [
     "SamplerOutput",
     "SamplingInput",
     "SamplingRow",
+    "Filters",
+    "Variant",
+    "variants",
     "process_logits",
     "row_keys",
     "sample",

@@ -300,7 +300,7 @@ def test_padded_rows_are_greedy_no_ops():
 def test_token_history_packs_only_what_penalties_read():
     none = SamplingInput.build([SamplingRow(prompt_token_ids=range(100))], 4, V, history_width=64)
     assert none.token_history.shape == (4, 1) and np.all(none.token_history == V)
-    assert none.num_top_logprobs == 0
+    assert not none.top_logprobs
     out_only = SamplingInput.build(
         [SamplingRow(presence_penalty=0.5, prompt_token_ids=range(50), output_token_ids=[7])],
         4,
@@ -320,7 +320,7 @@ def test_token_history_packs_only_what_penalties_read():
         np.testing.assert_array_equal(s.token_history[0, : n + 1], [*range(n), 1])
         assert np.all(s.token_history[0, n + 1 :] == V) and np.all(s.token_history[1] == V)
         assert s.token_history.dtype == np.int32 and s.seeds.dtype == np.uint32
-        assert s.num_top_logprobs == 3
+        assert s.top_logprobs
     with pytest.raises(ValueError, match="history_width=64"):
         SamplingInput.build([SamplingRow(frequency_penalty=1, output_token_ids=[1] * 65)], 2, V,
                             history_width=64)  # fmt: skip
@@ -344,11 +344,14 @@ def test_build_rejects_bad_input():
 
 def test_no_logprobs_requested_skips_the_top_k():
     logits = np.random.default_rng(0).normal(size=(256, V)).astype(np.float32)
-    out, _, _ = run(logits, [], size=256, k=0)
+    out, _, s = run(logits, [], size=256, k=0)
+    assert not s.top_logprobs
+    assert out.top_token_ids.shape == out.top_logprobs.shape == (256, 0)
+    assert out.top_token_ids.dtype == np.int32
+    assert "top_k" not in str(jax.jit(sampler.sample).lower(logits, s).as_text())
+    asked, _, s = run(logits, [], size=256, k=1)
     width = (256, TOP_LOGPROBS_WIDTH)  # one width whatever is asked: no new program
-    assert out.top_token_ids.shape == out.top_logprobs.shape == width
-    assert out.top_token_ids.dtype == np.int32 and not np.any(out.top_token_ids)
-    asked, _, _ = run(logits, [], size=256, k=1)
+    assert s.top_logprobs and asked.top_token_ids.shape == width
     np.testing.assert_array_equal(asked.top_token_ids[:, 0], logits.argmax(-1))
     logits = np.zeros((256, V), np.float32)
     out, _, _ = run(logits, [], size=256, k=0)

@@ -1,0 +1,74 @@
+"""Nothing in a step waits on the host: the sampler and verify programs hold no conditional or loop
+(on a GPU a ``lax.cond`` makes dispatch wait until the device is done), whichever static variant a
+batch picks; what a batch needs is decided on the host (``SamplingInput``'s static fields).
+
+The programs are lowered for CUDA, where the wait matters (lowering needs no GPU): on a CPU JAX
+lowers the random bits' threefry rounds as a loop of fixed length, unrolled everywhere else."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from pagedjax.spec_decode.rejection import verify_step
+from pagedjax.worker import runner as runner_mod
+from pagedjax.worker import sampler
+from pagedjax.worker.sampler import Filters, SamplingInput, SamplingRow
+
+V = 300  # wider than the candidates (256): the full-sort path exists
+ROWS = 8
+_BRANCHES = re.compile(r"stablehlo\.(case|if|while)\b|\b(conditional|while)\(")
+
+
+def branches(text: str) -> list[str]:
+    return [m.group(0) for m in _BRANCHES.finditer(text)]
+
+
+def cuda_text(fn, *args) -> str:
+    return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _args(variant: sampler.Variant):
+    s = SamplingInput.build([variant.row()], ROWS, V, int(variant.top_logprobs), history_width=16)
+    assert s.variant == variant
+    logits = np.zeros((ROWS, V), np.float32)
+    return logits, np.arange(ROWS, dtype=np.int32), s
+
+
+@pytest.mark.parametrize("variant", sampler.variants(), ids=str)
+def test_sampler_programs_hold_no_branch(variant):
+    text = cuda_text(runner_mod._sample, *_args(variant))
+    assert not branches(text), f"{variant}: {branches(text)}"
+
+
+def test_verify_and_compiled_programs_hold_no_branch():
+    general = sampler.Variant(True, True, True, Filters.SORT, True)
+    logits, rows, s = _args(general)
+    drafts = np.full(ROWS, -1, np.int32)
+    assert not branches(cuda_text(verify_step, logits, rows, s, drafts))
+    assert not branches(cuda_text(verify_step, logits, rows, s, drafts, logits))
+    compiled = runner_mod._sample.lower(logits, rows, s).compile().as_text()  # on this CPU
+    assert "conditional(" not in compiled
+
+
+def test_the_check_sees_a_conditional():
+    def with_cond(x):
+        return jax.lax.cond(x.sum() > 0, lambda: x + 1, lambda: x)
+
+    assert branches(cuda_text(jax.jit(with_cond), np.zeros(4, np.float32)))
+
+
+def test_the_variant_follows_the_rows():
+    build = lambda rows: SamplingInput.build(rows, ROWS, V).variant  # noqa: E731
+    assert str(build([SamplingRow()])) == "greedy"
+    # Greedy rows are never filtered, whatever they set.
+    assert build([SamplingRow(top_p=0.5, top_k=3)]).filters == Filters.MIN_P
+    assert build([SamplingRow(1.0, min_p=0.1)]).filters == Filters.MIN_P
+    assert build([SamplingRow(1.0, top_k=256)]).filters == Filters.CANDIDATES
+    assert build([SamplingRow(1.0, top_k=257)]).filters == Filters.SORT
+    assert build([SamplingRow(1.0, top_k=V + 5)]).filters == Filters.MIN_P  # k >= vocab: off
+    assert build([SamplingRow(1.0, top_k=5), SamplingRow(top_p=0.9)]).filters == Filters.SORT
+    assert len(set(sampler.variants())) == len(sampler.variants()) == 32
