@@ -26,14 +26,14 @@ test: install
 test-all: install
 	$(BIN)/python -m pytest -q
 
-# The GPU/TPU proof, one command (benchmarks/device_check.py; stages 1-5 about 8 minutes on one H200,
+# The GPU/TPU proof, one command (benchmarks/device_check/; stages 1-5 about 8 minutes on one H200,
 # the serving stage about 150 s more; ARGS=--budget-scale 0.8 fits the whole run in 10 minutes): JSON
 # and log under $(OUT). Needs no install: it runs on the machine's own python3 (jax with CUDA, torch,
 # transformers, flax, orbax) or this venv's, and finds the repository itself. ARGS=--toy: CPU run.
 OUT ?= device_check_out
 device-check:
 	PYTHONUNBUFFERED=1 $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) \
-		benchmarks/device_check.py --out $(OUT) $(ARGS)
+		benchmarks/device_check --out $(OUT) $(ARGS)
 
 # Wheels of what `pagedjax serve`, `pagedjax bench serve` and `transformers serve` need and the H200
 # device image lacks (or has too old), for Python 3.12 on manylinux x86-64, into wheelhouse/ (ignored

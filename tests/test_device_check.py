@@ -1,26 +1,26 @@
-"""benchmarks/device_check.py on CPU: stages 2-4 at toy sizes (kernels interpreted), and the
+"""benchmarks/device_check/ on CPU: stages 2-4 at toy sizes (kernels interpreted), and the
 guarding that lets one stage fail, overrun or stop early while the next still runs."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import importlib
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "device_check.py"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "benchmarks" / "device_check"
 
 
 def load_device_check():
-    spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    if str(PACKAGE.parent) not in sys.path:
+        sys.path.insert(0, str(PACKAGE.parent))
+    return importlib.import_module("device_check")
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +96,8 @@ def test_a_failing_overrunning_or_spent_stage_is_recorded_and_the_next_runs(
     for key, fn in (("env", boom), ("kernels", overrun), ("engine_tiny", spent), ("decode", fine)):
         number, title, _ = dc.STAGES[key]
         monkeypatch.setitem(dc.STAGES, key, (number, title, fn))
-    monkeypatch.setattr(dc, "HARD_FACTOR", 1.0)
-    monkeypatch.setattr(dc, "HARD_SLACK_S", 0.2)
+    monkeypatch.setattr(dc.running, "HARD_FACTOR", 1.0)
+    monkeypatch.setattr(dc.running, "HARD_SLACK_S", 0.2)
     argv = ["--toy", "--stages", "1,2,3a,4", "--budget-scale", "0.001", "--out", str(tmp_path)]
     ctx = dc.main(argv)
     r = ctx.results
@@ -127,14 +127,14 @@ def test_toy_serve_stage_measures_pagedjax_serve_and_a_peer_side_by_side(dc, tmp
     """Stage 6 on CPU: the tiny random model served by ``pagedjax serve`` and by a stub
     OpenAI-like peer (started with --peer), one after the other; an uninstalled peer is skipped
     with its reason. Both servers' rows, the ratios and the plot land in the JSON and the log."""
-    monkeypatch.syspath_prepend(str(SCRIPT.parents[1] / "tests" / "pagedjax"))
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "pagedjax"))
     from test_bench_serve import STUB
 
     stub = tmp_path / "stub_server.py"
     stub.write_text(STUB)
     peer = f"stub={sys.executable} {stub} --port {{port}} --usage"
-    serve = dataclasses.replace(dc.TOY.serve, peers=(peer, "sglang"))
-    monkeypatch.setattr(dc, "TOY", dataclasses.replace(dc.TOY, serve=serve))
+    serve = dataclasses.replace(dc.sizes.TOY.serve, peers=(peer, "sglang"))
+    monkeypatch.setattr(dc.sizes, "TOY", dataclasses.replace(dc.sizes.TOY, serve=serve))
     out = tmp_path / "out"
     ctx = dc.main(["--toy", "--stages", "6", "--out", str(out)])
     r = ctx.results["serve"]
@@ -163,9 +163,27 @@ def test_toy_serve_stage_measures_pagedjax_serve_and_a_peer_side_by_side(dc, tmp
 
 
 def test_serve_stage_without_its_packages_is_skipped_with_their_names(dc, tmp_path, monkeypatch):
-    monkeypatch.setattr(dc, "SERVE_MODULES", (*dc.SERVE_MODULES, "no_such_module_for_serve"))
-    monkeypatch.setattr(dc, "WHEELHOUSE", tmp_path / "no-wheels")
+    serve = dc.stages.serve
+    monkeypatch.setattr(serve, "SERVE_MODULES", (*serve.SERVE_MODULES, "no_such_module_for_serve"))
+    monkeypatch.setattr(serve, "WHEELHOUSE", tmp_path / "no-wheels")
     ctx = dc.main(["--toy", "--stages", "serve", "--out", str(tmp_path)])
     r = ctx.results["serve"]
     assert r.status == "SKIP" and "no_such_module_for_serve" in r.summary
     assert "make wheelhouse" in r.summary
+
+
+def test_the_folder_runs_as_a_command_and_every_stage_module_is_registered(dc):
+    """``python3 benchmarks/device_check --help`` (the Makefile's command) works from anywhere,
+    and each module under stages/ is in the registry (a stage added is a stage run)."""
+    r = subprocess.run(
+        [sys.executable, str(PACKAGE), "--help"],
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "--stages" in r.stdout and "Adding a stage" in r.stdout
+    modules = {p.stem for p in (PACKAGE / "stages").glob("*.py")} - {"__init__"}
+    registered = {fn.__module__.rsplit(".", 1)[1] for _, _, fn in dc.STAGES.values()}
+    assert registered == modules

@@ -1,0 +1,20 @@
+"""The stages, in the order they run. A stage is a module here with
+``run(ctx, budget, data) -> (ok, summary)`` and one line below: key -> (number, title, run)."""
+
+from __future__ import annotations
+
+from . import decode, engine_8b, engine_tiny, env, kernels, peer, serve
+
+STAGES = {
+    "env": ("1", "environment", env.run),
+    "kernels": ("2", "kernel correctness vs float32 reference", kernels.run),
+    "engine_tiny": (
+        "3a",
+        "engine: tiny Llama vs transformers, preemption, prefix caching",
+        engine_tiny.run,
+    ),
+    "engine_8b": ("3b", "engine: Llama-3-8B-shaped bfloat16 throughput", engine_8b.run),
+    "decode": ("4", "decode-kernel benchmark", decode.run),
+    "peer": ("5", "transformers on the same device", peer.run),
+    "serve": ("6", "online serving: pagedjax serve vs transformers serve", serve.run),
+}
