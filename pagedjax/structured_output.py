@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from pagedjax import structured_limits, structured_worker
+
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _CACHE_SIZE = 128
@@ -59,9 +61,10 @@ class StructuredOutputsParams:
                 f"{given or 'none'}"
             )
         if isinstance(self.json, str):
+            structured_limits.check_json_text(self.json)
             try:
                 self.json = json.loads(self.json)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise ValueError(f"structured_outputs: json is not valid JSON: {e}") from None
         if self.json is not None and not isinstance(self.json, dict | bool):
             raise ValueError("structured_outputs: json must be a JSON schema (an object)")
@@ -76,6 +79,27 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
         if self.json_object not in (None, True, False):
             raise ValueError("structured_outputs: json_object must be a boolean")
+        self.check_limits()
+
+    def check_limits(self) -> None:
+        """Refuse (ValueError naming the limit and the value) a constraint llguidance could not
+        build safely (structured_limits.py)."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json":
+            structured_limits.check_schema(value)
+        elif kind == "regex":
+            structured_limits.check_regex(value)
+        elif kind == "grammar":
+            structured_limits.check_grammar(value)
+        elif kind == "choice":
+            structured_limits.check_choice(value)
+        text = self.key()[1]
+        if kind == "json" and len(text) > structured_limits.MAX_SCHEMA_CHARS:
+            raise ValueError(
+                f"structured_outputs.json: the schema's length in characters is {len(text)}, over "
+                f"the limit of {structured_limits.MAX_SCHEMA_CHARS}"
+            )
 
     @property
     def kind(self) -> str:
@@ -83,8 +107,11 @@ class StructuredOutputsParams:
 
     def key(self) -> tuple[str, str]:
         """A hashable, canonical form of the constraint (the compile cache's key)."""
-        value = getattr(self, self.kind)
-        return self.kind, json.dumps(value, sort_keys=True)
+        kind = self.kind
+        try:
+            return kind, json.dumps(getattr(self, kind), sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise ValueError(f"structured_outputs.{kind}: not JSON-serializable: {e}") from None
 
 
 class TokenizerSpec:
@@ -130,7 +157,10 @@ _BUILT_LOCK = threading.Lock()
 
 class CompiledGrammar:
     """A checked llguidance grammar with its tokenizer; immutable and shared (copies are it).
-    It pickles (engine snapshots) by its grammar and tokenizer spec."""
+    It keeps one matcher at the start (its lexer built, its first mask computed) that every
+    sequence's matcher is copied from: building a matcher and its first mask can take a second
+    for a large grammar, a copy takes microseconds. It pickles (engine snapshots) by its grammar
+    and tokenizer spec; the start matcher is rebuilt on first use."""
 
     def __init__(self, grammar: str, tokenizer: TokenizerSpec, description: str):
         self.grammar = grammar
@@ -138,6 +168,9 @@ class CompiledGrammar:
         self.ll_tokenizer = tokenizer.build()
         self.vocab_size = tokenizer.vocab_size
         self.description = description
+        self._start = None  # the matcher before any token; never advanced
+        self._first_mask: np.ndarray | None = None  # i32[ceil(vocab / 32)], read-only
+        self._start_lock = threading.Lock()
 
     def __deepcopy__(self, memo):
         return self
@@ -145,10 +178,29 @@ class CompiledGrammar:
     def __reduce__(self):
         return CompiledGrammar, (self.grammar, self.tokenizer, self.description)
 
-    def new_matcher(self):
-        import llguidance
+    def _started(self):
+        with self._start_lock:
+            if self._start is None:
+                import llguidance
 
-        return llguidance.LLMatcher(self.ll_tokenizer, self.grammar, log_level=0)
+                start = llguidance.LLMatcher(self.ll_tokenizer, self.grammar, log_level=0)
+                mask = np.zeros((1, mask_width(self.vocab_size)), np.int32)
+                if not start.is_error():
+                    self.fill_mask(start, mask)
+                if start.is_error():
+                    mask[:] = 0
+                mask.flags.writeable = False
+                self._start, self._first_mask = start, mask[0]
+            return self._start
+
+    def new_matcher(self):
+        """A matcher before any token: a copy of the start matcher."""
+        return self._started().deep_copy()
+
+    def first_mask(self) -> np.ndarray:
+        """i32[ceil(vocab / 32)] (read-only): the tokens allowed first."""
+        self._started()
+        return self._first_mask
 
     def fill_mask(self, matcher, out: np.ndarray) -> None:
         """Write matcher's allowed tokens into out (i32[1, ceil(vocab / 32)])."""
@@ -161,9 +213,10 @@ class GrammarCompiler:
     """Compiles StructuredOutputsParams for one tokenizer and vocabulary (one per engine); safe
     to call from several threads (the server checks requests on its own thread)."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, budget_s: float = structured_worker.BUDGET_S):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.budget_s = budget_s  # the most seconds one constraint may take to compile
         self._spec: TokenizerSpec | None = None
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[tuple, CompiledGrammar] = collections.OrderedDict()
@@ -203,7 +256,12 @@ class GrammarCompiler:
             if compiled is not None:
                 self._cache.move_to_end(key)
         if compiled is None:
-            compiled = self._compile(params)
+            params.check_limits()  # the fields may have changed since construction
+            spec = self.tokenizer_spec()  # built once, outside the compile budget
+            what = f"structured_outputs.{params.kind}"
+            compiled = structured_worker.run_bounded(
+                lambda: self._compile(params, spec), what, self.budget_s
+            )
             with self._lock:
                 self._cache[key] = compiled
                 while len(self._cache) > _CACHE_SIZE:
@@ -211,24 +269,12 @@ class GrammarCompiler:
         params.compiled = compiled
         return compiled
 
-    def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        spec = self.tokenizer_spec()
+    def _compile(self, params: StructuredOutputsParams, spec: TokenizerSpec) -> CompiledGrammar:
+        """Runs in a worker thread (structured_worker.py): llguidance recurses natively."""
         import llguidance
 
         kind, what = params.kind, _DESCRIPTIONS[params.kind]
-        try:
-            if kind in ("json", "json_object"):
-                schema = params.json if kind == "json" else {"type": "object"}
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                    json.dumps(schema), overrides=JSON_STYLE
-                )
-            elif kind == "choice":
-                words = (json.dumps(c, ensure_ascii=False) for c in params.choice)
-                grammar = llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(words))
-            else:
-                grammar = llguidance.grammar_from(kind, getattr(params, kind))
-        except ValueError as e:
-            raise ValueError(f"structured_outputs.{kind}: invalid {what}: {e}") from None
+        grammar = _grammar_text(params)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             grammar, spec.build()
         )
@@ -236,18 +282,57 @@ class GrammarCompiler:
             raise ValueError(f"structured_outputs.{kind}: invalid {what}: {messages[0]}")
         compiled = CompiledGrammar(grammar, spec, what)
         matcher = compiled.new_matcher()
-        mask = np.zeros((1, mask_width(self.vocab_size)), np.int32)
-        if not matcher.is_error():
-            compiled.fill_mask(matcher, mask)
         dead = _first_line(matcher).startswith("NoExtension") if matcher.is_error() else False
         if matcher.is_error() and not dead:
             raise ValueError(f"structured_outputs.{kind}: invalid {what}: {_first_line(matcher)}")
-        if dead or not mask.any():
+        if dead or not compiled.first_mask().any():
             raise ValueError(
                 f"structured_outputs.{kind}: the {what} allows no first token of this model's "
                 "vocabulary"
             )
+        _probe_one_token(compiled, matcher, f"structured_outputs.{kind}")
         return compiled
+
+
+def _grammar_text(params: StructuredOutputsParams) -> str:
+    """llguidance's grammar for params. A choice is one lexeme (a terminal of alternatives, as a
+    JSON enum is), so any number of choices fits; as parser alternatives llguidance takes at
+    most 2,000."""
+    import llguidance
+
+    kind, what = params.kind, _DESCRIPTIONS[params.kind]
+    try:
+        if kind in ("json", "json_object"):
+            schema = params.json if kind == "json" else {"type": "object"}
+            if schema is True:  # any JSON value: the empty schema
+                schema = {}
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps(schema), overrides=JSON_STYLE
+            )
+        if kind == "choice":
+            words = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
+            return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {words}")
+        return llguidance.grammar_from(kind, getattr(params, kind))
+    except ValueError as e:
+        raise ValueError(f"structured_outputs.{kind}: invalid {what}: {e}") from None
+
+
+def _probe_one_token(compiled: CompiledGrammar, start, name: str) -> None:
+    """Take the first allowed token on a copy of the start matcher and compute the next mask: a
+    grammar over llguidance's limits (lexer states, items per row) fails here, at admission,
+    instead of ending every sequence "abort" after one token."""
+    matcher = start.deep_copy()
+    token = int(
+        np.flatnonzero(np.unpackbits(compiled.first_mask().view(np.uint8), bitorder="little"))[0]
+    )
+    matcher.consume_token(token)
+    if not matcher.is_error() and not matcher.is_stopped():
+        compiled.fill_mask(matcher, np.zeros((1, mask_width(compiled.vocab_size)), np.int32))
+    if matcher.is_error() and not _first_line(matcher).startswith("NoExtension"):
+        raise ValueError(
+            f"{name}: the {compiled.description} is beyond the grammar library's limits: "
+            f"{_first_line(matcher)}"
+        )
 
 
 _DESCRIPTIONS = {
@@ -287,7 +372,7 @@ class RequestGrammar:
         sid, tokens = seq.seq_id, seq.output_token_ids
         matcher, done = self._matchers.get(sid), self._consumed.get(sid, 0)
         if matcher is None or done > len(tokens):
-            matcher, done = self.compiled.new_matcher(), 0
+            matcher, done = self.compiled.new_matcher(), 0  # a copy: nothing is rebuilt
             self._matchers[sid] = matcher
         for t in tokens[done:]:
             matcher.consume_token(t)
@@ -296,6 +381,8 @@ class RequestGrammar:
 
     def mask(self, seq) -> np.ndarray:
         """i32[ceil(vocab / 32)]: the tokens seq may sample next."""
+        if not seq.output_token_ids:  # computed once per grammar, at admission
+            return self.compiled.first_mask()
         matcher = self._synced(seq)
         cached = self._masks.get(seq.seq_id)
         if cached is not None and cached[0] == len(seq.output_token_ids):

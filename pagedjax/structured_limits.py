@@ -1,0 +1,262 @@
+"""Bounds a structured-output constraint must stay within before llguidance sees it.
+
+llguidance builds grammars by recursion: a long ``$ref`` or rule chain overflows a thread's stack
+and takes the whole process down (SIGSEGV), and a nested counted repetition (``(a{1000}){1000}``)
+exhausts its lexer after one token. These checks are pure Python, iterative (no recursion, so no
+RecursionError), linear in the size of the constraint, and each refusal is a ``ValueError`` that
+names the limit and the value found. Compilation itself then runs in a worker thread with a
+large stack and a time budget (structured_worker.py).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+MAX_SCHEMA_CHARS = 1_000_000  # a JSON schema as JSON text
+MAX_SCHEMA_DEPTH = 256  # nested objects and arrays, every $ref hop counted as a level
+MAX_GRAMMAR_CHARS = 1_000_000  # a Lark or GBNF grammar, a regex, a choice list (all its strings)
+MAX_RULE_CHAIN = 256  # rules on the longest chain of references, cycles cut
+MAX_NESTING = 256  # parentheses inside a regex or a grammar
+MAX_REGEX_REPEAT = 10_000  # product of the nested counted repetitions ({n}, {m,n}) of a regex
+MAX_INTEGER = 2**53  # llguidance keeps integer bounds as 64-bit floats: exact up to 2**53
+
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _refuse(kind: str, limit: str, value: int | str, bound: int) -> ValueError:
+    return ValueError(f"structured_outputs.{kind}: {limit} is {value}, over the limit of {bound}")
+
+
+def check_json_text(text: str) -> None:
+    """A schema given as text: its size and nesting, before json.loads recurses into it."""
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise _refuse("json", "the schema's length in characters", len(text), MAX_SCHEMA_CHARS)
+    depth = deepest = 0
+    for token in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', text):
+        c = token.group()
+        if c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+    if deepest > MAX_SCHEMA_DEPTH:
+        raise _refuse("json", "the schema's nesting depth", deepest, MAX_SCHEMA_DEPTH)
+
+
+def check_schema(schema: Any) -> None:
+    """A JSON schema (a dict or a bool): only JSON values (a ValueError names the path of any
+    other, e.g. a set), nesting with $ref hops, integer bounds, string patterns. The size is
+    checked by the caller on its canonical text."""
+    if isinstance(schema, bool):
+        return
+    for path, node, in_data in _walk(schema):
+        if isinstance(node, dict) and not in_data:
+            _check_schema_object(path, node)
+    height = _height(schema, _local_refs(schema))
+    if height > MAX_SCHEMA_DEPTH:
+        raise _refuse("json", "the schema's depth ($ref hops included)", height, MAX_SCHEMA_DEPTH)
+
+
+def _walk(root: Any):
+    """(path, node, inside a data value) for every container in root, depth-first, iterative;
+    a value that is not JSON is a ValueError naming its path."""
+    stack = [("schema", root, False, 1)]
+    while stack:
+        path, node, in_data, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise _refuse(
+                "json", "the schema's nesting depth", f"at least {depth}", MAX_SCHEMA_DEPTH
+            )
+        yield path, node, in_data
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in items:
+            if isinstance(node, dict) and not isinstance(key, str):
+                raise ValueError(
+                    f"structured_outputs.json: {path} has the key {key!r}; JSON keys are strings"
+                )
+            where = f"{path}[{key!r}]"
+            if isinstance(value, dict | list | tuple):
+                data = in_data or (isinstance(node, dict) and key in _DATA_KEYWORDS)
+                stack.append((where, value, data, depth + 1))
+            elif isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"structured_outputs.json: {where} is {value}, not a JSON number")
+            elif not isinstance(value, str | int | float | bool | type(None)):
+                raise ValueError(
+                    f"structured_outputs.json: {where} is a {type(value).__name__}, not a JSON "
+                    "value (use a list)"
+                )
+
+
+def _check_schema_object(path: str, node: dict) -> None:
+    types = node.get("type")
+    types = types if isinstance(types, list) else [types]
+    if "integer" in types or types == [None]:
+        for name in _BOUNDS:
+            v = node.get(name)
+            if isinstance(v, int | float) and not isinstance(v, bool) and abs(v) > MAX_INTEGER:
+                raise ValueError(
+                    f"structured_outputs.json: {path}[{name!r}] is {v}, beyond the range of "
+                    f"integer bounds kept exactly, [-2**53, 2**53] = [{-MAX_INTEGER}, "
+                    f"{MAX_INTEGER}] (bounds are 64-bit floats)"
+                )
+    pattern = node.get("pattern")
+    if isinstance(pattern, str):
+        check_regex(pattern, "json", f"the pattern at {path}")
+
+
+def _local_refs(schema: Any):
+    """A function from a "$ref" value to the container it points at in schema (or None)."""
+
+    def resolve(ref: Any):
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            return None
+        node = schema
+        for part in ref[1:].split("/")[1:] if ref != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict):
+                node = node.get(part)
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node if isinstance(node, dict | list) else None
+
+    return resolve
+
+
+def _height(root: Any, resolve) -> int:
+    """Containers on the longest path down from root, a local $ref counted as a hop into its
+    target; a path that comes back to a container on it (a recursive schema) stops there."""
+    memo: dict[int, int] = {}
+    on_path: set[int] = {id(root)}
+    stack = [(root, _kids(root, resolve), 0)]
+    while stack:
+        node, kids, i = stack[-1]
+        if i == len(kids):
+            stack.pop()
+            on_path.discard(id(node))
+            memo[id(node)] = 1 + max((memo.get(id(k), 0) for k in kids), default=0)
+            continue
+        stack[-1] = (node, kids, i + 1)
+        kid = kids[i]
+        if id(kid) not in memo and id(kid) not in on_path:
+            on_path.add(id(kid))
+            stack.append((kid, _kids(kid, resolve), 0))
+    return memo[id(root)]
+
+
+def _kids(node: Any, resolve) -> list:
+    values = node.values() if isinstance(node, dict) else node
+    kids = [v for v in values if isinstance(v, dict | list | tuple)]
+    if isinstance(node, dict) and "$ref" in node:
+        target = resolve(node["$ref"])
+        if target is not None:
+            kids.append(target)
+    return kids
+
+
+def check_regex(regex: str, kind: str = "regex", what: str = "the regex") -> None:
+    """Size, group nesting and the product of nested counted repetitions of a regex (Rust's
+    syntax): ``(a{1000}){1000}`` is 1,000,000, more than llguidance's lexer can build."""
+    if len(regex) > MAX_GRAMMAR_CHARS:
+        raise _refuse(kind, f"{what}'s length in characters", len(regex), MAX_GRAMMAR_CHARS)
+    frames = [[0, None]]  # per open group: [largest finished item, last item] (repeat products)
+    for token in re.finditer(
+        r"\\[pPxu]\{[^}]*\}|\\.|\[(?:\\.|\[[^\]]*\]|[^\]\\])+\]|\{(\d+)(?:,(\d*))?\}|[()|]|.",
+        regex,
+        re.DOTALL,
+    ):
+        c, frame = token.group(), frames[-1]
+        if c == "(":
+            frames.append([0, None])
+            if len(frames) > MAX_NESTING:
+                raise _refuse(kind, f"{what}'s group nesting", len(frames), MAX_NESTING)
+        elif c == ")" and len(frames) > 1:
+            inner = frames.pop()
+            frame = frames[-1]
+            frame[0], frame[1] = max(frame[0], frame[1] or 0), max(inner[0], inner[1] or 0, 1)
+        elif c == "|":
+            frame[0], frame[1] = max(frame[0], frame[1] or 0), None
+        elif token.group(1) is not None:  # {m}, {m,} or {m,n}
+            if frame[1] is not None:
+                low, high = int(token.group(1)), token.group(2)
+                frame[1] *= max(low, int(high) if high else 0, 1)
+                if frame[1] > MAX_REGEX_REPEAT:  # only grows: the product so far is enough
+                    raise _refuse(
+                        kind, f"{what}'s nested repetition count", frame[1], MAX_REGEX_REPEAT
+                    )
+        elif c not in "*+?":
+            frame[0], frame[1] = max(frame[0], frame[1] or 0), 1
+
+
+_LARK_TOKENS = re.compile(
+    r'"(?:[^"\\\n]|\\.)*"i?'  # a string literal
+    r"|/(?![/*])((?:[^/\\\n]|\\.)+)/[imslux]*"  # a regex (group 1)
+    r"|//[^\n]*"  # a comment
+    r"|([A-Za-z_][A-Za-z0-9_]*)(?:\.-?\d+)?[ \t]*(:)?"  # a name; a definition if (3)
+    r"|[()]"
+)
+_GBNF_TOKENS = re.compile(
+    r'"(?:[^"\\\n]|\\.)*"'  # a string literal
+    r"|(\[(?:[^\]\\\n]|\\.)*\])"  # a character class (group 1, not a regex to check)
+    r"|#[^\n]*"  # a comment
+    r"|([A-Za-z_][A-Za-z0-9_\-]*)\s*(::=)?"  # a name; a definition if (3)
+    r"|[()]"
+)
+
+
+def check_grammar(text: str) -> None:
+    """A Lark or GBNF grammar: size, parenthesis nesting, its regexes, and the longest chain of
+    rule references (each rule's body names the rules it goes through)."""
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise _refuse("grammar", "the grammar's length", len(text), MAX_GRAMMAR_CHARS)
+    gbnf = "::=" in text
+    tokens = _GBNF_TOKENS if gbnf else _LARK_TOKENS
+    rules: dict[str, list[str]] = {}
+    body: list[str] = []
+    depth = 0
+    for token in tokens.finditer(text):
+        c = token.group()
+        if token.group(1) is not None and not gbnf:
+            check_regex(token.group(1), "grammar", f"the regex /{token.group(1)[:40]}/")
+        elif token.group(2) is not None:
+            if token.group(3) is not None:
+                body = rules.setdefault(token.group(2), [])
+            else:
+                body.append(token.group(2))
+        elif c in "()":
+            depth += 1 if c == "(" else -1
+            if depth > MAX_NESTING:
+                raise _refuse("grammar", "the grammar's parenthesis nesting", depth, MAX_NESTING)
+    chain = _longest_chain(rules)
+    if chain > MAX_RULE_CHAIN:
+        raise _refuse("grammar", "the longest chain of rule references", chain, MAX_RULE_CHAIN)
+
+
+def _longest_chain(rules: dict[str, list[str]]) -> int:
+    """Rules on the longest path of references; a reference back onto the path is cut."""
+    memo: dict[str, int] = {}
+    for start in rules:
+        if start in memo:
+            continue
+        on_path, stack = {start}, [(start, iter(rules[start]))]
+        while stack:
+            name, refs = stack[-1]
+            ref = next(refs, None)
+            if ref is None:
+                stack.pop()
+                on_path.discard(name)
+                memo[name] = 1 + max((memo.get(r, 0) for r in rules[name] if r in rules), default=0)
+            elif ref in rules and ref not in memo and ref not in on_path:
+                on_path.add(ref)
+                stack.append((ref, iter(rules[ref])))
+    return max(memo.values(), default=0)
+
+
+def check_choice(choices: list[str]) -> None:
+    total = sum(len(c) for c in choices)
+    if total > MAX_GRAMMAR_CHARS:
+        raise _refuse("choice", "the choices' total length", total, MAX_GRAMMAR_CHARS)
