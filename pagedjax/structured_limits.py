@@ -15,7 +15,7 @@ import re
 from typing import Any
 
 MAX_SCHEMA_CHARS = 1_000_000  # a JSON schema as JSON text
-MAX_SCHEMA_DEPTH = 256  # nested objects and arrays, every $ref hop counted as a level
+MAX_SCHEMA_DEPTH = 100  # nested objects and arrays ($ref hops counted); llguidance parses 128
 MAX_GRAMMAR_CHARS = 1_000_000  # a Lark or GBNF grammar, a regex, a choice list (all its strings)
 MAX_RULE_CHAIN = 256  # rules on the longest chain of references, cycles cut
 MAX_NESTING = 256  # parentheses inside a regex or a grammar

@@ -22,7 +22,21 @@ MAX_WORKERS = 4
 BUDGET_S = 10.0
 
 _slots = threading.BoundedSemaphore(MAX_WORKERS)
+_running = [0]  # workers started and not yet ended (those over budget included)
+_running_lock = threading.Lock()
 _stack_lock = threading.Lock()  # threading.stack_size is process-wide: set it, start, restore
+
+
+def running() -> int:
+    """Compilations running now, those already refused for time included."""
+    with _running_lock:
+        return _running[0]
+
+
+def _ended() -> None:
+    with _running_lock:
+        _running[0] -= 1
+    _slots.release()
 
 
 def run_bounded(fn: Callable[[], T], what: str, budget_s: float = BUDGET_S) -> T:
@@ -42,9 +56,11 @@ def run_bounded(fn: Callable[[], T], what: str, budget_s: float = BUDGET_S) -> T
         except BaseException as e:  # handed to the caller
             box["error"] = e
         finally:
-            _slots.release()
+            _ended()
 
     thread = threading.Thread(target=work, name="grammar-compile", daemon=True)
+    with _running_lock:
+        _running[0] += 1
     try:
         with _stack_lock:
             previous = threading.stack_size(STACK_BYTES)
@@ -53,7 +69,7 @@ def run_bounded(fn: Callable[[], T], what: str, budget_s: float = BUDGET_S) -> T
             finally:
                 threading.stack_size(previous)
     except BaseException:
-        _slots.release()
+        _ended()
         raise
     thread.join(budget_s)
     if thread.is_alive():

@@ -5,16 +5,19 @@ byte-level tokenizer (token b is byte b) and fake sequences."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
 import sys
 import threading
+import time
 import types
 
 import pytest
 
 from pagedjax import structured_worker
+from pagedjax.sampling_params import SamplingParams
 from pagedjax.sampling_params import StructuredOutputsParams as SO
 from pagedjax.structured_output import GrammarCompiler, RequestGrammar
 
@@ -111,7 +114,7 @@ def test_deep_ref_and_rule_chains_are_refused_not_a_crash():
     ref, any_of, lark, gbnf, unbounded = json.loads(run.stdout.strip().splitlines()[-1])
     for got in (ref, any_of):
         assert got.startswith("ValueError: structured_outputs.json: the schema's depth"), got
-        assert "over the limit of 256" in got
+        assert "over the limit of 100" in got
     assert lark.startswith("ValueError: structured_outputs.grammar: the longest chain"), lark
     assert "is 3002, over the limit of 256" in lark
     assert "is 5002, over the limit of 256" in gbnf
@@ -121,20 +124,33 @@ def test_deep_ref_and_rule_chains_are_refused_not_a_crash():
 def test_a_deeply_nested_schema_string_is_a_value_error():
     """Item 8: json.loads raised RecursionError (a 500 on the server)."""
     deep = '{"a": ' * 5000 + "1" + "}" * 5000
-    with pytest.raises(ValueError, match="nesting depth is 5000, over the limit of 256"):
+    with pytest.raises(ValueError, match="nesting depth is 5000, over the limit of 100"):
         SO(json=deep)
     nested: dict = {"type": "integer"}
     for _ in range(2000):
         nested = {"anyOf": [nested]}
-    with pytest.raises(ValueError, match="structured_outputs.json: .*over the limit of 256"):
+    with pytest.raises(ValueError, match="structured_outputs.json: .*over the limit of 100"):
         SO(json=nested)
+
+
+def test_the_deepest_schema_allowed_compiles(compiler):
+    schema: dict = {"type": "integer"}
+    for _ in range(49):  # 99 levels: an object and a list each
+        schema = {"anyOf": [schema]}
+    copy.deepcopy(SamplingParams(structured_outputs=SO(json=schema)))  # as admission copies it
+    assert walk(compiler, SO(json=schema), "7")[-1] is None  # more digits may follow
+    with pytest.raises(ValueError, match="nesting depth is at least 101, over the limit of 100"):
+        SO(json={"anyOf": [schema]})
 
 
 def test_compile_budget_and_worker_bound(compiler):
     slow = GrammarCompiler(compiler.tokenizer, VOCAB, budget_s=0.001)
     with pytest.raises(ValueError, match=r"structured_outputs.regex: compiling it took more than"):
         slow.compile(SO(regex="(a{100}){100}"))  # about 0.1 s: the lexer and two masks
-    assert structured_worker.run_bounded(lambda: 0, "x", 30) == 0  # a slot: it has ended
+    deadline = time.monotonic() + 60
+    while structured_worker.running() and time.monotonic() < deadline:  # it runs on, then ends
+        time.sleep(0.01)
+    assert structured_worker.running() == 0
     release = threading.Event()
     held = []
     for _ in range(structured_worker.MAX_WORKERS):  # threads over budget keep their slots
@@ -143,6 +159,7 @@ def test_compile_budget_and_worker_bound(compiler):
     try:
         with pytest.raises(ValueError, match="compilations are already running"):
             structured_worker.run_bounded(lambda: 1, "x", 0.05)
+        assert structured_worker.running() == structured_worker.MAX_WORKERS
     finally:
         release.set()
     assert structured_worker.run_bounded(lambda: 2, "x", 30) == 2
