@@ -86,11 +86,12 @@ def memory() -> dict:
     from pagedjax.models import quant
     from pagedjax.models.config import ModelConfig
     from pagedjax.models.llama import kv_pool_bytes_per_block, param_shapes
-    from pagedjax.models.loader import _open_gguf, default_model_path
+    from pagedjax.models.loader import default_model_path
+    from pagedjax.models.loading.gguf import open_gguf
 
     from pagedjax.worker.kv_cache import pool_dtype
 
-    smollm = _open_gguf(Path(default_model_path()))[0]  # the config only: no tensor is read
+    smollm = open_gguf(Path(default_model_path()))[0]  # the config only: no tensor is read
     configs = {
         "SmolLM2-135M": (smollm, 1.0),
         "Llama-3-8B-shaped": (ModelConfig.from_hf_dict(LLAMA3_8B), 16.0),

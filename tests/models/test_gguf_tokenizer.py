@@ -51,14 +51,14 @@ def test_needs_no_torch(gguf_path):
 
 
 def test_converted_once_then_loaded_from_the_cache(gguf_path, tmp_path, monkeypatch):
-    from pagedjax.models import loader
+    from pagedjax.models.loading import tokenizer
 
     monkeypatch.setenv("PAGEDJAX_CACHE_DIR", str(tmp_path))
     conversions = []
-    real = loader.gguf_tokenizer
-    monkeypatch.setattr(loader, "gguf_tokenizer", lambda p: conversions.append(p) or real(p))
-    first = loader._cached_gguf_tokenizer(Path(gguf_path))
-    again = loader._cached_gguf_tokenizer(Path(gguf_path))
+    real = tokenizer.gguf_tokenizer
+    monkeypatch.setattr(tokenizer, "gguf_tokenizer", lambda p: conversions.append(p) or real(p))
+    first = tokenizer.cached_gguf_tokenizer(Path(gguf_path))
+    again = tokenizer.cached_gguf_tokenizer(Path(gguf_path))
     assert len(conversions) == 1  # the second came from the saved copy
     assert list((tmp_path / "tokenizers").iterdir())
     for text in TEXTS:

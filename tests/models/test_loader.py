@@ -11,6 +11,7 @@ import pagedjax.models.loader as loader
 import pytest
 from hf_models import make_tiny_model
 from pagedjax.models.config import ModelConfig
+from pagedjax.models.loading import cache, gguf
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +54,15 @@ def test_a_cache_entry_is_never_overwritten_by_a_second_writer(tmp_path, tiny_di
     """Two processes converting at once: the first whole entry stays, the second is dropped."""
     loaded = loader.load_model(str(tiny_dir), use_cache=False)
     ckpt = tmp_path / "params" / "entry"
-    loader._save(ckpt, loaded.config, loaded.params)
+    cache.save(ckpt, loaded.config, loaded.params)
     first = sorted(p.stat().st_mtime_ns for p in ckpt.rglob("*"))
-    loader._save(ckpt, loaded.config, loaded.params)
+    cache.save(ckpt, loaded.config, loaded.params)
     assert sorted(p.stat().st_mtime_ns for p in ckpt.rglob("*")) == first
     assert [p.name for p in ckpt.parent.iterdir()] == ["entry"]  # no temporary left behind
     (ckpt / "COMPLETE").unlink()  # a half-written entry is replaced
-    loader._save(ckpt, loaded.config, loaded.params)
+    cache.save(ckpt, loaded.config, loaded.params)
     assert (ckpt / "COMPLETE").exists()
-    config, params = loader._restore(ckpt, "float32", None)
+    config, params = cache.restore(ckpt, "float32", None)
     for x, y in zip(_leaves(loaded.params), _leaves(params), strict=True):
         np.testing.assert_array_equal(x, y)
 
@@ -73,7 +74,7 @@ def test_an_entry_is_one_mapped_file_and_orbax_entries_still_restore(tmp_path, t
 
     loaded = loader.load_model(str(tiny_dir), dtype="bfloat16", use_cache=False)
     raw = tmp_path / "raw"
-    loader._save(raw, loaded.config, loaded.params)
+    cache.save(raw, loaded.config, loaded.params)
     assert sorted(p.name for p in raw.iterdir()) == [
         "COMPLETE", "config.json", "params.bin", "params.json"
     ]  # fmt: skip
@@ -86,7 +87,7 @@ def test_an_entry_is_one_mapped_file_and_orbax_entries_still_restore(tmp_path, t
     (old / "config.json").write_text((raw / "config.json").read_text())
     (old / "COMPLETE").touch()
     for entry in (raw, old, old):  # the orbax entry gains the mapped file on its first restore
-        config, params = loader._restore(entry, "bfloat16", None)
+        config, params = cache.restore(entry, "bfloat16", None)
         assert (entry / "params.json").exists()
         assert config == loaded.config
         assert jax.tree.structure(params) == jax.tree.structure(loaded.params)
@@ -145,4 +146,4 @@ def test_gguf_unpermute_inverts_llama_cpp_permutation():
     # llama.cpp's convert_hf_to_gguf permutation of Q/K rows.
     permuted = w.reshape(heads, 2, head_dim // 2, hidden).swapaxes(1, 2).reshape(w.shape)
     config = ModelConfig("LlamaForCausalLM", 8, hidden, 8, 1, heads, heads, head_dim)
-    np.testing.assert_array_equal(loader._unpermute("num_heads")(permuted, config), w.T)
+    np.testing.assert_array_equal(gguf.unpermute("num_heads")(permuted, config), w.T)

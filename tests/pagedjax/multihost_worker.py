@@ -27,7 +27,7 @@ def main(model_dir: str, out_dir: str, num_processes: int, process_id: int, port
     if num_processes > 1:
         distributed.initialize(f"127.0.0.1:{port}", num_processes, process_id)
     import jax
-    from pagedjax.models import loader
+    from pagedjax.models.loading import cache
 
     from pagedjax import LLM, BeamSearchParams, SamplingParams
 
@@ -69,8 +69,8 @@ def main(model_dir: str, out_dir: str, num_processes: int, process_id: int, port
     text = llm.generate("w5 w6 w7", SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     seen["text"] = text[0].outputs[0].text
     # The orbax cache is shared only when every process sees the same directory.
-    seen["cache_shared"] = loader._seen_by_all_processes(Path(os.environ["PAGEDJAX_CACHE_DIR"]))
-    seen["own_dir_shared"] = loader._seen_by_all_processes(Path(out_dir, f"own{process_id}"))
+    seen["cache_shared"] = cache.seen_by_all_processes(Path(os.environ["PAGEDJAX_CACHE_DIR"]))
+    seen["own_dir_shared"] = cache.seen_by_all_processes(Path(out_dir, f"own{process_id}"))
     stats = llm.get_stats()
     seen["num_preemptions"] = stats.num_preemptions
     seen["num_swapped_out"] = stats.num_swapped_out

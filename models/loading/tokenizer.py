@@ -1,0 +1,94 @@
+"""A model's tokenizer: transformers' for a checkpoint directory; for a GGUF, one built from the
+file's metadata (no torch), converted once and cached."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .cache import cache_key, cache_root
+
+if TYPE_CHECKING:
+    from ..loader import LoadedModel
+
+
+def load_tokenizer(loaded: LoadedModel):
+    """The model's tokenizer via transformers, or None if it has none. A GGUF's tokenizer is
+    built from the file's metadata read with the gguf package, so that no torch is needed
+    (transformers' ``gguf_file=`` route reads the file through torch)."""
+    if loaded.tokenizer_dir is None:
+        return None
+    if loaded.gguf_file:
+        path = Path(loaded.tokenizer_dir) / loaded.gguf_file
+        try:
+            return cached_gguf_tokenizer(path)
+        except ImportError:  # a transformers without the GGUF tokenizer mapping used below
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(loaded.tokenizer_dir, gguf_file=loaded.gguf_file)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+
+
+def cached_gguf_tokenizer(path: Path):
+    """``gguf_tokenizer(path)``, converted once and kept as a saved fast tokenizer under
+    ``$PAGEDJAX_CACHE_DIR/tokenizers`` (keyed like the parameter cache): the conversion of a
+    large vocabulary takes seconds, loading the saved one a fraction of that. The saved one is
+    a fast tokenizer, loaded as one: ``AutoTokenizer`` would first import transformers' model
+    configuration code and torch (about 1.2 s of a warm ``pagedjax generate``)."""
+    from transformers import PreTrainedTokenizerFast
+
+    saved = cache_root() / "tokenizers" / cache_key([path], "tokenizer")
+    if (saved / "tokenizer.json").exists():
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(str(saved))
+        except Exception:  # a damaged entry: convert again below
+            pass
+    tokenizer = gguf_tokenizer(str(path))
+    try:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=saved.parent) as tmp:
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, saved)  # whole or not at all, if several processes race
+            Path(tmp).mkdir()  # for TemporaryDirectory's cleanup
+    except OSError:  # a read-only or full cache: the tokenizer works all the same
+        pass
+    return tokenizer
+
+
+def gguf_tokenizer(path: str):
+    """A fast tokenizer from a GGUF file's tokenizer metadata: transformers' own conversion
+    (``convert_gguf_tokenizer``) fed with fields read by the gguf package."""
+    import gguf
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        _SPECIAL_TOKENS,
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
+
+    reader = gguf.GGUFReader(path)
+    meta = {
+        k: f.contents()
+        for k, f in reader.fields.items()
+        if k.startswith("tokenizer.") or k == "general.architecture"
+    }
+    grouped = {
+        group: {
+            name: meta[f"tokenizer.{key}"]
+            for key, name in renames.items()
+            if f"tokenizer.{key}" in meta
+        }
+        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+    }
+    tokenizer_dict, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer_dict.get("tokenizer_type") == "llama":  # as transformers: sentencepiece adds BOS
+        config.setdefault("add_bos_token", True)
+    for name, key in _SPECIAL_TOKENS.items():
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        config[name] = tokenizer_dict["tokens"][token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(meta["general.architecture"], tokenizer_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
