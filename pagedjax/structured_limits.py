@@ -10,6 +10,7 @@ large stack and a time budget (structured_worker.py).
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any
@@ -30,12 +31,15 @@ def _refuse(kind: str, limit: str, value: int | str, bound: int) -> ValueError:
     return ValueError(f"structured_outputs.{kind}: {limit} is {value}, over the limit of {bound}")
 
 
-def check_json_text(text: str) -> None:
+_JSON_BRACKETS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def check_json_text(text: str, kind: str = "json", name: str = "schema") -> None:
     """A schema given as text: its size and nesting, before json.loads recurses into it."""
     if len(text) > MAX_SCHEMA_CHARS:
-        raise _refuse("json", "the schema's length in characters", len(text), MAX_SCHEMA_CHARS)
+        raise _refuse(kind, f"the {name}'s length in characters", len(text), MAX_SCHEMA_CHARS)
     depth = deepest = 0
-    for token in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', text):
+    for token in _JSON_BRACKETS.finditer(text):
         c = token.group()
         if c in "[{":
             depth += 1
@@ -43,54 +47,56 @@ def check_json_text(text: str) -> None:
         elif c in "]}":
             depth -= 1
     if deepest > MAX_SCHEMA_DEPTH:
-        raise _refuse("json", "the schema's nesting depth", deepest, MAX_SCHEMA_DEPTH)
+        raise _refuse(kind, f"the {name}'s nesting depth", deepest, MAX_SCHEMA_DEPTH)
 
 
-def check_schema(schema: Any) -> None:
+def check_schema(schema: Any, kind: str = "json", name: str = "schema") -> None:
     """A JSON schema (a dict or a bool): only JSON values (a ValueError names the path of any
     other, e.g. a set), nesting with $ref hops, integer bounds, string patterns. The size is
     checked by the caller on its canonical text."""
     if isinstance(schema, bool):
         return
-    for path, node, in_data in _walk(schema):
+    for path, node, in_data in _walk(schema, kind, name):
         if isinstance(node, dict) and not in_data:
-            _check_schema_object(path, node)
+            _check_schema_object(kind, path, node)
     height = _height(schema, _local_refs(schema))
     if height > MAX_SCHEMA_DEPTH:
-        raise _refuse("json", "the schema's depth ($ref hops included)", height, MAX_SCHEMA_DEPTH)
+        raise _refuse(kind, f"the {name}'s depth ($ref hops included)", height, MAX_SCHEMA_DEPTH)
 
 
-def _walk(root: Any):
+def _walk(root: Any, kind: str, name: str):
     """(path, node, inside a data value) for every container in root, depth-first, iterative;
     a value that is not JSON is a ValueError naming its path."""
-    stack = [("schema", root, False, 1)]
+    stack = [(name, root, False, 1)]
     while stack:
         path, node, in_data, depth = stack.pop()
         if depth > MAX_SCHEMA_DEPTH:
             raise _refuse(
-                "json", "the schema's nesting depth", f"at least {depth}", MAX_SCHEMA_DEPTH
+                kind, f"the {name}'s nesting depth", f"at least {depth}", MAX_SCHEMA_DEPTH
             )
         yield path, node, in_data
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for key, value in items:
             if isinstance(node, dict) and not isinstance(key, str):
                 raise ValueError(
-                    f"structured_outputs.json: {path} has the key {key!r}; JSON keys are strings"
+                    f"structured_outputs.{kind}: {path} has the key {key!r}; JSON keys are strings"
                 )
             where = f"{path}[{key!r}]"
             if isinstance(value, dict | list | tuple):
                 data = in_data or (isinstance(node, dict) and key in _DATA_KEYWORDS)
                 stack.append((where, value, data, depth + 1))
             elif isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"structured_outputs.json: {where} is {value}, not a JSON number")
+                raise ValueError(
+                    f"structured_outputs.{kind}: {where} is {value}, not a JSON number"
+                )
             elif not isinstance(value, str | int | float | bool | type(None)):
                 raise ValueError(
-                    f"structured_outputs.json: {where} is a {type(value).__name__}, not a JSON "
+                    f"structured_outputs.{kind}: {where} is a {type(value).__name__}, not a JSON "
                     "value (use a list)"
                 )
 
 
-def _check_schema_object(path: str, node: dict) -> None:
+def _check_schema_object(kind: str, path: str, node: dict) -> None:
     types = node.get("type")
     types = types if isinstance(types, list) else [types]
     if "integer" in types or types == [None]:
@@ -98,13 +104,13 @@ def _check_schema_object(path: str, node: dict) -> None:
             v = node.get(name)
             if isinstance(v, int | float) and not isinstance(v, bool) and abs(v) > MAX_INTEGER:
                 raise ValueError(
-                    f"structured_outputs.json: {path}[{name!r}] is {v}, beyond the range of "
+                    f"structured_outputs.{kind}: {path}[{name!r}] is {v}, beyond the range of "
                     f"integer bounds kept exactly, [-2**53, 2**53] = [{-MAX_INTEGER}, "
                     f"{MAX_INTEGER}] (bounds are 64-bit floats)"
                 )
     pattern = node.get("pattern")
     if isinstance(pattern, str):
-        check_regex(pattern, "json", f"the pattern at {path}")
+        check_regex(pattern, kind, f"the pattern at {path}")
 
 
 def _local_refs(schema: Any):
@@ -231,9 +237,34 @@ def check_grammar(text: str) -> None:
             depth += 1 if c == "(" else -1
             if depth > MAX_NESTING:
                 raise _refuse("grammar", "the grammar's parenthesis nesting", depth, MAX_NESTING)
+    _check_embedded_schemas(text)
     chain = _longest_chain(rules)
     if chain > MAX_RULE_CHAIN:
         raise _refuse("grammar", "the longest chain of rule references", chain, MAX_RULE_CHAIN)
+
+
+def _check_embedded_schemas(text: str) -> None:
+    """The JSON schemas a Lark grammar embeds (llguidance's ``%json { ... }``)."""
+    for m in re.finditer(r"%json\s*(?=\{)", text):
+        name = f"%json schema at character {m.end()}"
+        end = _json_end(text, m.end())
+        check_json_text(text[m.end() : end], "grammar", name)
+        try:
+            schema = json.loads(text[m.end() : end])
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"structured_outputs.grammar: the {name} is not JSON: {e}") from None
+        check_schema(schema, "grammar", name)
+
+
+def _json_end(text: str, start: int) -> int:
+    """Where the JSON object starting at text[start] ends (its braces balanced, strings
+    skipped); the text's end if it does not."""
+    depth = 0
+    for token in _JSON_BRACKETS.finditer(text, start):
+        depth += 1 if token.group() in "[{" else -1 if token.group() in "]}" else 0
+        if depth == 0:
+            return token.end()
+    return len(text)
 
 
 def _longest_chain(rules: dict[str, list[str]]) -> int:

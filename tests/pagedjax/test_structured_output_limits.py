@@ -96,7 +96,8 @@ def attempt(make):
 out = [attempt(lambda: SO(json=ref_chain(1500))),
        attempt(lambda: SO(json=ref_chain(1500, any_of=True))),
        attempt(lambda: SO(grammar=lark_chain(3000))),
-       attempt(lambda: SO(grammar=gbnf_chain(5000)))]
+       attempt(lambda: SO(grammar=gbnf_chain(5000))),
+       attempt(lambda: SO(grammar="start: %json " + json.dumps(ref_chain(1500, any_of=True))))]
 structured_limits.MAX_RULE_CHAIN = 10**6  # past the bounds: the worker's own stack holds it
 out.append(attempt(lambda: SO(grammar=lark_chain(3000))))
 print(json.dumps(out))
@@ -111,13 +112,17 @@ def test_deep_ref_and_rule_chains_are_refused_not_a_crash():
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
-    ref, any_of, lark, gbnf, unbounded = json.loads(run.stdout.strip().splitlines()[-1])
+    ref, any_of, lark, gbnf, embedded, unbounded = json.loads(run.stdout.strip().splitlines()[-1])
     for got in (ref, any_of):
         assert got.startswith("ValueError: structured_outputs.json: the schema's depth"), got
         assert "over the limit of 100" in got
     assert lark.startswith("ValueError: structured_outputs.grammar: the longest chain"), lark
     assert "is 3002, over the limit of 256" in lark
     assert "is 5002, over the limit of 256" in gbnf
+    assert embedded.startswith("ValueError: structured_outputs.grammar: the %json schema at "), (
+        embedded
+    )
+    assert "depth ($ref hops included) is 4503, over the limit of 100" in embedded
     assert unbounded == "compiled"
 
 
