@@ -123,7 +123,10 @@ class InputProcessor:
         """The request's own copy: changing the caller's object later changes nothing here."""
         if not isinstance(params, SamplingParams | BeamSearchParams):
             raise ValueError(f"expected SamplingParams or BeamSearchParams, got {params!r:.200}")
-        return copy.deepcopy(params)
+        try:
+            return copy.deepcopy(params)
+        except RecursionError:  # e.g. a schema nested deeper after its params were checked
+            raise ValueError("the sampling parameters are nested too deeply to copy") from None
 
     def check(self, prompt_token_ids: list[int], params: Params) -> None:
         """Raise ValueError, naming the limit, if this request could never run to the end."""

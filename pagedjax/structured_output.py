@@ -110,7 +110,12 @@ class StructuredOutputsParams:
         kind = self.kind
         try:
             return kind, json.dumps(getattr(self, kind), sort_keys=True, allow_nan=False)
-        except (TypeError, ValueError, RecursionError) as e:
+        except RecursionError:
+            raise ValueError(
+                f"structured_outputs.{kind}: nested more than the limit of "
+                f"{structured_limits.MAX_SCHEMA_DEPTH} levels"
+            ) from None
+        except (TypeError, ValueError) as e:
             raise ValueError(f"structured_outputs.{kind}: not JSON-serializable: {e}") from None
 
 

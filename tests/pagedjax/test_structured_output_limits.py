@@ -257,3 +257,21 @@ def test_a_set_is_named_and_json_true_means_any_json(compiler):
         compiler.compile(params)
     assert walk(compiler, SO(json=True), '[1, "a"]')[-1] == "stop"
     assert walk(compiler, SO(json=True), '"x"')[-1] == "stop"
+
+
+def test_a_schema_deepened_after_its_check_is_still_a_value_error(compiler):
+    """Item 8 by another way: fields changed after construction reach copy and compile."""
+    from pagedjax.input_processor import Capacity, InputProcessor
+
+    deep: dict = {"type": "integer"}
+    for _ in range(5000):
+        deep = {"not": deep}
+    params = SamplingParams(structured_outputs=SO(json={"type": "string"}))
+    params.structured_outputs.json = deep
+    cap = Capacity(64, 4, 64, True, 16, 32, 30, 0, VOCAB)
+    with pytest.raises(ValueError, match="nested too deeply to copy"):
+        InputProcessor(cap).copy_params(params)
+    with pytest.raises(
+        ValueError, match="structured_outputs.json: nested more than the limit of 100"
+    ):
+        compiler.compile(params.structured_outputs)
