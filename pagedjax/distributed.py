@@ -123,15 +123,20 @@ class Channel:
 
 
 class DriverOrFollower:
-    """The engine's multi-process side (mixed into LLMEngine, which has ``runner`` and
-    ``_stopped``): the driver broadcasts, a follower replays until told to stop."""
+    """The engine's multi-process side, held by the engine: the driver broadcasts, a follower
+    replays ``runner``'s steps until told to stop. In a single-process run (no channel) this
+    process is the driver and every broadcast is a no-op."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.stopped = False  # the driver has told the followers to stop (or heard it)
 
     @property
     def is_driver(self) -> bool:
         """Whether this process schedules (always, in a single-process run)."""
         return self.runner.channel is None or self.runner.channel.is_driver
 
-    def _require_driver(self, what: str) -> None:
+    def require_driver(self, what: str) -> None:
         if not self.is_driver:
             raise RuntimeError(
                 f"{what}: process {jax.process_index()} follows process 0, which alone takes "
@@ -141,7 +146,7 @@ class DriverOrFollower:
     def broadcast(self, op: str, payload=None) -> None:
         """Driver: send a message that followers' ``follow`` returns (no-op in one process, or
         once the engine is closed: the followers have gone)."""
-        if self.runner.channel is not None and not self._stopped:
+        if self.runner.channel is not None and not self.stopped:
             self.runner.channel.send((op, payload))
 
     def keep_alive(self) -> None:
@@ -154,22 +159,22 @@ class DriverOrFollower:
         sent by the driver's ``close``); returns it as ``(op, payload)``."""
         if self.is_driver:
             raise RuntimeError("follow() is for processes other than 0; process 0 drives")
-        if self._stopped:
+        if self.stopped:
             raise RuntimeError("the engine is closed")
         while True:
             op, payload = self.runner.follow()
             if op == "stop":
-                self._stopped = True
+                self.stopped = True
             if op in until or op == "stop":
                 return op, payload
 
     def close(self) -> None:
         """Free the device KV pool and parameters; the engine is unusable afterwards. In a
         multi-process run every process calls it; the driver's tells the followers to stop."""
-        if self.runner.channel is not None and not self._stopped:
+        if self.runner.channel is not None and not self.stopped:
             if self.is_driver:
                 self.broadcast("stop")
-                self._stopped = True
+                self.stopped = True
             else:
                 self.follow()  # until the driver's "stop"
         self.runner.free_device_memory()

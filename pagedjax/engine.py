@@ -33,7 +33,7 @@ from pagedjax.outputs import EngineStats, RequestOutput
 from pagedjax.request import Request
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 from pagedjax.spec_decode.draft import with_draft_model
-from pagedjax.spec_decode.speculator import make_speculator
+from pagedjax.spec_decode.speculator import make_speculator, stop_checker
 from pagedjax.step_profile import StepProfile
 from pagedjax.worker import kv_cache
 from pagedjax.worker.runner import Runner
@@ -43,11 +43,12 @@ Params = SamplingParams | BeamSearchParams
 logger = logging.getLogger("pagedjax.engine")
 
 
-class LLMEngine(DriverOrFollower):
+class LLMEngine:
     """The serving engine: requests in, one step at a time, RequestOutputs out.
 
     In a multi-process run every process builds one; process 0's (the driver) takes requests
-    and steps, the others (followers) replay its device operations in ``follow``.
+    and steps, the others (followers) replay its device operations in ``follow``
+    (``self.processes``, a DriverOrFollower).
     ``runner_factory(**kwargs)`` stands in for ``Runner(**kwargs)`` (tests use a fake model).
     """
 
@@ -77,7 +78,9 @@ class LLMEngine(DriverOrFollower):
         self.input_processor = InputProcessor(capacity, self.tokenizer)
         self.eos_token_ids = eos_token_ids(mc, loaded.source, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
-        self.speculator = make_speculator(config.speculative_config, self)
+        self.requests: dict[str, Request] = {}  # kept as one dict: load_state refills it
+        stops = stop_checker(self.output_processor, self.requests)
+        self.speculator = make_speculator(config.speculative_config, stops)
         self.scheduler = Scheduler(
             bm,
             max_num_seqs=sched.max_num_seqs,
@@ -101,11 +104,11 @@ class LLMEngine(DriverOrFollower):
             profile=self.profile,
             num_speculative_tokens=self.speculator.k if self.speculator else 0,
             kv_cache_dtype=cache.kv_cache_dtype,
+            max_num_seqs=sched.max_num_seqs,
         )
         self.runner = with_draft_model(config, self.runner)  # as is, unless a draft model proposes
+        self.processes = DriverOrFollower(self.runner)
         self.steps = StepLoop(self, config.async_scheduling)  # step(), overlapped where safe
-        self._stopped = False  # multi-process: the driver has told the followers to stop
-        self.requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(config.seed)
         self.history = inspection.History()  # recent steps and finished requests (inspect())
 
@@ -123,7 +126,7 @@ class LLMEngine(DriverOrFollower):
 
     def prepare_request(self, request_id: str, prompt: Prompt, params: Params):
         """Tokenize, copy and check a request without queueing it: (text, token ids, params)."""
-        self._require_driver("add_request")
+        self.processes.require_driver("add_request")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         try:
@@ -144,7 +147,7 @@ class LLMEngine(DriverOrFollower):
         seed = (seed ^ (seed >> 32)) & 0xFFFFFFFF  # 64-bit seeds fold into the sampler's 32
         seq = Sequence(self.scheduler.new_seq_id(), ids, self.config.cache.block_size)
         group = SequenceGroup(request_id, [seq], time.monotonic(), params)
-        self.requests[request_id] = Request(request_id, text, ids, params, group, seed)
+        self.requests[request_id] = Request(request_id, text, ids, group, seed)
         self.scheduler.add(group)
 
     def abort_request(self, request_id: str) -> None:
@@ -163,7 +166,7 @@ class LLMEngine(DriverOrFollower):
 
         A request that fails on its own (sampling rows, detokenisation, stops, beams, output)
         ends alone, with ``finish_reason="abort"`` and ``error`` set; the others go on."""
-        self._require_driver("step")
+        self.processes.require_driver("step")
         return self.steps.step()
 
     def _fail(self, req: Request, error: Exception) -> None:
@@ -191,17 +194,59 @@ class LLMEngine(DriverOrFollower):
             del self.requests[request_id]
         return output
 
+    # ---- state ---------------------------------------------------------------------------
+
+    def state(self) -> inspection.EngineState:
+        """The host-side state (scheduler with its block manager, requests, seed generator,
+        history), as held now: between steps, or with a step in flight (placeholders)."""
+        return inspection.EngineState(self.scheduler, self.requests, self._rng, self.history)
+
+    def load_state(self, state: inspection.EngineState) -> None:
+        """Take ``state`` as this engine's (an engine of the same configuration's): the
+        request table keeps its identity (the speculator's stop checker holds it)."""
+        self.scheduler, self._rng, self.history = state.scheduler, state.rng, state.history
+        self.scheduler.speculator = self.speculator
+        self.block_manager = state.scheduler.bm
+        self.requests.clear()
+        self.requests.update(state.requests)
+
     def inspect(self):
         self.steps.drain()  # a step in flight shows placeholders: finish it (outputs come later)
-        return inspection.inspect(self)
+        return inspection.inspect(self.state())
 
     def snapshot(self):
+        if jax.process_count() > 1:
+            raise ValueError("snapshots cover single-process engines only")
         self.steps.drain()
-        return inspection.snapshot(self)
+        return inspection.snapshot(self.state(), self.config, self.runner.kv_cache)
 
     def restore(self, snap) -> None:
+        """Put the engine in the snapshot's state; its requests in flight are dropped. A
+        snapshot of another configuration raises ValueError and changes nothing."""
+        state = inspection.load(snap, self.config)  # checked before anything is touched
         self.steps.pending = None  # its requests are dropped with the others in flight
-        inspection.restore(self, snap)
+        self.load_state(state)
+        self.runner.kv_cache.import_blocks(
+            snap.device_blocks, snap.kv, snap.host_blocks, snap.host_kv
+        )
+
+    # ---- processes (multi-process runs; pagedjax/distributed.py) ---------------------------
+
+    @property
+    def is_driver(self) -> bool:
+        return self.processes.is_driver
+
+    def broadcast(self, op: str, payload=None) -> None:
+        self.processes.broadcast(op, payload)
+
+    def keep_alive(self) -> None:
+        self.processes.keep_alive()
+
+    def follow(self, until: frozenset[str] = frozenset({"stop"})) -> tuple[str, object]:
+        return self.processes.follow(until)
+
+    def close(self) -> None:
+        self.processes.close()
 
     def get_stats(self) -> EngineStats:
         bm = self.block_manager.get_stats()

@@ -3,12 +3,16 @@
 ``engine.inspect()`` returns an ``EngineView`` built at the moment of the call: per request its
 sequences, block tables, tokens per block and ref counts; the pool; the queues; the last step's
 record. A finished request keeps its last state for the last ``History.max_finished`` requests.
-``engine.snapshot()`` captures the host-side state (scheduler with its block manager, requests,
-seed generator, history) and the KV blocks that hold data; ``engine.restore(snapshot)`` puts an
-engine of the same configuration back in that state, and its next steps produce the same tokens
-(sampling is keyed by each request's seed and the token's position). ``diff(a, b)`` lists what
-differs between two snapshots or views. Not covered: multi-process runs, and
-``preemption_mode="auto"`` (it decides from timings, which a replay measures anew).
+``engine.snapshot()`` captures the host-side state (``LLMEngine.state()``: scheduler with its block
+manager, requests, seed generator, history) and the KV blocks that hold data
+(``KVCache.export_blocks``); ``engine.restore(snapshot)`` checks the snapshot against the engine,
+then puts it in that state (``LLMEngine.load_state``, ``KVCache.import_blocks``), and its next
+steps produce the same tokens (sampling is keyed by each request's seed and the token's position).
+``diff(a, b)`` lists what differs between two snapshots or views. Not covered: multi-process runs,
+and ``preemption_mode="auto"`` (it decides from timings, which a replay measures anew).
+
+This module reads exported state only (``BlockManager.view()`` / ``usage()``, the scheduler's
+queues, the request table, ``KVCache.export_blocks``); it never imports the engine.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ import itertools
 import pickle
 import re
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from pagedjax.core.block_view import BlockManagerView
 from pagedjax.core.scheduler import SchedulerOutput
 from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedjax.views import (
@@ -35,23 +40,42 @@ from pagedjax.views import (
 )
 
 if TYPE_CHECKING:
-    from pagedjax.engine import LLMEngine
+    from pagedjax.core.scheduler import Scheduler
     from pagedjax.request import Request
 
 
-# ---- building views from the engine ------------------------------------------------------------
+class StateSource(Protocol):
+    """What the step record reads: the engine, or an ``EngineState``."""
+
+    scheduler: Scheduler
+    requests: dict[str, Request]
 
 
-def _seq_view(engine: LLMEngine, seq: Sequence, released: list[int] | None = None) -> SequenceView:
-    bm, bs = engine.block_manager, engine.block_manager.block_size
-    if seq.seq_id in bm.block_tables:
-        location, table = "device", bm.block_tables[seq.seq_id]
-        tokens = [bm.blocks[b].num_tokens for b in table]
-        refs = tuple(bm.blocks[b].ref_count for b in table)
-    elif seq.seq_id in bm.host_block_tables:
-        location, table = "host", bm.host_block_tables[seq.seq_id]
-        tokens = [bm.host_num_tokens[h] for h in table]
-        refs = tuple(bm.host_ref_counts[h] for h in table)
+@dataclasses.dataclass
+class EngineState:
+    """The engine's host-side state (``LLMEngine.state()`` / ``load_state()``)."""
+
+    scheduler: Scheduler  # with its block manager
+    requests: dict[str, Request]
+    rng: np.random.Generator  # seeds of requests that give none
+    history: History
+
+
+# ---- building views from exported state --------------------------------------------------------
+
+
+def _seq_view(
+    bv: BlockManagerView | None, bs: int, seq: Sequence, released: list[int] | None = None
+) -> SequenceView:
+    """bv None: seq holds no blocks (a finished one: finishing frees them)."""
+    if bv is not None and seq.seq_id in bv.tables:
+        location, table = "device", bv.tables[seq.seq_id]
+        tokens = [bv.num_tokens[b] for b in table]
+        refs = tuple(bv.ref_counts[b] for b in table)
+    elif bv is not None and seq.seq_id in bv.host_tables:
+        location, table = "host", bv.host_tables[seq.seq_id]
+        tokens = [bv.host_num_tokens[h] for h in table]
+        refs = tuple(bv.host_ref_counts[h] for h in table)
     else:
         location = "released" if seq.is_finished() else "none"
         table = (released or []) if seq.is_finished() else []
@@ -75,9 +99,12 @@ def _seq_view(engine: LLMEngine, seq: Sequence, released: list[int] | None = Non
 
 
 def _request_view(
-    engine: LLMEngine, group: SequenceGroup, status: str, req: Request | None = None
+    blocks: tuple[BlockManagerView | None, int],
+    history: History,
+    group: SequenceGroup,
+    status: str,
+    req: Request | None = None,
 ) -> RequestView:
-    h = engine.history
     seqs = sorted(group.get_seqs(), key=lambda s: s.seq_id)
     first = seqs[0]
     return RequestView(
@@ -85,46 +112,38 @@ def _request_view(
         status=status,
         prompt=req.prompt if req is not None else None,
         num_prompt_tokens=first.get_prompt_len(),
-        num_cached_tokens=h.cached_tokens.get(group.request_id, 0),
-        sequences=tuple(_seq_view(engine, s, h.tables.get(s.seq_id)) for s in seqs),
+        num_cached_tokens=history.cached_tokens.get(group.request_id, 0),
+        sequences=tuple(_seq_view(*blocks, s, history.tables.get(s.seq_id)) for s in seqs),
         error=req.error if req is not None else group.abort_reason,
     )
 
 
-def _pool_view(engine: LLMEngine) -> PoolView:
-    bm = engine.block_manager
-    state = tuple(
-        "null"
-        if b.block_id == 0
-        else "used"
-        if b.ref_count
-        else "cached"
-        if b.block_id in bm.evictable
-        else "free"
-        for b in bm.blocks
-    )
+def _pool_view(bv: BlockManagerView) -> PoolView:
+    state = tuple(bv.block_state(b) for b in range(bv.num_blocks))
+    usage = bv.usage
     return PoolView(
-        block_size=bm.block_size,
-        num_blocks=bm.num_blocks,
-        num_used=bm.num_blocks - 1 - bm.get_num_free_blocks(),
-        num_cached=len(bm.evictable),
-        num_free=len(bm.free_block_ids),
-        watermark_blocks=bm.watermark_blocks,
-        num_host_blocks=bm.num_host_blocks,
-        num_host_used=bm.num_host_blocks - bm.get_num_free_host_blocks(),
-        ref_counts=tuple(b.ref_count for b in bm.blocks),
+        block_size=bv.block_size,
+        num_blocks=bv.num_blocks,
+        num_used=usage.num_used,
+        num_cached=usage.num_cached,
+        num_free=usage.num_free,
+        watermark_blocks=bv.watermark_blocks,
+        num_host_blocks=bv.num_host_blocks,
+        num_host_used=usage.num_host_used,
+        ref_counts=bv.ref_counts,
         tokens=tuple(
-            b.num_tokens if b.ref_count or s == "cached" else 0
-            for b, s in zip(bm.blocks, state, strict=True)
+            n if refs or s == "cached" else 0
+            for n, refs, s in zip(bv.num_tokens, bv.ref_counts, state, strict=True)
         ),
         state=state,
     )
 
 
-def inspect(engine: LLMEngine) -> EngineView:
+def inspect(state: EngineState) -> EngineView:
     """A read-only view of the engine's requests, pool and queues now (see the module doc)."""
-    engine.history.settle(engine)
-    sched = engine.scheduler
+    history, sched = state.history, state.scheduler
+    history.settle(state)
+    bv = sched.bm.view()
     queue_of = {
         g.request_id: name
         for name, queue in (
@@ -136,22 +155,23 @@ def inspect(engine: LLMEngine) -> EngineView:
     }
     requests = {
         rid: _request_view(
-            engine,
+            (bv, bv.block_size),
+            history,
             req.group,
             "finished" if req.group.is_finished() else queue_of.get(rid, "?"),
             req,
         )
-        for rid, req in engine.requests.items()
+        for rid, req in state.requests.items()
     }
     return EngineView(
-        step=engine.history.num_steps,
+        step=history.num_steps,
         requests=requests,
-        finished=dict(engine.history.finished),
+        finished=dict(history.finished),
         waiting=tuple(g.request_id for g in sched.waiting),
         running=tuple(g.request_id for g in sched.running),
         swapped=tuple(g.request_id for g in sched.swapped),
-        pool=_pool_view(engine),
-        last_step=engine.history.steps[-1] if engine.history.steps else None,
+        pool=_pool_view(bv),
+        last_step=history.steps[-1] if history.steps else None,
     )
 
 
@@ -174,10 +194,10 @@ class History:
         # Scheduled in the last step: request id -> (its group, its Request if still known).
         self._last: dict[str, tuple[SequenceGroup, Request | None]] = {}
 
-    def record(self, engine: LLMEngine, out: SchedulerOutput) -> SchedulerOutput:
+    def record(self, source: StateSource, out: SchedulerOutput) -> SchedulerOutput:
         """Keep what ``out`` scheduled; returns ``out``."""
-        self.settle(engine)
-        bm = engine.block_manager
+        self.settle(source)
+        sched = source.scheduler
         self.num_steps += 1
         preempted = []
         for g in out.preempted:
@@ -189,13 +209,13 @@ class History:
             # A request's first chunk after admission starts where its prefix-cache hits end.
             self.cached_tokens.setdefault(c.group.request_id, c.seq.num_computed_tokens)
         self._last = {
-            g.request_id: (g, engine.requests.get(g.request_id))
+            g.request_id: (g, source.requests.get(g.request_id))
             for g in [c.group for c in out.chunks] + out.aborted
         }
-        # The table lists themselves: the block manager drops a finished sequence's list
-        # without changing it, so it keeps the last table the sequence held.
-        self.tables = {c.seq.seq_id: bm.block_tables[c.seq.seq_id] for c in out.chunks}
-        sched = engine.scheduler
+        # The table lists themselves (BlockManager.table_of): a finished sequence's list is
+        # dropped unchanged, so it keeps the last table the sequence held.
+        self.tables = {c.seq.seq_id: sched.bm.table_of(c.seq.seq_id) for c in out.chunks}
+        usage = sched.bm.usage()
         self.steps.append(
             StepRecord(
                 step=self.num_steps,
@@ -209,10 +229,10 @@ class History:
                 blocks_swapped_out=tuple(out.blocks_to_swap_out),
                 blocks_swapped_in=tuple(out.blocks_to_swap_in),
                 blocks_copied=tuple(out.blocks_to_copy),
-                num_used=bm.num_blocks - 1 - bm.get_num_free_blocks(),
-                num_cached=len(bm.evictable),
-                num_free=len(bm.free_block_ids),
-                num_host_used=bm.num_host_blocks - bm.get_num_free_host_blocks(),
+                num_used=usage.num_used,
+                num_cached=usage.num_cached,
+                num_free=usage.num_free,
+                num_host_used=usage.num_host_used,
                 num_waiting=len(sched.waiting),
                 num_running=len(sched.running),
                 num_swapped=len(sched.swapped),
@@ -220,20 +240,24 @@ class History:
         )
         return out
 
-    def settle(self, engine: LLMEngine) -> None:
+    def settle(self, source: StateSource) -> None:
         """Keep the last state of the requests that the last step finished."""
-        for rid, (group, req) in self._last.items():
-            if group.is_finished() and (req is None or req.group is group):
-                self.finished[rid] = _request_view(engine, group, "finished", req)
-                self.finished.move_to_end(rid)
-                self.cached_tokens.pop(rid, None)
+        done = [
+            (rid, group, req)
+            for rid, (group, req) in self._last.items()
+            if group.is_finished() and (req is None or req.group is group)
+        ]
+        bs = source.scheduler.bm.block_size
+        for rid, group, req in done:  # their sequences hold no blocks: no pool view needed
+            self.finished[rid] = _request_view((None, bs), self, group, "finished", req)
+            self.finished.move_to_end(rid)
+            self.cached_tokens.pop(rid, None)
         self._last = {}
         while len(self.finished) > self.max_finished:
             self.finished.popitem(last=False)
-        if len(self.cached_tokens) > 2 * len(engine.requests) + 64:  # aborted while waiting
-            self.cached_tokens = {
-                r: n for r, n in self.cached_tokens.items() if r in engine.requests
-            }
+        requests = source.requests
+        if len(self.cached_tokens) > 2 * len(requests) + 64:  # aborted while waiting
+            self.cached_tokens = {r: n for r, n in self.cached_tokens.items() if r in requests}
 
 
 # ---- snapshot and replay -----------------------------------------------------------------------
@@ -282,71 +306,37 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
-def snapshot(engine: LLMEngine) -> Snapshot:
-    """Capture the engine's state between steps (see the module doc)."""
-    import jax
-
-    if jax.process_count() > 1:
-        raise ValueError("snapshots cover single-process engines only")
-    view = inspect(engine)
+def snapshot(state: EngineState, config, kv_cache) -> Snapshot:
+    """Capture an engine's state between steps (see the module doc): its host-side ``state``,
+    the ``config`` it was built with, and its ``kv_cache``'s blocks that hold data."""
+    view = inspect(state)
     buf = io.BytesIO()
-    state = (engine.scheduler, engine.requests, engine._rng, engine.history)
-    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(state)
-    blocks = np.asarray(
-        [b for b, s in enumerate(view.pool.state) if s in ("used", "cached")], np.int32
-    )
-    kv, runner = None, engine.runner
-    if len(blocks):
-        ids = runner.kv_cache.layer_ids(blocks)
-        kv = tuple(
-            np.asarray(jax.device_get(pages[:, ids])).reshape(
-                pages.shape[0], -1, len(blocks), *pages.shape[2:]
-            )
-            for pages in runner.kv_cache.pages
-        )
-    host_ids = np.nonzero(engine.block_manager.host_ref_counts)[0]
-    host_kv = {
-        heads: tuple(a[:, :, host_ids].copy() for a in arrays)
-        for heads, arrays in runner.kv_cache.host_pool.items()
-    }
+    pickled = (state.scheduler, state.requests, state.rng, state.history)
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(pickled)
+    blocks = tuple(b for b, s in enumerate(view.pool.state) if s in ("used", "cached"))
+    host_blocks = state.scheduler.bm.view().host_blocks_in_use
+    kv, host_kv = kv_cache.export_blocks(blocks, host_blocks)
     return Snapshot(
         step=view.step,
         view=view,
-        config=engine.config,
+        config=config,
         state=buf.getvalue(),
-        device_blocks=tuple(blocks.tolist()),
+        device_blocks=blocks,
         kv=kv,
-        host_blocks=tuple(host_ids.tolist()),
+        host_blocks=host_blocks,
         host_kv=host_kv,
     )
 
 
-def restore(engine: LLMEngine, snap: Snapshot) -> None:
-    """Put ``engine`` (built with the snapshot's configuration) in the snapshot's state; its
-    requests in flight are dropped. The snapshot itself is left as it was."""
-    import jax
-
-    if engine.config != snap.config:
+def load(snap: Snapshot, config) -> EngineState:
+    """The host-side state held in ``snap``, for an engine built with ``config``; raises
+    ValueError (and changes nothing anywhere) if the snapshot was taken on another
+    configuration. The snapshot itself is left as it was."""
+    if config != snap.config:
         raise ValueError(
-            f"the snapshot was taken on an engine configured {snap.config}, not {engine.config}"
+            f"the snapshot was taken on an engine configured {snap.config}, not {config}"
         )
-    sched, requests, rng, history = pickle.loads(snap.state)
-    engine.scheduler, engine.requests, engine._rng, engine.history = sched, requests, rng, history
-    engine.block_manager = sched.bm
-    runner = engine.runner
-    if snap.kv is not None:
-        ids = runner.kv_cache.layer_ids(np.asarray(snap.device_blocks, np.int32))
-        runner.kv_cache.pages = tuple(
-            jax.device_put(
-                pages.at[:, ids].set(data.reshape(data.shape[0], -1, *data.shape[3:])),
-                pages.sharding,
-            )
-            for pages, data in zip(runner.kv_cache.pages, snap.kv, strict=True)
-        )
-    host_ids = np.asarray(snap.host_blocks, np.int64)
-    for heads, saved in snap.host_kv.items():
-        for host, data in zip(runner.kv_cache.host_blocks(heads), saved, strict=True):
-            host[:, :, host_ids] = data
+    return EngineState(*pickle.loads(snap.state))
 
 
 # ---- diff --------------------------------------------------------------------------------------

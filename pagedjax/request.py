@@ -20,7 +20,6 @@ class Request:
     request_id: str
     prompt: str | None  # the text, when the prompt came as one
     prompt_token_ids: list[int]
-    params: SamplingParams | BeamSearchParams  # the request's own copy
     group: SequenceGroup  # its sequences: one, then n samples or beam_width beams
     seed: int  # 32-bit; sample i draws with (seed + i * golden) mod 2**32
     error: str | None = None  # why the engine ended it, if it did (its output carries this)
@@ -39,6 +38,11 @@ class Request:
             # A cached prefix has no logits: read no block but its own (see prompt_logprobs.py).
             for seq in self.group.get_seqs():
                 seq.extra_hash_key = (seq.extra_hash_key, self.prompt_logprobs.cache_key)
+
+    @property
+    def params(self) -> SamplingParams | BeamSearchParams:
+        """The request's own copy, stored once: in its group (the scheduler reads it there)."""
+        return self.group.sampling_params
 
     @property
     def is_beam_search(self) -> bool:

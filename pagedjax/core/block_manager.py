@@ -17,6 +17,7 @@ Invariants (tests/pagedjax/test_block_manager_state_machine.py checks them after
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence as Sequence_
 
 from pagedjax.core.block_pool import (
     AllocStatus,
@@ -27,6 +28,7 @@ from pagedjax.core.block_pool import (
     hash_block_tokens,
 )
 from pagedjax.core.block_swap import HOST_NULL, NULL_BLOCK, SwapMixin
+from pagedjax.core.block_view import BlockManagerView, BlockUsage
 from pagedjax.core.prefix_cache import PrefixCacheMixin
 from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedjax.core.window import first_live_block, max_chunk_that_fits, shared_window
@@ -378,6 +380,39 @@ class BlockManager(PrefixCacheMixin, SwapMixin, BlockPool):
 
     def get_block_table(self, seq: Sequence) -> list[int]:
         return list(self._device_table(seq))
+
+    def table_of(self, seq_id: int) -> Sequence_[int] | None:
+        """seq's device block table itself, read-only (None: it holds none): the list the block
+        manager grows, and drops unchanged when the sequence is freed, so that a holder sees
+        the last table the sequence held (the step record keeps it, copying nothing)."""
+        return self.block_tables.get(seq_id)
+
+    # ---- export --------------------------------------------------------------------------------
+
+    def usage(self) -> BlockUsage:
+        return BlockUsage(
+            num_used=self.num_blocks - 1 - self.get_num_free_blocks(),
+            num_cached=len(self.evictable),
+            num_free=len(self.free_block_ids),
+            num_host_used=self.num_host_blocks - self.get_num_free_host_blocks(),
+        )
+
+    def view(self) -> BlockManagerView:
+        """A frozen copy of the pool and every table (core/block_view.py)."""
+        return BlockManagerView(
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            num_host_blocks=self.num_host_blocks,
+            watermark_blocks=self.watermark_blocks,
+            usage=self.usage(),
+            ref_counts=tuple(b.ref_count for b in self.blocks),
+            num_tokens=tuple(b.num_tokens for b in self.blocks),
+            cached=frozenset(self.evictable),
+            tables={s: tuple(t) for s, t in self.block_tables.items()},
+            host_tables={s: tuple(t) for s, t in self.host_block_tables.items()},
+            host_ref_counts=tuple(self.host_ref_counts),
+            host_num_tokens=tuple(self.host_num_tokens),
+        )
 
     # ---- accounting ----------------------------------------------------------------------------
 

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Hashable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pagedjax.utils import cdiv
+
+if TYPE_CHECKING:
+    from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -126,7 +129,7 @@ class SequenceGroup:
         request_id: str,
         seqs: Iterable[Sequence],
         arrival_time: float,
-        sampling_params: Any = None,
+        sampling_params: SamplingParams | BeamSearchParams | None = None,
     ):
         self.request_id = request_id
         self.seqs_dict: dict[int, Sequence] = {}
@@ -135,6 +138,7 @@ class SequenceGroup:
         if not self.seqs_dict:
             raise ValueError(f"request {request_id!r}: a sequence group needs at least one seq")
         self.arrival_time = arrival_time
+        # The request's own copy, stored here only (Request.params reads it).
         self.sampling_params = sampling_params
         self.abort_reason: str | None = None  # why the engine gave up on it, if it did
         self.finished_beams: list[tuple[list[int], float]] = []  # beam search: (tokens, logprob)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable
 
 from pagedjax.core.scheduler import SeqChunk, append_sampled, check_stop
 from pagedjax.core.sequence import Sequence, SequenceGroup
@@ -31,6 +32,9 @@ from pagedjax.sampling_params import SamplingParams
 from pagedjax.spec_decode.config import SpeculativeConfig
 from pagedjax.spec_decode.metrics import SpecDecodingStats
 from pagedjax.spec_decode.ngram import NgramProposer
+
+# (group, seq) -> why seq stops after its last token ("stop"), or None: it goes on
+StopChecker = Callable[[SequenceGroup, Sequence], str | None]
 
 
 class PlaceholderProposer:
@@ -66,18 +70,18 @@ def with_proposals(chunk: SeqChunk, rows: list) -> tuple[list[int], list]:
 class Speculator:
     """Proposes tokens for decoding sequences and takes the verified ones; keeps the counts.
 
-    ``token_stop(group, seq)`` (the engine's stop-string and grammar check, None in bare
+    ``stop_checker(group, seq)`` (the engine's stop-string and grammar check, None in bare
     scheduler use) runs after each appended token, as the engine runs it after a plain decode's.
     """
 
-    def __init__(self, config: SpeculativeConfig, token_stop=None):
+    def __init__(self, config: SpeculativeConfig, stop_checker: StopChecker | None = None):
         self.config = config
         self.k = config.num_speculative_tokens
         if config.method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         else:  # a draft model writes its proposals over these in the runner (draft.py)
             self.proposer = PlaceholderProposer()
-        self.token_stop = token_stop
+        self.stop_checker = stop_checker
         self.stats = SpecDecodingStats()
         self._per_request: weakref.WeakKeyDictionary[SequenceGroup, SpecDecodingStats] = (
             weakref.WeakKeyDictionary()
@@ -144,7 +148,7 @@ class Speculator:
             if why is not None:
                 self._settle(sched, seq, computed)
                 sched.finish_seq(seq, why)
-            if self.token_stop is not None and (why := self.token_stop(group, seq)):
+            if self.stop_checker is not None and (why := self.stop_checker(group, seq)):
                 if not seq.is_finished():
                     self._settle(sched, seq, computed)
                 sched.finish_seq(seq, why)
@@ -153,7 +157,7 @@ class Speculator:
             if j == num_accepted:  # the correction or the bonus: the last token of the step
                 self._settle(sched, seq, computed)
                 break
-        if self.token_stop is None:
+        if self.stop_checker is None:
             update.new_tokens.append((group, seq))
 
     @staticmethod
@@ -183,13 +187,22 @@ def _none() -> None:
     return None
 
 
-def make_speculator(config: SpeculativeConfig | None, engine) -> Speculator | None:
-    """The engine's speculator (None without a speculative_config): stop strings and grammars
-    are checked after each appended token through the engine's output processor."""
+def stop_checker(output_processor, requests: dict) -> StopChecker:
+    """The engine's stop check after each appended token (stop strings, grammars): its output
+    processor's ``check_stop`` on the group's request, looked up in ``requests`` (the engine's
+    request table, by id)."""
+
+    def check(group: SequenceGroup, seq: Sequence) -> str | None:
+        return output_processor.check_stop(requests[group.request_id], seq)
+
+    return check
+
+
+def make_speculator(
+    config: SpeculativeConfig | None, stop_checker: StopChecker | None = None
+) -> Speculator | None:
+    """The engine's speculator (None without a speculative_config); ``stop_checker`` runs after
+    each appended token."""
     if config is None:
         return None
-
-    def token_stop(group: SequenceGroup, seq: Sequence) -> str | None:
-        return engine.output_processor.check_stop(engine.requests[group.request_id], seq)
-
-    return Speculator(config, token_stop)
+    return Speculator(config, stop_checker)

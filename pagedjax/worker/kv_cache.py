@@ -182,6 +182,44 @@ class KVCache:
             )
         return self.host_pool[heads]
 
+    def export_blocks(self, device_blocks, host_blocks) -> tuple[tuple | None, dict]:
+        """Host copies of blocks' K/V (and an 8-bit pool's scales): (device, host).
+        device: one array per pool array, [kv_heads, layers, len(device_blocks), bs, ...]
+        (None when no block is asked); host: per slice of kv heads held here, one array per
+        pool array, [heads, layers, len(host_blocks), bs, ...]."""
+        device_blocks = np.asarray(device_blocks, np.int32)
+        kv = None
+        if len(device_blocks):
+            ids = self.layer_ids(device_blocks)
+            kv = tuple(
+                np.asarray(jax.device_get(pages[:, ids])).reshape(
+                    pages.shape[0], -1, len(device_blocks), *pages.shape[2:]
+                )
+                for pages in self.pages
+            )
+        host_ids = np.asarray(host_blocks, np.int64)
+        host_kv = {
+            heads: tuple(a[:, :, host_ids].copy() for a in arrays)
+            for heads, arrays in self.host_pool.items()
+        }
+        return kv, host_kv
+
+    def import_blocks(self, device_blocks, kv, host_blocks, host_kv: dict) -> None:
+        """Write what ``export_blocks`` returned back into the same blocks."""
+        if kv is not None:
+            ids = self.layer_ids(np.asarray(device_blocks, np.int32))
+            self.pages = tuple(
+                jax.device_put(
+                    pages.at[:, ids].set(data.reshape(data.shape[0], -1, *data.shape[3:])),
+                    pages.sharding,
+                )
+                for pages, data in zip(self.pages, kv, strict=True)
+            )
+        host_ids = np.asarray(host_blocks, np.int64)
+        for heads, saved in host_kv.items():
+            for host, data in zip(self.host_blocks(heads), saved, strict=True):
+                host[:, :, host_ids] = data
+
     def lower_block_op(self, op: str, ids: np.ndarray):
         """The program a block move of ``len(ids)`` blocks runs, lowered (for warm-up)."""
         layer_ids = self.layer_ids(ids)

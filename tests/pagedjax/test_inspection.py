@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -149,6 +150,34 @@ def test_restore_refuses_another_configuration(tiny):
     other = LLM(tiny, block_size=BLOCK, num_blocks=40, max_model_len=128).engine
     with pytest.raises(ValueError, match="configured"):
         other.restore(snap)
+
+
+def test_a_refused_restore_changes_nothing_with_a_step_in_flight(tiny):
+    """The configuration is checked before anything is touched: with async scheduling (the
+    default) the step in flight survives a refused restore and every request ends as it would."""
+    engine = LLM(tiny, block_size=BLOCK, num_blocks=32, max_model_len=128).engine
+    snap = engine.snapshot()
+    other = dataclasses.replace(snap, config=dataclasses.replace(snap.config, seed=1))
+    prompts = _prompts(3, seed=5)
+
+    def run(name: str, refuse_at: int | None) -> list[list[int]]:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"{name}{i}", p, GREEDY)
+        tokens, step = {}, 0
+        while engine.has_unfinished_requests():
+            if step == refuse_at:
+                with pytest.raises(ValueError, match="configured"):
+                    engine.restore(other)
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = out.outputs[0].token_ids
+            step += 1
+        return [tokens[f"{name}{i}"] for i in range(len(prompts))]
+
+    want = run("a", None)
+    assert [len(t) for t in want] == [12] * 3
+    assert run("b", 2) == want  # decoding, a step in flight
+    assert run("c", 6) == want
 
 
 def test_drawings(tiny):
