@@ -187,3 +187,7 @@ def test_the_folder_runs_as_a_command_and_every_stage_module_is_registered(dc):
     modules = {p.stem for p in (PACKAGE / "stages").glob("*.py")} - {"__init__"}
     registered = {fn.__module__.rsplit(".", 1)[1] for _, _, fn in dc.STAGES.values()}
     assert registered == modules
+
+
+def test_env_stage_names_the_gpu_lowering_of_this_checkout(dc):
+    assert dc.stages.env.gpu_lowering() == "triton"

@@ -29,6 +29,21 @@ def compilation_cache_dir():
         return None
 
 
+# Where pagedjax names the Pallas lowering its GPU kernels take: the Triton backend's folder, or
+# (older checkouts) one module of all GPU kernels.
+GPU_LOWERING_MODULES = ("pagedjax.pallas_kernels.triton.lowering", "pagedjax.pallas_kernels._gpu")
+
+
+def gpu_lowering() -> str | None:
+    """The lowering pagedjax's GPU kernels take ("triton", ...), None where none says."""
+    for name in GPU_LOWERING_MODULES:
+        try:
+            return getattr(importlib.import_module(name), "GPU_LOWERING", None)
+        except ImportError:
+            continue
+    return None
+
+
 def run(ctx: Context, budget: Budget, data: dict):
     import jaxlib
 
@@ -84,9 +99,7 @@ def run(ctx: Context, budget: Budget, data: dict):
     cache = jax.config.jax_compilation_cache_dir or str(compilation_cache_dir())
     entries = len(list(Path(cache).iterdir())) if cache and Path(cache).is_dir() else 0
     data["jax_compilation_cache"] = f"{cache} ({entries} entries at start)"
-    data["pagedjax_gpu_lowering"] = getattr(
-        importlib.import_module("pagedjax.pallas_kernels._gpu"), "GPU_LOWERING", None
-    )
+    data["pagedjax_gpu_lowering"] = gpu_lowering()
     try:
         import jax.experimental.pallas.ops.gpu as jax_gpu_ops
 
