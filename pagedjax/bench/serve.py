@@ -22,6 +22,8 @@ next starts), runs the identical workload against each and prints them side by s
 throughput against latency per server; --sweep-num-prompts sends fewer of the workload's
 requests at the small values. --repeats N times each row N times (workloads of seeds --seed,
 --seed+1, ...): the row is the run of median output tok/s, with the min, median and max.
+The command exits 1 when a server did not start or failed more than --max-failure-rate (default
+0) of its timed requests.
 """
 
 from __future__ import annotations
@@ -170,7 +172,7 @@ def bench_server(
         probe_and_warm(target, requests, args.num_warmups, args.request_timeout)
     )
     _note_probe(name, found, eos_free)
-    rows = []
+    rows, sent, failed = [], 0, 0
     for value, count in zip(values, _prompts_per_value(args, values), strict=True):
         rate = value if knob == "request_rate" else args.request_rate
         conc = value if knob == "max_concurrency" else args.max_concurrency
@@ -193,6 +195,8 @@ def bench_server(
             )
             bar.close()
             _count_output_tokens(results, tokenizer)
+            sent += len(results)
+            failed += sum(not r.success for r in results)
             runs.append(metrics.summarize(results, duration, slo))
         row = metrics.pick_median_run(runs)
         row.update(server=name, request_rate=rate, max_concurrency=conc, burstiness=args.burstiness)
@@ -207,6 +211,8 @@ def bench_server(
         "probe_note": found.note,
         "warmup": metrics.warmup_summary(warm),
         "rows": rows,
+        "requests_sent": sent,  # timed requests of every row and repeat
+        "requests_failed": failed,
     }
 
 
@@ -390,6 +396,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     r.add_argument("--save-result", metavar="PATH", default=None, help="also write the JSON here")
     r.add_argument("--plot", default="bench_serve_sweep.png", help="the sweep's PNG")
     r.add_argument("--disable-tqdm", action="store_true")
+    r.add_argument(
+        "--max-failure-rate",
+        type=float,
+        default=0.0,
+        help="the fraction of a server's timed requests that may fail before the command exits "
+        "1 (default 0: any failure)",
+    )
     c = p.add_argument_group("started servers (--compare)")
     c.add_argument("--compare", default=None, help=f"peers to start: {','.join(KNOWN_PEERS)}")
     c.add_argument("--peer", action="append", help="NAME=COMMAND with {port} ({host}, {model})")
@@ -428,6 +441,8 @@ def _validate(args) -> None:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if not 0 <= args.max_failure_rate <= 1:
+        raise ValueError(f"--max-failure-rate must be in [0, 1], got {args.max_failure_rate}")
     if not args.request_timeout > 0:
         raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
     _extra_body(args)  # a bad --extra-body fails before any server starts
@@ -460,7 +475,24 @@ def run(args) -> int:
     result = execute(args)
     if result is None:
         return 0
-    return 1 if any("start_error" in s for s in result["servers"]) else 0
+    if any("start_error" in s for s in result["servers"]):
+        return 1
+    return 1 if too_many_failures(result["servers"], args.max_failure_rate) else 0
+
+
+def too_many_failures(servers: list[dict], max_rate: float) -> bool:
+    """Whether a server failed more than ``max_rate`` of its timed requests (each one named)."""
+    over = False
+    for s in servers:
+        sent, failed = s["requests_sent"], s["requests_failed"]
+        if sent and failed / sent > max_rate:
+            print(
+                f"{s['server']}: {failed} of {sent} requests failed ({failed / sent:.1%}), over "
+                f"--max-failure-rate {max_rate}",
+                file=sys.stderr,
+            )
+            over = True
+    return over
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -169,6 +169,7 @@ def _serve(args: argparse.Namespace) -> int:
         body_timeout_s=args.body_timeout,
         max_stop_strings=args.max_stop_strings,
         max_stop_string_chars=args.max_stop_string_chars,
+        max_response_logprobs=args.max_response_logprobs,
     )
     _initialize_distributed(args)
     serve(
@@ -271,6 +272,13 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1024,
         help="characters in one stop string (default 1024)",
+    )
+    srv.add_argument(
+        "--max-response-logprobs",
+        type=int,
+        default=1 << 20,
+        help="logprob entries one response may carry, counted up front from echo, logprobs, n "
+        "and max_tokens; a request over it is a 400 (default 1048576)",
     )
     srv.set_defaults(func=_serve)
     _add_bench_parser(sub)

@@ -240,7 +240,7 @@ def test_errors_are_counted_with_their_messages_never_fatal(stub_script, tiny_di
             capsys,
             *("--base-url", stub.base, "--tokenizer", tiny_dir, "--num-warmups", "0"),
             *("--dataset-name", "random", "--random-input-len", "4", "--random-output-len", "3"),
-            *("--num-prompts", "6", "--max-concurrency", "1"),
+            *("--num-prompts", "6", "--max-concurrency", "1", "--max-failure-rate", "1"),
         )
     (row,) = res["rows"]
     assert (row["completed"], row["failed"]) == (2, 4)

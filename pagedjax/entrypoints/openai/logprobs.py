@@ -87,6 +87,7 @@ class TextOffsets:
         self.ids = list(context)
         self.prefix, self.read = 0, len(context)
         self.length = 0  # characters emitted so far
+        self.pieces: list[str] = []  # the text emitted so far (before a stop string cut it)
 
     def feed(self, token_ids: list[int]) -> list[int]:
         offsets = []
@@ -99,10 +100,15 @@ class TextOffsets:
             prefix_text = dec(self.ids[self.prefix : self.read], skip_special_tokens=True)
             full = dec(self.ids[self.prefix :], skip_special_tokens=True)
             if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
-                self.length += len(full) - len(prefix_text)
+                self.pieces.append(full[len(prefix_text) :])
+                self.length += len(self.pieces[-1])
                 del self.ids[: self.read]
                 self.prefix, self.read = 0, len(self.ids)
         return offsets
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
 
 def _by_text(strings: TokenStrings, pairs) -> dict[str, float]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from typing import Annotated, Any
 
 from fastapi.responses import Response
@@ -67,6 +68,9 @@ class ServerLimits:
     body_timeout_s: float = 30.0  # the whole body must arrive within this
     max_stop_strings: int = 64  # stop strings per request (and stop_token_ids)
     max_stop_string_chars: int = 1024
+    # Logprob entries (a token's own and each alternative) one response may carry, counted up
+    # front from the request: echo and logprobs turn a small body into a huge response.
+    max_response_logprobs: int = 1 << 20
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -304,14 +308,22 @@ def structured_outputs(req: _Common) -> tuple[StructuredOutputsParams | None, st
         raise bad_request(str(e), param) from None
 
 
+_TOKEN_ID_KEY = re.compile(r"\s*-?[0-9]{1,20}\s*", re.ASCII)
+
+
 def logit_bias(req: _Common, vocab_size: int) -> dict[int, float] | None:
     """The request's logit_bias with integer keys, each a token id of the vocabulary."""
     if not req.logit_bias:
         return None
     out = {}
     for key, value in req.logit_bias.items():
-        if not key.strip().lstrip("-").isdigit():
-            raise bad_request(f"logit_bias: keys are token ids, got {key!r}", "logit_bias")
+        # ASCII digits only: str.isdigit() takes "²", int() takes "٣" and "1_0", and a key of
+        # thousands of digits would only be refused by int() itself.
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            shown = key if len(key) <= 40 else key[:40] + "..."
+            raise bad_request(
+                f"logit_bias: keys are token ids (decimal integers), got {shown!r}", "logit_bias"
+            )
         token = int(key)
         if not 0 <= token < vocab_size:
             raise bad_request(
@@ -387,3 +399,30 @@ def sampling_params(
         elif field == "logprobs" and isinstance(req, ChatRequest):
             field = "top_logprobs"
         raise bad_request(message, field) from None
+
+
+def check_response_logprobs(
+    limits: ServerLimits,
+    prompts: list[list[int]],
+    *,
+    k: int | None,
+    n: int,
+    max_tokens: int,
+    echo: bool,
+    field: str,
+) -> None:
+    """Refuse, before anything runs, a request whose response could carry more logprob entries
+    than ``limits.max_response_logprobs``: per token its own and ``k`` alternatives, for the
+    echoed prompts and for up to ``max_tokens`` tokens of each of the ``n`` choices."""
+    if k is None:
+        return
+    prompt_tokens = sum(len(ids) for ids in prompts) if echo else 0
+    tokens = prompt_tokens + len(prompts) * n * max_tokens
+    entries = tokens * (k + 1)
+    if entries > limits.max_response_logprobs:
+        raise bad_request(
+            f"{field}: the response could carry {entries} logprob entries ({tokens} tokens x "
+            f"{k + 1}), over this server's limit of {limits.max_response_logprobs} "
+            "(--max-response-logprobs); ask for fewer logprobs, tokens or choices",
+            field,
+        )

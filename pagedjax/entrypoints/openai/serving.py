@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect
 
 from pagedjax.entrypoints.openai.engine_loop import EngineLoop
 from pagedjax.entrypoints.openai.metrics import CONTENT_TYPE
+from pagedjax.entrypoints.openai.offload import Offload
 from pagedjax.entrypoints.openai.protocol import (
     APIError,
     ChatRequest,
@@ -30,6 +31,7 @@ from pagedjax.entrypoints.openai.protocol import (
     ServerLimits,
     bad_request,
     chat_messages,
+    check_response_logprobs,
     error_response,
     logit_bias,
     parse_json,
@@ -74,7 +76,8 @@ def build_app(
     loop_owner = EngineLoop(engine, max_queue=limits.max_queue)
     # the handlers' own tokenizer: tokenizers aren't shareable across threads
     tokenizer = copy.deepcopy(engine.tokenizer)
-    serving = OpenAIServing(engine, loop_owner, tokenizer, model_names[0])
+    offload = Offload(tokenizer)  # tokenizing, grammars and big responses, off the event loop
+    serving = OpenAIServing(engine, loop_owner, tokenizer, model_names[0], offload)
     max_model_len = serving.max_model_len
     created = int(time.time())
 
@@ -85,6 +88,7 @@ def build_app(
             yield
         finally:
             await asyncio.to_thread(loop_owner.stop)
+            offload.close()
 
     app = FastAPI(
         title="pagedjax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
@@ -145,7 +149,7 @@ def build_app(
             body += chunk
             if len(body) > limits.max_body_bytes:
                 raise too_big
-        return parse_json(bytes(body))
+        return await offload.run(parse_json, bytes(body))
 
     def parse(model_cls, data):
         req = parse_request(model_cls, data)
@@ -222,7 +226,7 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(request: Request):
         check_key(request)
-        req = parse(CompletionRequest, await read_json(request))
+        req = await offload.run(parse, CompletionRequest, await read_json(request))
         p = req.prompt
         if isinstance(p, str):
             texts, prompts = [p], None
@@ -239,10 +243,7 @@ def build_app(
                 f"{limits.max_queue}",
                 "prompt",
             )
-        if prompts is None:
-            prompts = [serving.tokenize(t, "prompt") for t in texts]
-        for ids in prompts:
-            serving.check_token_ids(ids)
+        prompts = await serving.prompt_ids(texts, prompts)
         max_tokens = req.max_tokens
         if max_tokens is None:
             max_tokens = max(max_model_len - max(len(x) for x in prompts), 1)
@@ -255,10 +256,20 @@ def build_app(
         params = sampling_params(
             req, 1 if echo_only else max_tokens, "max_tokens", req.logprobs, limits, **extra
         )
-        serving.admit(prompts, params, "prompt")
+        shown = 0 if echo_only else max_tokens
+        check_response_logprobs(
+            limits,
+            prompts,
+            k=req.logprobs,
+            n=req.n,
+            max_tokens=shown,
+            echo=req.echo,
+            field="logprobs",
+        )
+        await serving.admit(prompts, params, "prompt")
         echo = None
         if req.echo:
-            echo = Echo(texts or [serving.detokenize(ids) for ids in prompts], echo_only)
+            echo = Echo(texts or await serving.echo_texts(prompts), echo_only)
         return await serving.run(
             request, req, prompts, params, chat=False, k_logprobs=req.logprobs, echo=echo
         )
@@ -266,17 +277,10 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         check_key(request)
-        req = parse(ChatRequest, await read_json(request))
+        req = await offload.run(parse, ChatRequest, await read_json(request))
         if tokenizer is None or tokenizer.chat_template is None:
             raise bad_request("this model's tokenizer has no chat template")
-        messages = chat_messages(req)
-        try:
-            text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as e:
-            raise bad_request(f"the chat template failed on these messages: {e}") from None
-        ids = serving.tokenize(text, "messages", add_special_tokens=False)
+        ids = await serving.chat_prompt_ids(chat_messages(req))
         if req.max_completion_tokens is not None:
             max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
         else:
@@ -292,7 +296,11 @@ def build_app(
         await serving.check_constraint(constraint, constraint_field)
         extra = {"logit_bias": logit_bias(req, serving.vocab), "structured_outputs": constraint}
         params = sampling_params(req, max_tokens, field, k, limits, **extra)
-        serving.admit([ids], params, "messages")
+        lp_field = "top_logprobs" if req.top_logprobs else "logprobs"
+        check_response_logprobs(
+            limits, [ids], k=k, n=req.n, max_tokens=max_tokens, echo=False, field=lp_field
+        )
+        await serving.admit([ids], params, "messages")
         return await serving.run(request, req, [ids], params, chat=True, k_logprobs=k)
 
     return app
