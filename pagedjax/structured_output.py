@@ -173,6 +173,7 @@ class CompiledGrammar:
         self.ll_tokenizer = tokenizer.build()
         self.vocab_size = tokenizer.vocab_size
         self.description = description
+        self.key: tuple[str, str] | None = None  # the constraint's key (set by its compiler)
         self._start = None  # the matcher before any token; never advanced
         self._first_mask: np.ndarray | None = None  # i32[ceil(vocab / 32)], read-only
         self._start_lock = threading.Lock()
@@ -256,6 +257,8 @@ class GrammarCompiler:
         if not isinstance(params, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {params!r}")
         key = params.key()
+        if self._compiled_before(params, key):  # kept even if the cache let it go
+            return params.compiled
         with self._lock:
             compiled = self._cache.get(key)
             if compiled is not None:
@@ -274,6 +277,14 @@ class GrammarCompiler:
         params.compiled = compiled
         return compiled
 
+    def _compiled_before(self, params: StructuredOutputsParams, key: tuple[str, str]) -> bool:
+        """Whether params carry this constraint compiled for this tokenizer (the server compiles
+        it off the engine thread; copies of the params keep it)."""
+        compiled = params.compiled
+        if compiled is None or compiled.key != key:
+            return False
+        return compiled.tokenizer.key == self.tokenizer_spec().key
+
     def _compile(self, params: StructuredOutputsParams, spec: TokenizerSpec) -> CompiledGrammar:
         """Runs in a worker thread (structured_worker.py): llguidance recurses natively."""
         import llguidance
@@ -286,6 +297,7 @@ class GrammarCompiler:
         if is_error:
             raise ValueError(f"structured_outputs.{kind}: invalid {what}: {messages[0]}")
         compiled = CompiledGrammar(grammar, spec, what)
+        compiled.key = params.key()
         matcher = compiled.new_matcher()
         dead = _first_line(matcher).startswith("NoExtension") if matcher.is_error() else False
         if matcher.is_error() and not dead:

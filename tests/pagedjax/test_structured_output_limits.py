@@ -204,6 +204,11 @@ def test_one_start_matcher_copied_per_sequence(compiler, monkeypatch):
             seq.output_token_ids.append(b)
             assert grammar.after_token(seq) is None
     assert len(built) == 1
+    # Compiled once (the server, off the engine thread), it is not compiled again at admission
+    # even when the cache has let it go: the params carry it through their copies.
+    again = GrammarCompiler(compiler.tokenizer, VOCAB)
+    assert again.compile(copy.deepcopy(constraint)) is constraint.compiled
+    assert len(built) == 1
 
 
 def test_a_long_choice_list_works_like_an_enum(compiler):
