@@ -1,8 +1,9 @@
 """Compile time of the engine's programs, in one run on one machine (check the load first).
 
 1. Seconds to trace, lower and compile each model-step program for the model (default: the
-   embedded SmolLM2-135M, 30 layers), with the layers under scan and unrolled (one copy of the
-   layer per layer, as before the scan), with the persistent compilation cache off.
+   embedded SmolLM2-135M, 30 layers), with the layers under scan and unrolled (one parameter tree
+   and one copy of the layer per layer, models/layer_loop.py), with the persistent compilation
+   cache off.
 2. ``pagedjax generate`` wall time in a fresh process: with warm caches (converted parameters and
    compiled programs) and with the compilation cache deleted (parameters still cached).
 3. Programs compiled after ``LLM(..., warmup=True)``: by a first request with penalties and
@@ -36,7 +37,8 @@ def load() -> float:
 def step_programs(model: str | None, repeats: int) -> list[dict]:
     """Compile seconds per step program, scan vs unrolled, persistent cache off."""
     import jax
-    from pagedjax.models.llama import forward
+    from pagedjax.models.layer_loop import split_layers
+    from pagedjax.models.llama import forward, param_shapes
 
     from pagedjax import LLM
     from pagedjax.worker.runner import ScheduledSeq, StepShape
@@ -44,6 +46,10 @@ def step_programs(model: str | None, repeats: int) -> list[dict]:
 
     llm = LLM(model, max_model_len=2048, max_num_seqs=64)
     r = llm.runner
+    # The unrolled step's parameters: one tree per layer (shapes suffice to compile)
+    dtype = jax.tree.leaves(r.params)[0].dtype.name
+    unrolled = split_layers(param_shapes(r.config, dtype), r.config)
+    layouts = {False: (r.params, r.packed_weights), True: (unrolled, False)}
     shapes = [
         ("decode", [ScheduledSeq([5], 3, [1], [SamplingRow()])]),
         ("prefill 5 tokens", [ScheduledSeq([5] * 5, 0, [1], [SamplingRow()])]),
@@ -62,18 +68,18 @@ def step_programs(model: str | None, repeats: int) -> list[dict]:
                 def fresh(*args):
                     return forward(*args)
 
-                fn = jax.jit(fresh, static_argnums=(3, 4, 5, 6, 7), donate_argnums=(1,))
+                fn = jax.jit(fresh, static_argnums=(3, 4, 5, 6), donate_argnums=(1,))
+                params, packed = layouts[unroll]
                 loadavg = load()
                 t0 = time.perf_counter()
                 lowered = fn.lower(
-                    r.params,
+                    params,
                     r.kv_cache.pages,
                     jax.device_put(step_input),
                     r.config,
                     r.backend,
                     r.mesh,
-                    unroll,
-                    r.packed_weights,
+                    packed,
                 )
                 t1 = time.perf_counter()
                 lowered.compile()

@@ -3,14 +3,16 @@
 Flax holds the parameters; ``DecoderModel(...).apply({"params": p}, kv_pool, step)`` returns
 ``(logits, kv_pool)``. One code path serves prefill (packed, ragged) and decode.
 
-The layers run under ``nn.scan`` over stacked parameters (``params["layers"]``, leading axis
-``num_layers``), so a compiled step holds one copy of the layer whatever the model's depth. The
-stack is broadcast into the scan and each layer reads its row where it lies (models/layers.py
-``Dense``), rather than the scan slicing it: XLA on a CPU copies a slice before its dot.
-What differs between a model's layers is per-layer scanned data, never a Python branch per layer:
-the attention window (Gemma's alternating local/global layers, Qwen's max_window_layers), the rope
-table (Gemma 3's local base), and for MoE families the row of the layer's MLP stack and its kind
-(models/moe.py).
+Two layer loops, chosen at load (models/layer_loop.py). Under ``nn.scan`` over stacked parameters
+(``params["layers"]``, leading axis ``num_layers``; a CPU's), a compiled step holds one copy of
+the layer whatever the model's depth. The stack is broadcast into the scan and each layer reads
+its row where it lies (models/layers.py ``Dense``: native kernels on a CPU), rather than the scan
+slicing it: XLA copies a slice before its dot. What differs between the layers is then scanned
+data, never a Python branch per layer: the attention window (Gemma's alternating local/global
+layers, Qwen's max_window_layers), the rope table (Gemma 3's local base), and for MoE families
+the row of the layer's MLP stack and its kind (models/moe.py). Unrolled (``layers_{i}``, one
+parameter tree per layer; every other platform's), each layer's dots read whole arrays and the
+same differences are Python values (``layer_data``).
 
 Variants, by config field: q/k norms (Qwen3, Gemma 3); Gemma's (1 + weight) norms, four per layer,
 embedding scale, GeGLU, query_pre_attn_scalar and soft caps; MoE MLPs; partial rotary and
@@ -45,7 +47,7 @@ from .layers import (
     rope_tables,
     static_window,
 )
-from .moe import layer_mlp, mlp_stacks
+from .moe import layer_mlp, mlp_stacks, own_mlp
 from .sharding import AXIS
 from .step_input import StepInput
 
@@ -56,10 +58,12 @@ class Attention(nn.Module):
     backend: str
     mesh: Mesh | None = None
     packed: bool = False  # the projections' stacked kernels are packed (models/layers.py Dense)
+    stacked: bool = True  # parameters stacked over the layers (the scan), taken at ``layer``
 
     @nn.compact
     def __call__(self, x, cos, sin, kv: KVPool, layer, window, step: StepInput, live):
-        c, n = self.config, self.config.num_layers
+        c = self.config
+        n = c.num_layers if self.stacked else None
         tokens = x.shape[0]
         linear = functools.partial(
             dense, dtype=self.dtype, layers=n, in_place=self.mesh is None, packed=self.packed
@@ -87,6 +91,7 @@ class MLP(nn.Module):
     dtype: jnp.dtype
     in_place: bool = True
     packed: bool = False  # the stacked kernels are packed (models/layers.py Dense)
+    stacked: bool = True  # parameters stacked over the layers, taken at ``layer``
 
     @nn.compact
     def __call__(self, x, layer, live=None):
@@ -95,7 +100,7 @@ class MLP(nn.Module):
         linear = functools.partial(
             dense,
             dtype=self.dtype,
-            layers=c.num_layers,
+            layers=c.num_layers if self.stacked else None,
             in_place=self.in_place,
             packed=self.packed,
         )
@@ -109,15 +114,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One layer as a scan body: carry ``(x, kv_pool)``, scanned over per-layer data. Its
-    parameters are stacked over the layers (broadcast into the scan); ``per_layer["layer"]``
-    picks their row."""
+    """One layer: carry ``(x, kv_pool)`` -> ``((x, kv_pool), None)``. Under the scan its
+    parameters are stacked over the layers (broadcast into the scan), ``per_layer`` is the
+    scanned data and ``per_layer["layer"]`` picks their row; unrolled (``stacked`` off) the
+    layer holds its own parameters and ``per_layer`` is ``layer_data``'s Python values."""
 
     config: ModelConfig
     dtype: jnp.dtype
     backend: str
     mesh: Mesh | None = None
     packed: bool = False
+    stacked: bool = True
 
     @nn.compact
     def __call__(self, carry, per_layer, cos, sin, step: StepInput, stacks):
@@ -128,18 +135,24 @@ class DecoderLayer(nn.Module):
             cos, sin = cos[table], sin[table]
         window = static_window(c)
         window = per_layer.get("window") if window is None else window
-        layer = per_layer["layer"]  # i32[]: every parameter here is stacked, taken at this row
+        layer = per_layer["layer"]  # i32[] (or int): the row of every stacked parameter here
         live = live_rows(step)  # i32[]: rows past it are padding
-        attn = Attention(c, dt, self.backend, self.mesh, self.packed, name="self_attn")
+        n = c.num_layers if self.stacked else None
+        attn = Attention(
+            c, dt, self.backend, self.mesh, self.packed, self.stacked, name="self_attn"
+        )
 
         def layer_norm(name):
-            return lambda h: norm(c, dt, name, c.num_layers)(h, layer)
+            return lambda h: norm(c, dt, name, n)(h, layer)
 
         def mlp(h):
-            if c.num_experts:
+            if c.num_experts and self.stacked:
                 row, is_moe = per_layer["mlp_row"], per_layer.get("is_moe")
                 return layer_mlp(h, stacks, row, is_moe, c, self.mesh)
-            return MLP(c, dt, self.mesh is None, self.packed, name="mlp")(h, layer, live)
+            if c.num_experts:  # this layer's own MoE block or dense MLP (Python-known kind)
+                return own_mlp(h, per_layer["is_moe"], c, dt, self.mesh)
+            in_place = self.mesh is None
+            return MLP(c, dt, in_place, self.packed, self.stacked, name="mlp")(h, layer, live)
 
         if not c.norm_before:  # post-norm (OPT-350m)
             h, kv = attn(x, cos, sin, kv, layer, window, step, live)
@@ -156,6 +169,18 @@ class DecoderLayer(nn.Module):
         if c.sandwich_norms:
             h = layer_norm("post_feedforward_layernorm")(h)
         return (x + h, kv), None
+
+
+def layer_data(config: ModelConfig, layer: int) -> dict:
+    """``per_layer_data``'s row ``layer`` as Python values, for an unrolled layer: its index,
+    window (0: global), rope table and MLP kind, all static."""
+    c = config
+    data = {"layer": layer, "window": int(c.layer_windows[layer])}
+    if c.rope_local_theta is not None:
+        data["rope"] = int(c.local_rope_layers[layer])
+    if c.num_experts:
+        data["is_moe"] = bool(c.moe_layers[layer])
+    return data
 
 
 def per_layer_data(config: ModelConfig) -> dict[str, np.ndarray]:
@@ -184,7 +209,8 @@ class DecoderModel(nn.Module):
     dtype: jnp.dtype = jnp.float32
     backend: str = "auto"
     mesh: Mesh | None = None  # tensor parallelism by heads (models/sharding.py)
-    unroll_layers: bool = False  # unroll the layer scan (one copy of the layer per layer)
+    # "scan" over stacked parameters, or "unrolled" over one tree per layer (models/layer_loop.py)
+    layer_loop: str = "scan"
     # The layers' stacked float kernels are packed tile-major for the native CPU matmul, and a
     # tied table with them where packs_tied_table (models/llama.py pack_layer_kernels, which
     # decides when they can be).
@@ -217,20 +243,8 @@ class DecoderModel(nn.Module):
             x = x + positions(step.positions + 2)
         else:
             cos, sin = rope_tables(c, step, dt)
-        stacks = mlp_stacks(c, dt) if c.num_experts else None
-        # The layers' parameters are created stacked ([num_layers, ...], as nn.scan's
-        # variable_axes would stack them) and broadcast into the scan, each layer reading its
-        # row: a sliced scan input would be copied out of the stack before every dot on a CPU.
-        layers = nn.scan(
-            DecoderLayer,
-            variable_broadcast="params",
-            split_rngs={"params": False},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
-            length=c.num_layers,
-            unroll=c.num_layers if self.unroll_layers else 1,
-        )(c, dt, self.backend, self.mesh, self.packed_weights, name="layers")
-        data = jax.tree.map(jnp.asarray, per_layer_data(c))
-        (x, kv_pool), _ = layers((x, tuple(kv_pool)), data, cos, sin, step, stacks)
+        run = _unrolled_layers if self.layer_loop == "unrolled" else _scanned_layers
+        x, kv_pool = run(self, x, tuple(kv_pool), cos, sin, step)
         x = x[step.logits_indices]
         if c.final_norm:
             x = norm(c, dt, "norm")(x)
@@ -255,6 +269,36 @@ class DecoderModel(nn.Module):
         if c.final_soft_cap:
             logits = c.final_soft_cap * jnp.tanh(logits / c.final_soft_cap)
         return logits, kv_pool
+
+
+def _scanned_layers(model: DecoderModel, x, kv_pool, cos, sin, step: StepInput):
+    """The layers under ``nn.scan``. Their parameters are created stacked ([num_layers, ...],
+    as nn.scan's variable_axes would stack them) and broadcast into the scan, each layer reading
+    its row: a sliced scan input would be copied out of the stack before every dot on a CPU."""
+    c, dt = model.config, model.dtype
+    stacks = mlp_stacks(c, dt) if c.num_experts else None
+    layers = nn.scan(
+        DecoderLayer,
+        variable_broadcast="params",
+        split_rngs={"params": False},
+        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+        length=c.num_layers,
+    )(c, dt, model.backend, model.mesh, model.packed_weights, name="layers")
+    data = jax.tree.map(jnp.asarray, per_layer_data(c))
+    (x, kv_pool), _ = layers((x, kv_pool), data, cos, sin, step, stacks)
+    return x, kv_pool
+
+
+def _unrolled_layers(model: DecoderModel, x, kv_pool, cos, sin, step: StepInput):
+    """The layers one after another, each over its own parameters (``layers_{i}``): every
+    kernel is a whole array the dot reads where it lies, with no slice of a stack to copy."""
+    c = model.config
+    for i in range(c.num_layers):
+        layer = DecoderLayer(
+            c, model.dtype, model.backend, model.mesh, stacked=False, name=f"layers_{i}"
+        )
+        (x, kv_pool), _ = layer((x, kv_pool), layer_data(c, i), cos, sin, step, None)
+    return x, kv_pool
 
 
 def _constrain(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:

@@ -21,9 +21,16 @@ from jax.sharding import Mesh
 
 from .config import ModelConfig
 from .decoder import DecoderModel, packs_tied_table
+from .layer_loop import (
+    check_layer_loop,
+    default_layer_loop,
+    flax_tree,
+    is_per_layer,
+    split_layers,
+)
 from .layers import KVPool, apply_rope, rope_inv_freq  # noqa: F401 (re-exported)
 from .quant import compute_dtype
-from .sharding import scales_sharding
+from .sharding import scales_sharding, shard_params
 from .step_input import StepInput
 
 
@@ -79,7 +86,6 @@ def forward(
     config: ModelConfig,
     backend: str = "auto",
     mesh: Mesh | None = None,
-    unroll_layers: bool = False,
     packed_weights: bool = False,
 ):
     """Pure forward: ``(params, kv_pool, step_input) -> (logits f32[num_logits, vocab], kv_pool)``.
@@ -87,13 +93,35 @@ def forward(
     The compute dtype is the embedding's (linear kernels may be 8-bit: models/quant.py). With a
     ``mesh``, parameters and pool are sharded by heads (models/sharding.py) and attention runs
     per device under shard_map.
-    ``unroll_layers`` compiles one copy of the layer per layer (as a model without the scan
-    would; for comparing compile times). ``packed_weights``: the layers' projection kernels are
-    packed, and a tied table where ``packs_tied_table`` (``pack_layer_kernels``).
+    ``params`` stacked run the layers under a scan; split per layer (``split_layers``, chosen
+    at load: models/layer_loop.py) they run unrolled. ``packed_weights``: the layers'
+    projection kernels are packed, and a tied table where ``packs_tied_table``
+    (``pack_layer_kernels``).
     """
     dtype = compute_dtype(params)
-    model = DecoderModel(config, dtype, backend, mesh, unroll_layers, packed_weights)
-    return model.apply({"params": params}, kv_pool, step_input)
+    loop = "unrolled" if is_per_layer(params) else "scan"
+    model = DecoderModel(config, dtype, backend, mesh, loop, packed_weights)
+    return model.apply({"params": flax_tree(params)}, kv_pool, step_input)
+
+
+def process_weights_after_loading(
+    params, config: ModelConfig, mesh: Mesh | None = None, layer_loop: str | None = None
+) -> tuple[dict, bool]:
+    """The loaded (stacked) parameters in the layout the step reads, and whether its kernels
+    are packed (``forward``'s ``packed_weights``). ``layer_loop`` (default
+    ``default_layer_loop()``): "unrolled" splits the layers into one tree per layer
+    (``split_layers``; placed by ``param_shardings`` on a mesh); "scan" keeps them stacked and,
+    without a mesh, packs the kernels for the native CPU matmul where it can
+    (``pack_layer_kernels``)."""
+    loop = check_layer_loop(layer_loop) if layer_loop else default_layer_loop()
+    if loop == "unrolled":
+        params = split_layers(params, config)
+        return (params if mesh is None else shard_params(params, mesh)), False
+    if is_per_layer(params):
+        raise ValueError("layer_loop='scan' needs stacked parameters, got one tree per layer")
+    if mesh is not None:  # sharded kernels take XLA's dot
+        return params, False
+    return pack_layer_kernels(params, config)
 
 
 # The layers' projections whose stacked kernels pack_layer_kernels packs (models/decoder.py).

@@ -39,9 +39,10 @@ class _Params(nn.Module):
 
 
 class _GatedMLPParams(nn.Module):
-    """Stacked gated-MLP parameters: {gate,up,down}_proj/kernel, [n, in, out]."""
+    """Stacked gated-MLP parameters: {gate,up,down}_proj/kernel, [n, in, out] ([in, out] when
+    ``n`` is None: one layer's)."""
 
-    n: int
+    n: int | None
     hidden: int
     inner: int
     dtype: jnp.dtype
@@ -53,37 +54,39 @@ class _GatedMLPParams(nn.Module):
             "up_proj": (self.hidden, self.inner),
             "down_proj": (self.inner, self.hidden),
         }
+        lead = () if self.n is None else (self.n,)
         return {
-            proj: _Params((("kernel", (self.n, *shape)),), self.dtype, name=proj)()
+            proj: _Params((("kernel", (*lead, *shape)),), self.dtype, name=proj)()
             for proj, shape in shapes.items()
         }
 
 
 class MoEParams(nn.Module):
     """The MoE blocks of ``n`` layers, stacked: router, experts (one array per projection, with
-    an expert axis), and Qwen2-MoE's shared expert and its gate."""
+    an expert axis), and Qwen2-MoE's shared expert and its gate. ``n`` None: one layer's."""
 
     config: ModelConfig
     dtype: jnp.dtype
-    n: int
+    n: int | None
 
     @nn.compact
     def __call__(self) -> dict:
         c, dt, n = self.config, self.dtype, self.n
         h, e, i = c.hidden_size, c.num_experts, c.moe_intermediate_size
+        lead = () if n is None else (n,)
         experts = (
-            ("gate_proj", (n, e, h, i)),  # [layers, experts, in, out]
-            ("up_proj", (n, e, h, i)),
-            ("down_proj", (n, e, i, h)),
+            ("gate_proj", (*lead, e, h, i)),  # [layers, experts, in, out]
+            ("up_proj", (*lead, e, h, i)),
+            ("down_proj", (*lead, e, i, h)),
         )
         p = {
-            "router": _Params((("kernel", (n, h, e)),), dt, name="router")(),
+            "router": _Params((("kernel", (*lead, h, e)),), dt, name="router")(),
             "experts": _Params(experts, dt, name="experts")(),
         }
         if c.shared_expert_intermediate_size:
             s = c.shared_expert_intermediate_size
             p["shared_expert"] = _GatedMLPParams(n, h, s, dt, name="shared_expert")()
-            gate = (("kernel", (n, h, 1)),)
+            gate = (("kernel", (*lead, h, 1)),)
             p["shared_expert_gate"] = _Params(gate, dt, name="shared_expert_gate")()
         return p
 
@@ -193,3 +196,13 @@ def layer_mlp(x: jax.Array, stacks: dict, row, is_moe, config: ModelConfig, mesh
     if "moe" not in stacks:
         return dense(x)
     return jax.lax.cond(is_moe, moe, dense, x)
+
+
+def own_mlp(x: jax.Array, is_moe: bool, config: ModelConfig, dtype, mesh) -> jax.Array:
+    """An unrolled layer's MLP over its own parameters (``moe`` or ``dense_mlp``, one layer's
+    row of the stacks; models/layer_loop.py): the kind is known in Python, so no cond."""
+    c = config
+    if is_moe:
+        return moe_mlp(x, MoEParams(c, dtype, None, name="moe")(), c, mesh)
+    p = _GatedMLPParams(None, c.hidden_size, c.intermediate_size, dtype, name="dense_mlp")()
+    return gated_mlp(x, p, activation(c))

@@ -9,7 +9,8 @@ does not divide stays replicated. The KV pool is split on its kv-head axis, so e
 its heads' slice of every block. When the degree exceeds num_kv_heads, KV heads are replicated
 (as vLLM does) so each device has one. Per-layer parameters are stacked (``layers/...``, and a
 MoE family's ``moe/...`` and ``dense_mlp/...``, leading layer axis): their specs gain an unsplit
-leading dimension.
+leading dimension. Split per layer (models/layer_loop.py: ``layers`` a tuple of trees), each
+layer's arrays take one layer's specs.
 """
 
 from __future__ import annotations
@@ -135,10 +136,12 @@ def param_shardings(params: dict, mesh: Mesh) -> dict:
 
     def sharding(path, x):
         keys = tuple(getattr(p, "key", str(p)) for p in path)
+        # A per-layer tree's layer i sits at ("layers", SequenceKey(i), ...): not stacked.
+        stacked = keys[0] in STACKED and isinstance(path[1], jax.tree_util.DictKey)
         spec = _RULES.get(keys[-2:], P())
         if keys[-1] == "kernel_scale":  # a quantized kernel's scales (models/quant.py)
-            spec = _scale_spec(_RULES.get((keys[-2], "kernel"), P()), x.ndim - (keys[0] in STACKED))
-        if keys[0] in STACKED and spec != P():
+            spec = _scale_spec(_RULES.get((keys[-2], "kernel"), P()), x.ndim - stacked)
+        if stacked and spec != P():
             spec = P(None, *spec)  # the stacked layer axis stays whole
         if any(axis and dim % tp for axis, dim in zip(spec, x.shape, strict=False)):
             spec = P()

@@ -7,7 +7,10 @@ is bound by reading the kernel, so the copy (one more write and one more read of
 makes the step 2-3x the time of one read of the parameters. On a CPU, ``layer_matmul`` runs a
 native kernel (native/matmul_cpu.cc) that reads the layer's rows in place; elsewhere, or where
 native kernels are unavailable, it is the plain ``jnp.dot`` of the slice
-(``layer_matmul_reference``), which a GPU or TPU compiler fuses.
+(``layer_matmul_reference``), and the slice is copied there too: on an H200, XLA:GPU compiled a
+scan over stacked bf16 kernels with a ``dynamic-slice`` fusion producing each layer's whole
+``bf16[1,14336,4096]`` before its GEMM (0.39-0.40 of the memory floor). Off a CPU the layers run
+unrolled over one array per layer instead (models/layer_loop.py: 0.99-1.15 of it there).
 
 ``matmul_transposed`` is ``x @ w.T`` for ``w`` [N, K] (the embedding table as a tied LM head):
 on a CPU a native kernel that streams ``w``'s rows once, as dot products for a few rows of x

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from pagedjax import compilation, pallas_kernels
 from pagedjax.distributed import Channel
 from pagedjax.models.config import ModelConfig
-from pagedjax.models.llama import forward, pack_layer_kernels
+from pagedjax.models.llama import forward, process_weights_after_loading
 from pagedjax.models.quant import compute_dtype
 from pagedjax.models.sharding import pool_sharding, shard_params
 from pagedjax.models.step_input import StepInput
@@ -153,15 +153,15 @@ class Runner:
         # compiles are the ones the steps call (committed and uncommitted arguments differ).
         if mesh is not None:
             self._inputs = NamedSharding(mesh, PartitionSpec())
-            params = self.params = shard_params(params, mesh)
-            self.packed_weights = False
+            params = shard_params(params, mesh)
             pool = pool_sharding(mesh)
         else:
             self._inputs = pool = SingleDeviceSharding(jax.local_devices()[0])
             params = jax.device_put(params, pool)
-            # On a CPU the layer kernels are packed for the native matmul (models/llama.py).
-            params, self.packed_weights = pack_layer_kernels(params, config)
-            self.params = params
+        # The weights in the layout the step reads, chosen once (models/llama.py): one array
+        # per layer, or stacked under the scan (on a CPU packed for the native matmul).
+        params, self.packed_weights = process_weights_after_loading(params, config, mesh)
+        self.params = params
         self.kv_cache = KVCache(
             config,
             num_blocks=num_blocks,

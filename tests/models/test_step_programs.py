@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 from pagedjax.models.config import ModelConfig
-from pagedjax.models.llama import forward, param_shapes
+from pagedjax.models.layer_loop import split_layers
+from pagedjax.models.llama import param_shapes
 from pagedjax.models.step_input import StepInput
 
 import pagedjax.worker.runner as runner_mod
@@ -36,10 +37,10 @@ def step_hlo(layers: int, max_query_len: int, unroll: bool = False) -> str:
         i32((t,)), i32((t,)), i32((t,)), i32((s, b)), i32((s,)), i32((s + 1,)), i32((s,)),
         max_query_len=max_query_len,
     )  # fmt: skip
-    args = (param_shapes(c), (pool, pool), step, c, "reference", None)
-    if unroll:
-        fn = jax.jit(forward, static_argnums=(3, 4, 5, 6, 7), donate_argnums=(1,))
-        return fn.lower(*args, True).compile().as_text()
+    params = param_shapes(c)
+    if unroll:  # one tree per layer (models/layer_loop.py): the layers unrolled
+        params = split_layers(params, c)
+    args = (params, (pool, pool), step, c, "reference", None)
     return runner_mod._step.lower(*args).compile().as_text()
 
 
@@ -66,11 +67,13 @@ def pool_reads(hlo: str, layer_elements: int) -> list[tuple[str, str]]:
     return found
 
 
+@pytest.mark.parametrize("unroll", [False, True], ids=["scan", "unrolled"])
 @pytest.mark.parametrize("max_query_len", [1, 16], ids=["decode", "prefill"])
-def test_step_updates_the_pool_in_place(max_query_len):
+def test_step_updates_the_pool_in_place(max_query_len, unroll):
     layers = 4
-    hlo = step_hlo(layers, max_query_len)
-    num_params = len(jax.tree.leaves(param_shapes(config(layers))))
+    hlo = step_hlo(layers, max_query_len, unroll)
+    params = param_shapes(config(layers))
+    num_params = len(jax.tree.leaves(split_layers(params, config(layers)) if unroll else params))
     assert {num_params, num_params + 1} <= aliased_params(hlo), "pool not donated to the output"
     reads = pool_reads(hlo, layer_elements=2 * NUM_BLOCKS * BLOCK * 16)
     copies = [r for r in reads if r[0] != "gather"]
