@@ -4,12 +4,15 @@ The library is llguidance (docs/STRUCTURED_OUTPUT.md says why), imported only wh
 Host side, pure Python and numpy; no jax.
 
 - Admission (``InputProcessor.check``) compiles the constraint once per spec (cached) with the
-  model's tokenizer: an invalid schema, regex or grammar, or one that allows no first token of this
-  vocabulary, is a ``ValueError`` naming what is wrong (a 400 on the server).
-- Each request keeps one matcher per sequence (``RequestGrammar``), advanced on the host as tokens
-  are accepted (after each step) and rebuilt from the sequence's tokens whenever it is missing or
-  behind (the n samples' forks, a restored snapshot); recompute after preemption keeps the tokens,
-  so the state follows.
+  model's tokenizer: an invalid schema, regex or grammar, one over the bounds llguidance can build
+  safely (structured_limits.py, checked first), or one that allows no first token of this
+  vocabulary, is a ``ValueError`` naming what is wrong (a 400 on the server). Compiling runs in a
+  worker thread with a stack and a time budget of its own (structured_worker.py).
+- Each request keeps one matcher per sequence (``RequestGrammar``), a copy of the grammar's start
+  matcher, advanced on the host as tokens are accepted (after each step) and rebuilt (copied
+  again) from the sequence's tokens whenever it is missing or behind (the n samples' forks, a
+  restored snapshot); recompute after preemption keeps the tokens, so the state follows. The
+  first mask is computed once per grammar, at admission.
 - Before each step every constrained row carries its packed int32 bitmask [ceil(vocab / 32)] of
   allowed tokens, which the sampler applies on device as a fixed-shape input (sampler.py).
 - Ending: once the grammar is complete and takes nothing more, the sequence finishes "stop" (no EOS
