@@ -1,12 +1,16 @@
 """Compiled programs across processes and their cost: JAX's persistent compilation cache, and the
-seconds this process has spent tracing, lowering and compiling (or loading compiled programs).
+programs and seconds spent tracing, lowering and compiling (or loading compiled programs), per
+process and per thread (a server compiles rare programs on a thread of its own while the engine
+thread steps, and each counts its own).
 
 The cache lives under ``$PAGEDJAX_CACHE_DIR/jax`` (default ``~/.cache/pagedjax/jax``), so a second
 process with the same model and shapes loads its programs instead of compiling them;
-``PAGEDJAX_COMPILATION_CACHE=0`` turns it off. A ``jax_compilation_cache_dir`` set by the user
-is left as it is. JAX keys an entry by the lowered program, its compile options and the
-devices, so a key is stable across processes as long as the traced programs are: the jitted
-steps take only hashable configuration as static arguments, never closures or ids.
+``PAGEDJAX_COMPILATION_CACHE=0`` turns it off. XLA's GPU autotuning results are kept beside them
+(``jax/xla_gpu_per_fusion_autotune_cache_dir``), so a second start on a GPU does not autotune
+again. A ``jax_compilation_cache_dir`` set by the user is left as it is. JAX keys an entry by
+the lowered program, its compile options and the devices, so a key is stable across processes
+as long as the traced programs are: the jitted steps take only hashable configuration as static
+arguments, never closures or ids.
 """
 
 from __future__ import annotations
@@ -29,9 +33,13 @@ _EVENTS = frozenset(
         dispatch.BACKEND_COMPILE_EVENT,
     }
 )
+# The XLA caches JAX keeps under its compilation cache directory when that cache is on.
+XLA_CACHES = "xla_gpu_per_fusion_autotune_cache_dir"
 _lock = threading.Lock()
 _seconds = 0.0
+_programs = 0
 _listening = False
+_thread = threading.local()  # .programs, .seconds: this thread's share
 
 
 def cache_dir() -> Path | None:
@@ -54,14 +62,21 @@ def enable_persistent_cache() -> Path | None:
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_enable_xla_caches", XLA_CACHES)
     return path
 
 
 def _on_duration(event: str, duration_secs: float, **kwargs) -> None:
-    global _seconds
-    if event in _EVENTS:
-        with _lock:
-            _seconds += duration_secs
+    # JAX reports each event on the thread that traced, lowered or compiled.
+    global _seconds, _programs
+    if event not in _EVENTS:
+        return
+    compiled = int(event == dispatch.BACKEND_COMPILE_EVENT)
+    with _lock:
+        _seconds += duration_secs
+        _programs += compiled
+    _thread.seconds = getattr(_thread, "seconds", 0.0) + duration_secs
+    _thread.programs = getattr(_thread, "programs", 0) + compiled
 
 
 def compile_seconds() -> float:
@@ -70,8 +85,20 @@ def compile_seconds() -> float:
     return _seconds
 
 
+def programs_compiled() -> int:
+    """Programs this process has compiled (or loaded from the persistent cache) since
+    ``track_compile_seconds`` first ran."""
+    return _programs
+
+
+def this_thread() -> tuple[int, float]:
+    """(programs compiled or loaded, seconds spent) by the calling thread so far: the difference
+    of two readings is what the code between them compiled, whatever other threads did."""
+    return getattr(_thread, "programs", 0), getattr(_thread, "seconds", 0.0)
+
+
 def track_compile_seconds() -> None:
-    """Start adding up compile time (idempotent)."""
+    """Start counting compiled programs and adding up compile time (idempotent)."""
     global _listening
     with _lock:
         if not _listening:

@@ -1,11 +1,13 @@
 """``pagedjax serve``: load the model and run the OpenAI-compatible server (the app itself is in
-``pagedjax.entrypoints.openai``)."""
+``pagedjax.entrypoints.openai``). The server answers once the common programs are compiled; the
+rest compile in the background (pagedjax/entrypoints/startup.py)."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
+from pagedjax.entrypoints import startup
 from pagedjax.entrypoints.openai.engine_loop import EngineLoop, QueueFull
 from pagedjax.entrypoints.openai.protocol import ServerLimits
 from pagedjax.entrypoints.openai.serving import build_app, check_api_key
@@ -26,10 +28,15 @@ def serve(
     public_metrics: bool = False,
     public_docs: bool = False,
     log_level: str = "info",
+    warmup: bool = True,
+    warmup_all: bool = False,
+    background_compile: bool = True,
     **llm_kwargs,
 ) -> None:
     """Load the model and serve it until interrupted. Bad options raise ValueError before the
-    model loads."""
+    model loads. Before it answers the server compiles the common programs (``warmup``), or
+    every program (``warmup_all``), or nothing; with ``background_compile`` the rest compile on
+    a background thread once it answers, else each on first use."""
     import uvicorn
 
     from pagedjax import LLM
@@ -42,6 +49,9 @@ def serve(
     names = served_model_name or model or Path(default_model_path()).stem
     model = model or default_model_path()
     llm = LLM(model, **llm_kwargs)
+    start = startup.prepare(
+        llm, warmup=warmup, warmup_all=warmup_all, background=background_compile
+    )
     if not llm.engine.is_driver:  # multi-process: process 0 serves; this one replays its steps
         llm.engine.follow()
         llm.close()
@@ -56,6 +66,7 @@ def serve(
             public_metrics=public_metrics,
             public_docs=public_docs,
         )
+        app.state.engine_loop.attach_startup(start)
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:
         if app is not None and app.state.engine_loop.is_running:  # a step outlived shutdown

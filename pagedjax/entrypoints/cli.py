@@ -182,6 +182,8 @@ def _serve(args: argparse.Namespace) -> int:
         public_metrics=args.public_metrics,
         public_docs=args.public_docs,
         warmup=args.warmup,
+        warmup_all=args.warmup_all,
+        background_compile=args.background_compile,
         **_engine_kwargs(args),
     )
     return 0
@@ -245,7 +247,20 @@ def main(argv: list[str] | None = None) -> int:
         "--warmup",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="compile every step program before serving (default: on)",
+        help="compile the common step programs (about a dozen model programs) before serving; "
+        "--no-warmup: every program compiles on first use (default: on)",
+    )
+    srv.add_argument(
+        "--warmup-all",
+        action="store_true",
+        help="compile every step program before serving (minutes on a CPU)",
+    )
+    srv.add_argument(
+        "--background-compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after the server answers, compile the remaining programs on a background thread "
+        "(else each compiles on first use; default: on)",
     )
     srv.add_argument(
         "--max-queue",

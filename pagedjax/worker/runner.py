@@ -6,11 +6,13 @@ set of programs), then run two jitted programs: the model step with the KV pool 
 of each sequence's last token), and the sampler, ``sample_step(logits, logit_rows, sampling) ->
 SamplerOutput`` (one row per requested sample). Only the model's work (token / sequence / context
 / query buckets) picks a model program; sampling options pick among a few small sampler programs.
-``warmup`` compiles the whole bucket set up front. Block copies and swaps requested by the
-scheduler run before the step that needs them. An engine that speculates takes, in steps with
-queries longer than one token, the logits of 1 + k rows per sequence (its last token and its
-proposals) and samples them with the verify program (``pagedjax.spec_decode.rejection``), which
-also says which proposals were accepted; its decode steps are the plain engine's.
+``warmup`` compiles the whole bucket set up front; a server compiles ``startup_jobs`` (the bucket
+policy's common programs, worker/warmup.py) before it answers and the rest in the background.
+Block copies and swaps requested by the scheduler run before the step that needs them. An engine
+that speculates takes, in steps with queries longer than one token, the logits of 1 + k rows per
+sequence (its last token and its proposals) and samples them with the verify program
+(``pagedjax.spec_decode.rejection``), which also says which proposals were accepted; its decode
+steps are the plain engine's.
 
 Padding and buckets are input_batch's; the pool, its host mirror and block moves kv_cache's.
 
@@ -20,17 +22,13 @@ the driver broadcasts it with its host arrays and the followers, looping in ``fo
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
-import os
-import time
+import threading
 
 import jax
 import numpy as np
-from jax._src import dispatch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
-from tqdm.auto import tqdm
 
 from pagedjax import compilation, pallas_kernels
 from pagedjax.distributed import Channel
@@ -55,6 +53,7 @@ from pagedjax.worker.kv_cache import KVCache, pool_dtype
 from pagedjax.worker.prompt_logprobs import PromptLogprobsOutput
 from pagedjax.worker.sampler import SamplerOutput, SamplingInput, SamplingRow, sample
 from pagedjax.worker.token_fill import fill_tokens
+from pagedjax.worker.warmup import Job, WarmupReport, common_shapes, compile_jobs
 
 __all__ = ["Runner", "ScheduledSeq", "StepHandle", "StepShape", "WarmupReport"]
 
@@ -76,16 +75,6 @@ _step = jax.jit(_model_step, static_argnums=(3, 4, 5, 6), donate_argnums=(1,))
 _sample = jax.jit(_sample_step)
 _forward = jax.jit(_model_step, static_argnums=(3, 4, 5, 6), donate_argnums=(1,))
 
-_compiles = 0  # programs compiled (or loaded from the persistent cache) in this process
-
-
-def _count_compiles(event: str, duration_secs: float, **kwargs) -> None:
-    global _compiles
-    if event == dispatch.BACKEND_COMPILE_EVENT:
-        _compiles += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 compilation.track_compile_seconds()
 
 
@@ -103,12 +92,6 @@ class StepHandle:
     @property
     def tokens(self) -> jax.Array:
         return self.out.tokens  # i32[sampler rows], on the device
-
-
-@dataclasses.dataclass
-class WarmupReport:
-    programs: list[tuple[str, float]]  # (program, seconds to compile or load it)
-    seconds: float  # wall time of the warm-up
 
 
 class Runner:
@@ -174,6 +157,7 @@ class Runner:
         self.max_model_len = max_model_len
         self.num_compilations = 0  # programs compiled because of this runner's device operations
         self.compile_seconds = 0.0  # time spent tracing, lowering and compiling them
+        self._count_lock = threading.Lock()  # the engine thread and a background compile count
         self.channel = channel  # set in a multi-process run
         self.profile = profile or StepProfile()
         # The profile's attention work: the native CPU kernel reads each row's own keys only.
@@ -293,13 +277,62 @@ class Runner:
         progress: bool = True,
         fill_tokens: bool = False,
     ) -> WarmupReport:
-        """Compile every program a workload within these limits can need: each model-step
-        shape, the sampler for each sequence bucket with and without penalties and logit bias or
-        allowed-token masks, and the block
-        copy / swap programs. Compilation runs on a thread pool (XLA compiles outside the GIL);
-        returns the seconds each program took (compiled, or loaded from the persistent cache)."""
-        start = time.perf_counter()
-        before = (_compiles, compilation.compile_seconds())
+        """Compile every program a workload within these limits can need (``warmup_jobs``) on a
+        thread pool (XLA compiles outside the GIL); returns the seconds each program took
+        (compiled, or loaded from the persistent cache)."""
+        limits = (max_num_seqs, max_num_batched_tokens)
+        jobs = self.warmup_jobs(*limits, swap=swap, fill_tokens=fill_tokens)
+        return self.compile(jobs, progress=progress)
+
+    def compile(self, jobs: list[Job], **kwargs) -> WarmupReport:
+        """Compile ``jobs`` (worker/warmup.py's ``compile_jobs``, which takes ``kwargs``) and
+        count what they compiled as this runner's; safe on a thread beside the engine's."""
+        report = compile_jobs(jobs, **kwargs)
+        with self._count_lock:
+            self.num_compilations += report.num_compiled
+            self.compile_seconds += report.compile_seconds
+        return report
+
+    def startup_jobs(
+        self, max_num_seqs: int, max_num_batched_tokens: int, *, fill_tokens: bool = False
+    ) -> list[Job]:
+        """The programs a server compiles before it answers (worker/warmup.py's bucket policy):
+        the common model shapes, the sampler of a default greedy and a default sampling request
+        for each of their sequence buckets, and, with async scheduling, the token fill."""
+        shapes = self.step_shapes(max_num_seqs, max_num_batched_tokens)
+        common = common_shapes(self.batcher, shapes)
+        jobs = [(f"model {s}", lambda s=s: self._lower_step(s)) for s in common]
+        for s in sorted({shape.num_seqs for shape in common}):
+            for temperature in (0.0, 1.0):
+                name = f"sampler s{s} default {'greedy' if temperature == 0 else 'sampling'}"
+                jobs.append((name, lambda s=s, t=temperature: self._lower_default_sample(s, t)))
+        if fill_tokens:  # async steps fill their placeholders, widened to the widest bucket
+            widest = max(shapes, key=lambda shape: shape.num_seqs)
+            jobs += token_fill.warmup_jobs([*common, widest], self._inputs)
+        return jobs
+
+    def _lower_default_sample(self, num_seqs: int, temperature: float):
+        """The sampler a batch of default rows (only ``temperature`` set) runs."""
+        rows = [SamplingRow(temperature=temperature)]
+        args = (
+            self._logits_like(num_seqs),
+            jax.device_put(np.zeros(num_seqs, np.int32), self._inputs),
+            jax.device_put(self._sampling_input(rows, num_seqs, 0), self._inputs),
+        )
+        return _sample.lower(*args)
+
+    def warmup_jobs(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        *,
+        swap: bool | None = None,
+        fill_tokens: bool = False,
+    ) -> list[Job]:
+        """Every program a workload within these limits can need: each model-step shape, the
+        sampler for each sequence bucket in each of its variants (penalties, logit bias or
+        allowed-token masks, greedy or sampling), the block copy / swap programs and, with
+        ``fill_tokens``, async scheduling's placeholder fill; as (name, lowering thunk)."""
         jobs = []  # (name, lowering thunk)
         shapes = self.step_shapes(max_num_seqs, max_num_batched_tokens)
         for shape in shapes:
@@ -320,36 +353,7 @@ class Runner:
             for op in ("copy", "gather", "scatter") if swap else ("copy",):
                 name = f"{op}_blocks {n}"
                 jobs.append((name, lambda op=op, ids=ids: lower_move(op, ids)))
-        report = WarmupReport([], 0.0)
-        workers = max(1, min(len(jobs), os.cpu_count() or 1))
-
-        def compile_one(name, lowered):
-            t0 = time.perf_counter()
-            lowered.compile()
-            return name, time.perf_counter() - t0
-
-        with (
-            tqdm(total=len(jobs), desc="compiling", disable=not progress, unit="prog") as bar,
-            concurrent.futures.ThreadPoolExecutor(workers) as pool,
-        ):
-            futures = []
-            for name, lower in jobs:  # tracing and lowering hold the GIL: one at a time
-                t0 = time.perf_counter()
-                lowered = lower()
-                lower_s = time.perf_counter() - t0
-                futures.append(pool.submit(compile_one, name, lowered))
-                futures[-1].lower_s = lower_s
-            for future in concurrent.futures.as_completed(futures):
-                name, secs = future.result()
-                secs += future.lower_s
-                report.programs.append((name, secs))
-                logger.info("compiled %s in %.2f s", name, secs)
-                bar.set_postfix_str(f"{name}: {secs:.2f} s", refresh=False)
-                bar.update(1)
-        self.num_compilations += _compiles - before[0]
-        self.compile_seconds += compilation.compile_seconds() - before[1]
-        report.seconds = time.perf_counter() - start
-        return report
+        return jobs
 
     def _lower_step(self, shape: StepShape):
         return _step.lower(
@@ -446,12 +450,14 @@ class Runner:
             raise RuntimeError("the engine is closed")
         if self.channel is not None:
             self.channel.send((op, args))
-        compiles, seconds = _compiles, compilation.compile_seconds()
+        compiles, seconds = compilation.this_thread()  # a background compile is not this op's
         try:
             return self._op(op)(*args)
         finally:
-            self.num_compilations += _compiles - compiles
-            self.compile_seconds += compilation.compile_seconds() - seconds
+            now = compilation.this_thread()
+            with self._count_lock:
+                self.num_compilations += now[0] - compiles
+                self.compile_seconds += now[1] - seconds
 
     def follow(self):
         """Follower: replay the driver's device operations until a message that is not one

@@ -5,6 +5,11 @@ engine's state; they talk to it through ``submit`` and ``abort``.
 A request that fails inside the engine comes back as its own finished output with ``error`` set;
 if ``step()`` itself raises, every request in flight gets the exception and the thread goes on
 serving. Nothing a request does ends the thread.
+
+A server's start (pagedjax/entrypoints/startup.py) rides on the loop: ``start`` marks the moment
+the server answers and starts the background compile of the programs not yet compiled, which
+runs beside the engine thread (a step that needs one of them compiles it itself); ``stop`` ends
+the background compile before the engine thread.
 """
 
 from __future__ import annotations
@@ -53,17 +58,28 @@ class EngineLoop:
         self._tracked: dict[str, _Tracked] = {}
         self._thread: threading.Thread | None = None
         self._stop = False
+        self.startup = None  # a server's start (startup.Startup), when ``attach_startup`` ran
         self._publish()
+
+    def attach_startup(self, startup) -> None:
+        """Report ``startup`` (its figures join /metrics) and start its background compile when
+        the loop starts."""
+        self.startup = startup
+        self.metrics.registry.register(startup)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="pagedjax-engine", daemon=True)
         self._thread.start()
+        if self.startup is not None:
+            self.startup.ready()
 
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def stop(self) -> None:
+        if self.startup is not None:
+            self.startup.stop()
         self._stop = True
         self._commands.put(None)
         if self._thread is not None:

@@ -1,0 +1,140 @@
+"""A server's start: the programs compiled before it answers, the rest in the background, and
+what that cost.
+
+``prepare(llm)`` compiles the bucket policy's common programs (``Runner.startup_jobs``,
+worker/warmup.py) and returns a ``Startup`` that holds the rest. The engine loop calls
+``ready()`` once the engine thread runs, just before the server answers ``/health``: it logs the
+seconds since the process started and starts the background compile. The counts are exported as
+Prometheus gauges (``Startup`` is a collector the engine loop registers).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import time
+
+from prometheus_client.core import GaugeMetricFamily
+
+from pagedjax.worker.warmup import BackgroundCompile, Job, WarmupReport
+
+logger = logging.getLogger("pagedjax.api_server")
+
+_IMPORTED = time.monotonic()
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux: from /proc; elsewhere since this module was
+    imported, which is later)."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - started_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
+
+
+class Startup:
+    """Programs compiled before the server answered (``report``) and those left to compile in
+    the background (``background``; None: they compile on first use)."""
+
+    def __init__(self, report: WarmupReport, background: BackgroundCompile | None = None):
+        self.report = report
+        self.background = background
+        self.seconds_to_ready: float | None = None  # process start -> the server answers
+
+    def ready(self) -> None:
+        """The server is about to answer: log how long that took, start the background."""
+        self.seconds_to_ready = process_age()
+        pending = self.background.num_jobs if self.background is not None else 0
+        logger.info(
+            "serving %.1f s after the process started: %d programs compiled at start in %.1f s; "
+            "%d more %s",
+            self.seconds_to_ready,
+            self.report.num_compiled,
+            self.report.seconds,
+            pending,
+            "compile in the background" if self.background is not None else "compile on first use",
+        )
+        if self.background is not None:
+            self.background.start()
+
+    def stop(self) -> None:
+        if self.background is not None:
+            self.background.stop()
+
+    def collect(self):
+        """Prometheus: the start's figures (a collector's ``collect``)."""
+        bg = self.background
+        figures = (
+            (
+                "startup_seconds",
+                "Seconds from the process's start until the server answered.",
+                self.seconds_to_ready or 0.0,
+            ),
+            (
+                "startup_programs",
+                "Programs compiled (or loaded from the cache) before the server answered.",
+                self.report.num_compiled,
+            ),
+            (
+                "background_compiled_programs",
+                "Programs compiled (or loaded) by the background compile since.",
+                bg.num_compiled if bg is not None else 0,
+            ),
+            (
+                "background_compile_pending",
+                "Programs the background compile has yet to go through.",
+                bg.num_jobs - bg.num_done if bg is not None else 0,
+            ),
+        )
+        for name, help_, value in figures:
+            yield GaugeMetricFamily(f"pagedjax_{name}", help_, value=value)
+
+
+def prepare(
+    llm, *, warmup: bool = True, warmup_all: bool = False, background: bool = True
+) -> Startup:
+    """Compile what the server needs before it answers: nothing (``warmup=False``: everything
+    compiles on first use), every program (``warmup_all``), or the bucket policy's common ones
+    with the rest left to a background compile (``background``) or to first use."""
+    engine, runner = llm.engine, llm.runner
+    sched = engine.config.scheduler
+    limits = (sched.max_num_seqs, sched.token_budget)
+    swap = engine.block_manager.num_host_blocks > 0
+    fill = engine.steps.enabled  # async steps fill placeholder tokens on the device
+    if not warmup:
+        return Startup(WarmupReport([], 0.0))
+    if warmup_all or not hasattr(runner, "startup_jobs"):  # a draft model's: everything
+        return Startup(runner.warmup(*limits, swap=swap, fill_tokens=fill))
+    first = runner.startup_jobs(*limits, fill_tokens=fill)
+    report = runner.compile(first, progress=True)
+    if not background or not engine.is_driver:  # a follower compiles on the driver's first use
+        return Startup(report)
+    done = {name for name, _ in first}
+    rest = _rarest_last(runner.warmup_jobs(*limits, swap=swap, fill_tokens=fill), done)
+    return Startup(report, BackgroundCompile(runner.compile, rest))
+
+
+def _rarest_last(jobs: list[Job], done: set[str]) -> list[Job]:
+    """The jobs not compiled yet, those of fewer sequences (s), narrower tables (b) and fewer
+    tokens (t) first, as their names say (``model decode t16 s16 b64``): more requests meet
+    them. Ties keep their order; a name without these sizes (block copies) goes first."""
+    rest = [job for job in jobs if job[0] not in done]
+    sizes = [dict(_SIZE.findall(name)) for name, _ in rest]
+    smallest: dict[str, int] = {}
+    for found in sizes:
+        for key, value in found.items():
+            smallest[key] = min(smallest.get(key, int(value)), int(value))
+
+    def rank(i: int) -> float:
+        return sum(math.log2(int(v) / smallest[k]) for k, v in sizes[i].items())
+
+    return [rest[i] for i in sorted(range(len(rest)), key=rank)]
+
+
+_SIZE = re.compile(r"\b([sbt])(\d+)\b")

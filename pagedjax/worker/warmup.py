@@ -1,0 +1,205 @@
+"""Which programs compile before a server answers, and compiling a list of them.
+
+The bucket policy (``common_shapes``): before ``/health`` answers, only the model programs that
+most requests of a fresh server meet: decode steps of up to ``COMMON_SEQS`` sequences whose
+contexts fit ``COMMON_CONTEXT`` tokens, and a single fresh prompt of up to ``COMMON_PROMPT``
+tokens (the smallest sequence bucket, the table width its own blocks need). With the default
+limits that is 11 model programs out of several hundred (12 where the kernels bucket the longest
+query). Everything rarer (more sequences, longer contexts and prompts, penalties, grammars,
+logprobs, speculation, block copies and swaps) compiles in the background after the server
+answers (``BackgroundCompile``), and a request that needs a program before then compiles it on
+first use on the engine thread, as it would without any warm-up.
+
+Compiling = tracing and lowering (which hold the GIL: one at a time), then XLA's compile (outside
+the GIL: on a thread pool). Both are thread-safe in JAX, so the background thread compiles while
+the engine thread steps; running a step stays the engine thread's alone. Counts are per thread
+(``compilation.this_thread``), so programs compiled in the background are not counted again by
+a step that runs meanwhile.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from tqdm.auto import tqdm
+
+from pagedjax import compilation
+from pagedjax.utils import cdiv
+
+logger = logging.getLogger(__name__)
+
+COMMON_SEQS = 32  # decode steps of up to this many sequences compile before serving
+COMMON_CONTEXT = 512  # ... whose block tables cover at most this many tokens
+COMMON_PROMPT = 512  # one fresh prompt of up to this many tokens compiles before serving
+
+Job = tuple[str, Callable[[], object]]  # (program name, thunk returning its jax Lowered)
+
+
+@dataclasses.dataclass
+class WarmupReport:
+    programs: list[tuple[str, float]]  # (program, seconds to compile or load it)
+    seconds: float  # wall time of the warm-up
+    num_compiled: int = 0  # programs compiled or loaded (a program compiled before: none)
+    compile_seconds: float = 0.0  # tracing, lowering and compiling them
+
+
+def common_shapes(batcher, shapes) -> list:
+    """The model-step shapes (of ``shapes``, a runner's ``step_shapes``) compiled before a server
+    answers: decode steps of up to ``COMMON_SEQS`` sequences with contexts within
+    ``COMMON_CONTEXT`` tokens, and the steps of a single fresh prompt of up to ``COMMON_PROMPT``
+    tokens. ``batcher``: the runner's InputBatcher (its buckets)."""
+    bs = batcher.block_size
+    smallest_seqs = min(s.num_seqs for s in shapes)
+    context_blocks = batcher.blocks_bucket(
+        min(cdiv(COMMON_CONTEXT, bs), batcher.max_blocks_per_seq)
+    )
+    token_buckets = sorted({s.num_tokens for s in shapes if s.max_query_len > 1})
+    single_prompt = set()  # (tokens, blocks, query) of one fresh prompt of length n
+    for lo, t in zip([0, *token_buckets], token_buckets, strict=False):
+        for n in range(max(lo + 1, 2), t + 1):
+            if n > COMMON_PROMPT or n >= batcher.max_model_len:
+                break
+            blocks = batcher.blocks_bucket(cdiv(n, bs))
+            single_prompt.add((t, blocks, batcher.max_query_bucket(n, t)))
+    common = []
+    for s in shapes:
+        if s.max_query_len == 1:
+            keep = s.num_seqs <= max(COMMON_SEQS, smallest_seqs) and s.max_blocks <= context_blocks
+        else:
+            key = (s.num_tokens, s.max_blocks, s.max_query_len)
+            keep = s.num_seqs == smallest_seqs and key in single_prompt
+        if keep:
+            common.append(s)
+    return common
+
+
+def compile_jobs(
+    jobs: list[Job],
+    *,
+    workers: int | None = None,
+    progress: bool = False,
+    stop: threading.Event | None = None,
+    skip_failures: bool = False,
+) -> WarmupReport:
+    """Lower each job (one at a time: tracing holds the GIL) and compile it on ``workers``
+    threads (default: one per CPU). ``skip_failures``: a job that fails is logged and skipped
+    (its program then compiles on first use) instead of raising. ``stop``: once set, no further
+    job starts."""
+    start = time.perf_counter()
+    report = WarmupReport([], 0.0)
+    workers = max(1, min(len(jobs), workers or os.cpu_count() or 1))
+
+    def compile_one(name, lowered):
+        before = compilation.this_thread()
+        t0 = time.perf_counter()
+        lowered.compile()
+        after = compilation.this_thread()
+        return name, time.perf_counter() - t0, after[0] - before[0], after[1] - before[1]
+
+    with (
+        tqdm(total=len(jobs), desc="compiling", disable=not progress, unit="prog") as bar,
+        concurrent.futures.ThreadPoolExecutor(workers) as pool,
+    ):
+        pending = []
+        for name, lower in jobs:
+            if stop is not None and stop.is_set():
+                break
+            before, t0 = compilation.this_thread(), time.perf_counter()
+            try:
+                lowered = lower()
+            except Exception:
+                if not skip_failures:
+                    raise
+                logger.exception("could not lower %s; it compiles on first use", name)
+                continue
+            after = compilation.this_thread()
+            report.num_compiled += after[0] - before[0]
+            report.compile_seconds += after[1] - before[1]
+            future = pool.submit(compile_one, name, lowered)
+            future.lower_s = time.perf_counter() - t0
+            pending.append(future)
+            if workers == 1:  # in the background: one program at a time, stoppable between
+                _collect([future], report, bar, skip_failures)
+                pending.clear()
+        _collect(pending, report, bar, skip_failures)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _collect(futures, report: WarmupReport, bar, skip_failures: bool) -> None:
+    for future in concurrent.futures.as_completed(futures):
+        try:
+            name, secs, programs, seconds = future.result()
+        except Exception:
+            if not skip_failures:
+                raise
+            logger.exception("a program failed to compile; it compiles on first use")
+            continue
+        secs += future.lower_s
+        report.programs.append((name, secs))
+        report.num_compiled += programs
+        report.compile_seconds += seconds
+        logger.debug("compiled %s in %.2f s", name, secs)
+        bar.set_postfix_str(f"{name}: {secs:.2f} s", refresh=False)
+        bar.update(1)
+
+
+class BackgroundCompile:
+    """Compiles ``jobs`` one at a time on a thread of its own, at a lower CPU priority than the
+    engine thread where the OS allows it; ``compile`` is the runner's (it counts what compiled).
+    ``num_done`` / ``num_jobs`` say how far it is."""
+
+    def __init__(self, compile: Callable[..., WarmupReport], jobs: list[Job]):
+        self._compile = compile
+        self.jobs = list(jobs)
+        self.num_jobs = len(self.jobs)
+        self.num_done = 0
+        self.num_compiled = 0
+        self.seconds = 0.0  # wall time, once finished
+        self.finished = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pagedjax-compile", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 60.0) -> None:
+        """No further program starts; waits up to ``timeout`` for the one compiling."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        _lower_priority()
+        start = time.perf_counter()
+        try:
+            for name, lower in self.jobs:
+                if self._stop.is_set():
+                    break
+                report = self._compile(
+                    [(name, lower)], workers=1, progress=False, stop=self._stop, skip_failures=True
+                )
+                self.num_done += 1
+                self.num_compiled += report.num_compiled
+        finally:
+            self.seconds = time.perf_counter() - start
+            self.finished.set()
+        if not self._stop.is_set():
+            logger.info(
+                "background compile done: %d programs compiled in %.1f s",
+                self.num_compiled,
+                self.seconds,
+            )
+
+
+def _lower_priority() -> None:
+    """Nice the calling thread (Linux: a thread id is a process id to setpriority)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
