@@ -1,10 +1,10 @@
-"""The sampler program as the runner calls it (``runner._sample``: the logits rows gathered, then
-``sample``), on one batch of greedy rows, three ways in one process, interleaved:
+"""The sampler program (the logits rows gathered, then ``sample``), on one batch of greedy rows,
+three ways in one process, interleaved:
 
   * branchless: what a greedy batch compiles to (``SamplingInput.penalties`` and ``.random``
     false: no conditional around the logits);
-  * with branches: the same rows with both flags forced on, i.e. the program every batch ran
-    before (the penalty and draw conditionals are there, and not taken);
+  * with branches: the same rows with both flags forced on (the penalty and draw work done,
+    then discarded for these greedy rows: what a batch with one penalised or sampling row runs);
   * branchless with ``jnp.argmax``: the sampler's own ``argmax`` swapped for XLA's.
 
     python benchmarks/sampler_cpu.py [--rows 64] [--vocab 49152] [--repeats 60]
@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the repo
 
-from pagedjax.worker import runner, sampler  # noqa: E402
+from pagedjax.worker import sampler  # noqa: E402
 from pagedjax.worker.sampler import SamplingInput, SamplingRow  # noqa: E402
 
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((n, vocab), np.float32))
     rows = jnp.arange(n, dtype=jnp.int32)
 
-    def program(argmax):  # what runner._sample runs, traced now with this argmax
+    def program(argmax):  # the sampler program, traced now with this argmax
         def step(logits, rows, s):  # a function of its own: jax caches traces by function
             return sampler.sample(logits[rows], s)
 
@@ -52,9 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             sampler.argmax = own
 
+    sample = program(sampler.argmax)
     cases = {
-        "branchless": (runner._sample, greedy),
-        "with branches": (runner._sample, branches),
+        "branchless": (sample, greedy),
+        "with branches": (jax.jit(lambda x, r, s: sampler.sample(x[r], s)), branches),
         "branchless, jnp.argmax": (program(lambda x: jnp.argmax(x, axis=-1)), greedy),
     }
     outs = {k: jax.block_until_ready(f(logits, rows, s)) for k, (f, s) in cases.items()}

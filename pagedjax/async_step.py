@@ -10,10 +10,11 @@ samples in it is *advanced*: its chunk counted as computed and a placeholder tok
 ``-1 - r`` for row r of N's sampler output, in ``seq.token_ids`` only (its output tokens, what
 sampling rows and outputs read, are the real ones so far). The scheduler then sees exactly the
 lengths it would see after N, and schedules N+1 as it would have (a decode of the placeholder at
-the same position, so a seeded row draws with the same key: ``fold_in(seed, position)``). The runner
-replaces the placeholders on the device from N's token array (``worker/token_fill.py``). Before N
-is post-processed its advances are undone and the scheduler's own ``update_from_output`` runs on
-N's real tokens: the appends, stop checks, forks and frees are those of a synchronous step.
+the same position, so a seeded row draws with the same key: ``fold_in(seed, position)``). The
+runner replaces the placeholders on the device from N's token array, inside the step's one
+program (``worker/step_program.py``). Before N is post-processed its advances are undone and the
+scheduler's own ``update_from_output`` runs on N's real tokens: the appends, stop checks, forks
+and frees are those of a synchronous step.
 
 A sequence that N finishes (EOS, stop string, length) or that is aborted was already scheduled in
 N+1: its N+1 row is dropped, never appended or returned, and finishing it freed its blocks,
@@ -51,7 +52,7 @@ from pagedjax.sampling_params import SamplingParams
 from pagedjax.spec_decode.speculator import with_proposals
 from pagedjax.worker import kv_cache
 from pagedjax.worker.runner import ScheduledSeq
-from pagedjax.worker.token_fill import fill_width, placeholder, widen
+from pagedjax.worker.step_program import placeholder
 
 if TYPE_CHECKING:
     from pagedjax.engine import LLMEngine
@@ -85,9 +86,6 @@ class StepLoop:
             and hasattr(runner, "dispatch")
         )
         self.pending: Dispatched | None = None  # advanced, its tokens not yet fetched
-        # Previous tokens are widened to this many rows, so the fill compiles once per token
-        # bucket (worker/token_fill.py).
-        self.fill_width = fill_width(engine.config.scheduler.max_num_seqs)
         self.num_overlapped = 0  # steps dispatched while the step before was still in flight
         self._touched: set[str] = set()  # requests whose outputs the next step() returns
 
@@ -178,7 +176,7 @@ class StepLoop:
         on_device = self.enabled and (prev is not None or not e.profile.enabled)
         if on_device:
             fill = prev is not None and any(s.token_ids[-1] < 0 for s in seqs)
-            prev_tokens = widen(prev.handle.tokens, self.fill_width) if fill else None
+            prev_tokens = prev.handle.tokens if fill else None
             handle = e.runner.dispatch(seqs, num_top, prev_tokens=prev_tokens)
         else:
             handle = e.runner.execute(seqs, num_top)

@@ -1,11 +1,13 @@
 """The one place host lists become device arrays.
 
 Each step: build one ``StepInput`` (numpy, padded to shape buckets so a long run compiles a bounded
-set of programs), then run two jitted programs: the model step with the KV pool donated,
-``model_step(params, kv_pool, step_input) -> (logits f32[num_seqs, vocab], kv_pool)`` (the logits
-of each sequence's last token), and the sampler, ``sample_step(logits, logit_rows, sampling) ->
-SamplerOutput`` (one row per requested sample). Only the model's work (token / sequence / context
-/ query buckets) picks a model program; sampling options pick among a few small sampler programs.
+set of programs), packed with the sampler's logits rows into one int32 buffer (one transfer),
+then run ONE jitted program, the step program with the KV pool donated: async scheduling's token
+fill, the model and, for a plain greedy batch, the sampling (worker/step_program.py); its one
+output array is copied to the host as soon as it is dispatched. A batch that needs more
+(penalties, bias, sampling, top logprobs) runs the sampler program on the gathered logits rows
+after it. Only the model's work (token / sequence / context / query buckets) picks a step
+program; sampling options pick among a few small sampler programs.
 ``warmup`` compiles the whole bucket set up front; a server compiles ``startup_jobs`` (the bucket
 policy's common programs, worker/warmup.py) before it answers and the rest in the background.
 Block copies and swaps requested by the scheduler run before the step that needs them. An engine
@@ -41,7 +43,7 @@ from pagedjax.pallas_kernels import native_attention
 from pagedjax.spec_decode.rejection import verify_step
 from pagedjax.step_profile import StepProfile
 from pagedjax.utils import next_pow2, powers_of_two
-from pagedjax.worker import prompt_logprobs, sampler, token_fill
+from pagedjax.worker import prompt_logprobs, sampler, step_program
 from pagedjax.worker.input_batch import (
     InputBatcher,
     ScheduledSeq,
@@ -51,8 +53,7 @@ from pagedjax.worker.input_batch import (
 )
 from pagedjax.worker.kv_cache import KVCache, pool_dtype
 from pagedjax.worker.prompt_logprobs import PromptLogprobsOutput
-from pagedjax.worker.sampler import SamplerOutput, SamplingInput, SamplingRow, sample
-from pagedjax.worker.token_fill import fill_tokens
+from pagedjax.worker.sampler import SamplerOutput, SamplingInput, SamplingRow
 from pagedjax.worker.warmup import Job, WarmupReport, common_shapes, compile_jobs
 
 __all__ = ["Runner", "ScheduledSeq", "StepHandle", "StepShape", "WarmupReport"]
@@ -64,15 +65,23 @@ def _model_step(params, kv_pool, step_input, config, backend, mesh, packed=False
     return forward(params, kv_pool, step_input, config, backend, mesh, packed_weights=packed)
 
 
-def _sample_step(logits, logit_rows, sampling):
-    # logits: f32[num_seqs, vocab]; logit_rows: i32[num_rows], the sequence each row samples from
-    return sample(logits[logit_rows], sampling)
+def _step_and_sample(params, kv_pool, packed, prev_tokens, config, backend, mesh, packed_w, layout):
+    # packed: i32[...], the step's inputs (step_program.pack_inputs); prev_tokens: i32[W], the
+    # step before's tokens on the device (placeholders -1 - r read row r)
+    step_input, logit_rows = step_program.unpack_inputs(packed, layout)
+    filled = step_program.fill_tokens(step_input.token_ids, prev_tokens)
+    step_input = step_input.replace(token_ids=filled)
+    logits, kv_pool = _model_step(params, kv_pool, step_input, config, backend, mesh, packed_w)
+    return step_program.after_model(logits, logit_rows, layout, prev_tokens), kv_pool
 
 
 # Module-level so that engines with the same model and shapes share compiled programs; static
 # arguments are hashable configuration only (stable persistent-cache keys).
 _step = jax.jit(_model_step, static_argnums=(3, 4, 5, 6), donate_argnums=(1,))
-_sample = jax.jit(_sample_step)
+# A step's one program: token fill, model, and a plain greedy batch's sampling.
+_step_program = jax.jit(_step_and_sample, static_argnums=(4, 5, 6, 7, 8), donate_argnums=(1,))
+# The sampler of a batch that needs more than greedy: (logits rows, sampling, W) -> (packed, W).
+_sample = jax.jit(step_program.sample_program, static_argnums=(2,))
 _forward = jax.jit(_model_step, static_argnums=(3, 4, 5, 6), donate_argnums=(1,))
 
 compilation.track_compile_seconds()
@@ -82,16 +91,15 @@ compilation.track_compile_seconds()
 class StepHandle:
     """A dispatched step (``Runner.dispatch``): its outputs still on the device."""
 
-    out: SamplerOutput  # device arrays, padded to the sampler's rows
+    # i32[sampler rows, 2 + 2K] (step_program.pack_output), being copied to the host; a
+    # VerifyOutput of device arrays in a step that verifies proposals
+    out: object
+    tokens: jax.Array | None  # i32[W]: the sampled tokens on the device (the next prev_tokens)
     scored: PromptLogprobsOutput | None
     seqs: list[ScheduledSeq]
     num_rows: int  # real sampler rows
     num_top_logprobs: int
     kind: str  # the step's kind in the profile: prefill, mixed or decode
-
-    @property
-    def tokens(self) -> jax.Array:
-        return self.out.tokens  # i32[sampler rows], on the device
 
 
 class Runner:
@@ -112,11 +120,13 @@ class Runner:
         profile: StepProfile | None = None,
         num_speculative_tokens: int = 0,
         kv_cache_dtype: str = "auto",
+        max_num_seqs: int = 256,
     ):
         """``num_speculative_tokens``: proposals a sequence may verify per step (each step then
         returns logits for 1 + that many rows per sequence and samples with ``verify_step``).
         ``kv_cache_dtype``: the pool's ("auto": the compute dtype; "int8" / "fp8": 8-bit pages
-        with scales, worker/kv_cache.py)."""
+        with scales, worker/kv_cache.py). ``max_num_seqs``: the engine's, which sets the width of
+        every step's device tokens (worker/step_program.py)."""
         compilation.enable_persistent_cache()
         self.config = config
         self.params = params
@@ -156,6 +166,12 @@ class Runner:
         self.num_host_blocks = num_host_blocks
         self.max_model_len = max_model_len
         self.num_compilations = 0  # programs compiled because of this runner's device operations
+        # Every step's device tokens are i32[W] (worker/step_program.py); one placed zeros array
+        # stands for the tokens of no step.
+        self.fill_width = step_program.fill_width(max_num_seqs)
+        self._zeros = None
+        self.num_programs = 0  # programs the steps dispatched
+        self.num_transfers = 0  # host arrays the steps sent to the device
         self.compile_seconds = 0.0  # time spent tracing, lowering and compiling them
         self._count_lock = threading.Lock()  # the engine thread and a background compile count
         self.channel = channel  # set in a multi-process run
@@ -202,18 +218,24 @@ class Runner:
             sampling = self._sampling_input(rows, len(logit_rows), num_top_logprobs)
             step_input, targets = prompt_logprobs.extend_logits_rows(step_input, seqs)
         kind = count_padding(prof, seqs, step_input, self.block_size, self._attention_rows_only)
+        packed, layout = step_program.pack_inputs(step_input, logit_rows)
         with prof.phase("device", kind):
-            args = (step_input, logit_rows, sampling, targets, drafts, draft_probs)
+            args = (packed, layout, sampling, targets, drafts, draft_probs)
             args += () if prev_tokens is None else (prev_tokens,)
-            out, scored = self._call("run_step", *args)
-        return StepHandle(out, scored, seqs, len(rows), num_top_logprobs, kind)
+            out, tokens, scored = self._call("run_step", *args)
+            if isinstance(out, jax.Array):
+                out.copy_to_host_async()  # the one array fetch reads, on its way already
+        return StepHandle(out, tokens, scored, seqs, len(rows), num_top_logprobs, kind)
 
     def fetch(self, handle: StepHandle) -> SamplerOutput:
         """Wait for a dispatched step; its sampler output as host arrays (see ``execute``)."""
         with self.profile.phase("fetch"):
             if handle.scored is not None:
                 prompt_logprobs.deliver(handle.seqs, jax.device_get(handle.scored))
-            out = jax.tree.map(lambda x: np.asarray(x)[: handle.num_rows], handle.out)
+            if isinstance(handle.out, jax.Array):
+                out = step_program.unpack_output(np.asarray(handle.out)[: handle.num_rows])
+            else:
+                out = jax.tree.map(lambda x: np.asarray(x)[: handle.num_rows], handle.out)
         k = min(handle.num_top_logprobs, out.top_token_ids.shape[1])
         return out.replace(
             top_token_ids=out.top_token_ids[:, :k], top_logprobs=out.top_logprobs[:, :k]
@@ -230,38 +252,62 @@ class Runner:
 
     def _run_step(
         self,
-        step_input: StepInput,
-        logit_rows: np.ndarray,
+        packed: np.ndarray,
+        layout: step_program.StepLayout,
         sampling: SamplingInput,
         targets: np.ndarray | None = None,
         drafts: np.ndarray | None = None,
         draft_probs: np.ndarray | None = None,
         prev_tokens: jax.Array | None = None,
-    ) -> tuple[SamplerOutput, PromptLogprobsOutput | None]:
-        step_input = jax.device_put(step_input, self._inputs)
-        if prev_tokens is not None:  # placeholders take the step before's tokens, on the device
-            filled = fill_tokens(step_input.token_ids, prev_tokens)
-            step_input = step_input.replace(token_ids=filled)
-        logits, self.kv_cache.pages = _step(
+    ):
+        """One step's programs: the step program (fill, model, greedy sampling); the sampler
+        program unless the batch is plain greedy; the verify program in a step that verifies;
+        prompt scoring when asked. Returns (output, tokens i32[W] or None, scored)."""
+        if prev_tokens is None:
+            prev_tokens = self._no_tokens()
+        outs, self.kv_cache.pages = self._launch(
+            _step_program,
             self.params,
             self.kv_cache.pages,
-            step_input,
+            self._put(packed),
+            prev_tokens,
             self.config,
             self.backend,
             self.mesh,
             self.packed_weights,
+            layout,
         )
         scored = None
         if targets is not None:  # a step that scores prompt rows (worker/prompt_logprobs.py)
-            logits, scored = prompt_logprobs.score(logits, jax.device_put(targets, self._inputs))
-        args = (jax.device_put(logit_rows, self._inputs), jax.device_put(sampling, self._inputs))
-        if drafts is None:
-            return _sample(logits, *args), scored
-        # Speculation: rows with a proposal verify it (VerifyOutput: SamplerOutput + accepted).
-        args += (jax.device_put(drafts, self._inputs),)
-        if draft_probs is not None:
-            args += (jax.device_put(draft_probs, self._inputs),)
-        return verify_step(logits, *args), scored
+            scoring = (outs["prompt_logits"], self._put(targets))
+            _, scored = self._launch(prompt_logprobs.score, *scoring)
+        if drafts is not None:
+            # Speculation: rows with a proposal verify it (VerifyOutput: SamplerOutput +
+            # accepted); the logits rows are the sampler's already.
+            rows = np.arange(layout.num_logits, dtype=np.int32)
+            args = (outs["logits"], *self._put((rows, sampling, drafts)))
+            if draft_probs is not None:
+                args += (self._put(draft_probs),)
+            return self._launch(verify_step, *args), None, scored
+        if sampling.variant == sampler.Variant():  # plain greedy: sampled in the step program
+            return outs["packed"], outs["tokens"], scored
+        args = (outs["logits"], self._put(sampling), self.fill_width)
+        return *self._launch(_sample, *args), scored
+
+    def _put(self, tree):
+        """Host arrays to the device (counted: ``num_transfers``, one per array)."""
+        self.num_transfers += len(jax.tree.leaves(tree))
+        return jax.device_put(tree, self._inputs)
+
+    def _launch(self, program, *args):
+        self.num_programs += 1  # programs dispatched (``num_programs``)
+        return program(*args)
+
+    def _no_tokens(self) -> jax.Array:
+        """i32[W] zeros on the device: the step before's tokens when there are none to fill."""
+        if self._zeros is None:
+            self._zeros = self._put(np.zeros(self.fill_width, np.int32))
+        return self._zeros
 
     # ---- warm-up ---------------------------------------------------------------------------
 
@@ -302,24 +348,18 @@ class Runner:
         shapes = self.step_shapes(max_num_seqs, max_num_batched_tokens)
         common = common_shapes(self.batcher, shapes)
         jobs = [(f"model {s}", lambda s=s: self._lower_step(s)) for s in common]
+        # A default greedy batch samples in the step program, which also fills placeholders
+        # (worker/step_program.py): ``fill_tokens`` adds nothing to compile.
         for s in sorted({shape.num_seqs for shape in common}):
-            for temperature in (0.0, 1.0):
-                name = f"sampler s{s} default {'greedy' if temperature == 0 else 'sampling'}"
-                jobs.append((name, lambda s=s, t=temperature: self._lower_default_sample(s, t)))
-        if fill_tokens:  # async steps fill their placeholders, widened to the widest bucket
-            widest = max(shapes, key=lambda shape: shape.num_seqs)
-            jobs += token_fill.warmup_jobs([*common, widest], self._inputs)
+            name = f"sampler s{s} default sampling"
+            jobs.append((name, lambda s=s: self._lower_default_sample(s, 1.0)))
         return jobs
 
     def _lower_default_sample(self, num_seqs: int, temperature: float):
         """The sampler a batch of default rows (only ``temperature`` set) runs."""
         rows = [SamplingRow(temperature=temperature)]
-        args = (
-            self._logits_like(num_seqs),
-            jax.device_put(np.zeros(num_seqs, np.int32), self._inputs),
-            jax.device_put(self._sampling_input(rows, num_seqs, 0), self._inputs),
-        )
-        return _sample.lower(*args)
+        sampling = jax.device_put(self._sampling_input(rows, num_seqs, 0), self._inputs)
+        return _sample.lower(self._logits_like(num_seqs), sampling, self.fill_width)
 
     def warmup_jobs(
         self,
@@ -332,7 +372,8 @@ class Runner:
         """Every program a workload within these limits can need: each model-step shape, the
         sampler for each sequence bucket in each of its variants (penalties, logit bias or
         allowed-token masks, greedy or sampling), the block copy / swap programs and, with
-        ``fill_tokens``, async scheduling's placeholder fill; as (name, lowering thunk)."""
+        ``fill_tokens`` nothing more (the fill is part of the step program); as (name, lowering
+        thunk)."""
         jobs = []  # (name, lowering thunk)
         shapes = self.step_shapes(max_num_seqs, max_num_batched_tokens)
         for shape in shapes:
@@ -340,11 +381,11 @@ class Runner:
         for s in sorted({shape.num_seqs for shape in shapes}):
             for variant in sampler.variants():  # static flags, e.g. greedy or not
                 for v in (False, True) if self.num_speculative_tokens else (False,):
+                    if variant == sampler.Variant() and not v:
+                        continue  # plain greedy: sampled in the step program
                     name = f"sampler s{s} {variant}" + " verify" * v  # v: can verify proposals
                     args = (s, variant, v)
                     jobs.append((name, lambda a=args: self._lower_sample(*a)))
-        if fill_tokens:  # async scheduling's placeholder fill (worker/token_fill.py)
-            jobs += token_fill.warmup_jobs(shapes, self._inputs)
         swap = self.num_host_blocks > 0 if swap is None else swap
         max_moves = next_pow2(min(self.num_blocks, max_num_seqs * self.max_blocks_per_seq), 8)
         lower_move = self.kv_cache.lower_block_op
@@ -356,14 +397,19 @@ class Runner:
         return jobs
 
     def _lower_step(self, shape: StepShape):
-        return _step.lower(
+        empty = self.batcher.empty(shape)
+        rows = np.zeros(len(empty.logits_indices), np.int32)
+        packed, layout = step_program.pack_inputs(empty, rows)
+        return _step_program.lower(
             self.params,
             self.kv_cache.pages,
-            jax.device_put(self.batcher.empty(shape), self._inputs),
+            jax.device_put(packed, self._inputs),
+            jax.device_put(np.zeros(self.fill_width, np.int32), self._inputs),
             self.config,
             self.backend,
             self.mesh,
             self.packed_weights,
+            layout,
         )
 
     def _logits_like(self, num_seqs: int):
@@ -387,7 +433,7 @@ class Runner:
             if self.verifies_draft_probs:
                 args += (self._logits_like(size),)  # q: placed like the logits
             return verify_step.lower(*args)
-        return _sample.lower(*args)
+        return _sample.lower(args[0], args[2], self.fill_width)
 
     # ---- block moves (before the step that needs them) ------------------------------------
 
@@ -420,7 +466,22 @@ class Runner:
         return self._call("run_forward", self.build_step_input(seqs), True)
 
     def _run_forward(self, step_input: StepInput, bucketed: bool = False) -> jax.Array:
-        logits, self.kv_cache.pages = (_step if bucketed else _forward)(
+        if bucketed:  # the step program (warmed up), its logits rows all read
+            rows = np.arange(len(step_input.logits_indices), dtype=np.int32)
+            packed, layout = step_program.pack_inputs(step_input, rows)
+            outs, self.kv_cache.pages = _step_program(
+                self.params,
+                self.kv_cache.pages,
+                self._put(packed),
+                self._no_tokens(),
+                self.config,
+                self.backend,
+                self.mesh,
+                self.packed_weights,
+                layout,
+            )
+            return outs["logits"]
+        logits, self.kv_cache.pages = _forward(
             self.params,
             self.kv_cache.pages,
             jax.device_put(step_input, self._inputs),

@@ -438,10 +438,20 @@ def sample(logits: jax.Array, s: SamplingInput) -> SamplerOutput:
         x = _filter(_scale(penalised, s), s, random)
         sampled = jax.vmap(jax.random.categorical)(row_keys(s.seeds, s.positions), x)
         tokens = jnp.where(random, sampled, greedy)
-    tokens = tokens.astype(jnp.int32)
+    return _with_logprobs(logits, tokens.astype(jnp.int32), s.top_logprobs)
+
+
+def greedy(logits: jax.Array) -> SamplerOutput:
+    """``sample`` for a batch of plain greedy rows (no penalty, bias, mask or top logprobs):
+    bit for bit its output, with no sampling input at all (the step program runs it)."""
+    logits = logits.astype(jnp.float32)
+    return _with_logprobs(logits, argmax(logits).astype(jnp.int32), False)
+
+
+def _with_logprobs(logits: jax.Array, tokens: jax.Array, top_logprobs: bool) -> SamplerOutput:
     lse = jax.nn.logsumexp(logits, axis=-1)  # [num_seqs]
     # Top logprobs at one width whatever a row asks (no new program), none when no row asks.
-    width = min(TOP_LOGPROBS_WIDTH, logits.shape[1]) if s.top_logprobs else 0
+    width = min(TOP_LOGPROBS_WIDTH, logits.shape[1]) if top_logprobs else 0
     if width:
         top_logits, top_ids = jax.lax.top_k(logits, width)  # [num_seqs, K]
     else:
@@ -458,6 +468,7 @@ def sample(logits: jax.Array, s: SamplingInput) -> SamplerOutput:
 __all__ = [
     "TOP_LOGPROBS_WIDTH",
     "argmax",
+    "greedy",
     "bitmask_width",
     "SamplerOutput",
     "SamplingInput",

@@ -239,8 +239,8 @@ def test_llama_seeded_sampling_same_with_overlap_alone_or_batched(tiny):
 
 
 def test_nothing_compiles_after_warmup_with_overlap(tiny):
-    # 16 sequences: steps of the 8- and 16-sequence buckets follow each other, so previous
-    # tokens of 8 rows are widened to 16 before the fill (worker/token_fill.py).
+    # 16 sequences: steps of the 8- and 16-sequence buckets follow each other, each step's
+    # tokens at one width (worker/step_program.py).
     llm = _llm(
         tiny[0],
         True,
@@ -263,21 +263,15 @@ def test_nothing_compiles_after_warmup_with_overlap(tiny):
     assert stats.num_compilations == warm, "a program compiled after warm-up"
 
 
-def test_fill_compiles_once_per_token_bucket_and_fills_from_widened_rows():
-    from pagedjax.worker.input_batch import InputBatcher
-    from pagedjax.worker.token_fill import fill_tokens, fill_width, placeholder, warmup_jobs, widen
+def test_fill_reads_the_step_befores_rows_inside_the_step_program():
+    from pagedjax.worker.step_program import fill_tokens, fill_width, placeholder, to_width
 
-    shapes = InputBatcher(16, 2048).step_shapes(256, 2048)
-    names = [name for name, _ in warmup_jobs(shapes, None)]
-    tokens = {s.num_tokens for s in shapes}
-    seqs = {s.num_seqs for s in shapes}
-    assert fill_width(256) == max(seqs) == 256
-    # One fill per token bucket from the widest rows, one widen per narrower sequence bucket
-    # (it was one fill per pair: 9 x 6 = 54 programs).
-    assert len(names) == len(tokens) + len(seqs) - 1 == 14
+    assert fill_width(9) == 16 and fill_width(256) == 256
     prev = np.array([7, 8, 9, 10, 11, 12, 13, 14], np.int32)
-    wide = widen(prev, fill_width(9))
-    assert wide.shape == (16,) and np.asarray(wide)[:8].tolist() == prev.tolist()
-    assert widen(wide, 16) is wide
+    wide = np.asarray(to_width(prev, 16))
+    assert wide.shape == (16,) and wide[:8].tolist() == prev.tolist() and not wide[8:].any()
+    assert np.asarray(to_width(wide, 4)).tolist() == [7, 8, 9, 10]
     ids = np.array([3, placeholder(0), placeholder(7), 4, placeholder(2), 0, 0, 0], np.int32)
     assert np.asarray(fill_tokens(ids, wide)).tolist() == [3, 7, 14, 4, 9, 0, 0, 0]
+    with pytest.raises(ValueError, match="row"):
+        placeholder(-1)

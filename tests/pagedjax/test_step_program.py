@@ -1,0 +1,132 @@
+"""One program per step (worker/step_program.py): a greedy decode step dispatches one program and
+sends one host array, the sampled tokens come back as one array, and the step program still
+updates the KV pool in place (donated, never copied)."""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hf_models import make_tiny_model
+from pagedjax.models.config import ModelConfig
+from pagedjax.models.llama import param_shapes
+
+from pagedjax import LLM, SamplingParams
+from pagedjax.worker import runner as runner_mod
+from pagedjax.worker import step_program
+from pagedjax.worker.input_batch import InputBatcher, ScheduledSeq
+from pagedjax.worker.sampler import SamplerOutput, SamplingRow
+
+NUM_BLOCKS, BLOCK = 256, 8
+_DEF = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]")
+_OP = re.compile(r"= \w+\[[\d,]*\]\S* ([\w-]+)\(%([^,)\s]+)")
+
+
+def _step_program_hlo(max_query_len: int) -> tuple[str, int]:
+    c = ModelConfig("LlamaForCausalLM", 256, 64, 128, 4, 4, 2, 16)
+    pool = jax.ShapeDtypeStruct((2, 4 * NUM_BLOCKS, BLOCK, 16), jnp.float32)
+    batcher = InputBatcher(BLOCK, 64)
+    q = 1 if max_query_len == 1 else 5
+    seqs = [ScheduledSeq([1] * q, 3, [1], [SamplingRow()]) for _ in range(3)]
+    step = batcher.build(seqs)
+    packed, layout = step_program.pack_inputs(step, np.zeros(len(step.logits_indices), np.int32))
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    params = param_shapes(c)
+    args = (params, (pool, pool), i32(packed.shape), i32((16,)), c, "reference", None, False)
+    hlo = runner_mod._step_program.lower(*args, layout).compile().as_text()
+    return hlo, len(jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize("max_query_len", [1, 16], ids=["decode", "prefill"])
+def test_the_step_program_updates_the_pool_in_place(max_query_len):
+    hlo, num_params = _step_program_hlo(max_query_len)
+    header = next(line for line in hlo.splitlines() if line.startswith("HloModule"))
+    alias = r"\{[\d, ]*\}: \((\d+), \{\}, (?:may|must)-alias"
+    aliased = {int(p) for p in re.findall(alias, header)}
+    assert {num_params, num_params + 1} <= aliased, "pool not donated to the output"
+    sizes = {}
+    for line in hlo.splitlines():
+        if m := _DEF.match(line):
+            sizes[m[1]] = math.prod(int(d) for d in m[3].split(",") if d)
+    layer = 2 * NUM_BLOCKS * BLOCK * 16
+    copies = [
+        line.strip()[:120]
+        for line in hlo.splitlines()
+        if (m := _OP.search(line))
+        and m[1] in ("copy", "slice", "dynamic-slice")
+        and sizes.get(m[2], 0) >= layer
+    ]
+    assert not copies, f"the step program copies or slices the pool: {copies}"
+
+
+def test_inputs_and_outputs_pack_and_unpack():
+    batcher = InputBatcher(BLOCK, 64)
+    seqs = [ScheduledSeq([5, 6, 7], 2, [1, 2], [SamplingRow()]), ScheduledSeq([9], 4, [3], [])]
+    step = batcher.build(seqs)
+    rows = np.arange(len(step.logits_indices), dtype=np.int32)[::-1].copy()
+    packed, layout = step_program.pack_inputs(step, rows)
+    assert packed.dtype == np.int32 and packed.ndim == 1
+    back, back_rows = jax.jit(step_program.unpack_inputs, static_argnums=1)(packed, layout)
+    for name in ("token_ids", "positions", "slot_mapping", "block_tables", "context_lens"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(step, name), err_msg=name)
+    np.testing.assert_array_equal(back.query_start_loc, step.query_start_loc)
+    np.testing.assert_array_equal(back.logits_indices, step.logits_indices)
+    np.testing.assert_array_equal(back_rows, rows)
+    assert back.max_query_len == step.max_query_len
+    out = SamplerOutput(
+        tokens=np.array([3, 1], np.int32),
+        logprobs=np.array([-0.5, -np.inf], np.float32),
+        top_token_ids=np.array([[3, 4], [1, 0]], np.int32),
+        top_logprobs=np.array([[-0.5, -1.25], [-2.0, np.nan]], np.float32),
+    )
+    host = step_program.unpack_output(np.asarray(step_program.pack_output(out)))
+    for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(out), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_step_program")
+    make_tiny_model("llama_gqa", path)
+    return str(path)
+
+
+class _CountPuts:
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = jax.device_put
+
+        def put(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(jax, "device_put", put)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_greedy_decode_step_is_one_program_and_one_transfer(tiny, monkeypatch, async_scheduling):
+    llm = LLM(tiny, block_size=8, max_model_len=64, num_blocks=32, max_num_seqs=4,
+              async_scheduling=async_scheduling)  # fmt: skip
+    engine, runner = llm.engine, llm.engine.runner
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    for i in range(3):
+        engine.add_request(f"r{i}", [5 + i, 6, 7, 8], greedy)
+    for _ in range(3):  # the prompts, then decode steps
+        engine.step()
+    puts = _CountPuts(monkeypatch)
+    programs, transfers, steps = runner.num_programs, runner.num_transfers, 6
+    for _ in range(steps):
+        engine.step()
+    assert runner.num_programs - programs == steps, "a greedy decode step is one program"
+    assert runner.num_transfers - transfers == steps, "its inputs are one transfer"
+    assert puts.calls == steps, "a device_put outside the runner's count"
+    # A sampled batch adds the sampler program and its inputs.
+    engine.add_request("s", [9, 10, 11], SamplingParams(max_tokens=8, temperature=0.8, seed=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert runner.num_programs - programs > steps
