@@ -48,6 +48,7 @@ def serve(
     # cache path), else the embedded model's file name.
     names = served_model_name or model or Path(default_model_path()).stem
     model = model or default_model_path()
+    _log_to_stderr(log_level)
     llm = LLM(model, **llm_kwargs)
     start = startup.prepare(
         llm, warmup=warmup, warmup_all=warmup_all, background=background_compile
@@ -73,3 +74,16 @@ def serve(
             logger.warning("the engine thread is still stepping; leaving the engine open")
         else:
             llm.close()  # in a multi-process run this stops the followers
+
+
+def _log_to_stderr(level: str) -> None:
+    """pagedjax's own lines (the start's figures, engine failures) beside uvicorn's, at its
+    level, unless the application configured logging itself."""
+    root = logging.getLogger("pagedjax")
+    if root.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    root.addHandler(handler)
+    number = logging.getLevelName(level.upper())  # uvicorn's "trace" is not logging's
+    root.setLevel(number if isinstance(number, int) else logging.DEBUG)

@@ -343,21 +343,20 @@ class Runner:
         self, max_num_seqs: int, max_num_batched_tokens: int, *, fill_tokens: bool = False
     ) -> list[Job]:
         """The programs a server compiles before it answers (worker/warmup.py's bucket policy):
-        the common model shapes, the sampler of a default greedy and a default sampling request
-        for each of their sequence buckets, and, with async scheduling, the token fill."""
+        the step program of each common model shape (which samples a plain greedy batch and
+        fills async placeholders itself: ``fill_tokens`` adds nothing) and the sampler of a
+        default sampling request for each of their sequence buckets."""
         shapes = self.step_shapes(max_num_seqs, max_num_batched_tokens)
         common = common_shapes(self.batcher, shapes)
         jobs = [(f"model {s}", lambda s=s: self._lower_step(s)) for s in common]
-        # A default greedy batch samples in the step program, which also fills placeholders
-        # (worker/step_program.py): ``fill_tokens`` adds nothing to compile.
         for s in sorted({shape.num_seqs for shape in common}):
             name = f"sampler s{s} default sampling"
-            jobs.append((name, lambda s=s: self._lower_default_sample(s, 1.0)))
+            jobs.append((name, lambda s=s: self._lower_default_sample(s)))
         return jobs
 
-    def _lower_default_sample(self, num_seqs: int, temperature: float):
-        """The sampler a batch of default rows (only ``temperature`` set) runs."""
-        rows = [SamplingRow(temperature=temperature)]
+    def _lower_default_sample(self, num_seqs: int):
+        """The sampler a batch of default sampling rows (temperature 1, nothing else) runs."""
+        rows = [SamplingRow(temperature=1.0)]
         sampling = jax.device_put(self._sampling_input(rows, num_seqs, 0), self._inputs)
         return _sample.lower(self._logits_like(num_seqs), sampling, self.fill_width)
 

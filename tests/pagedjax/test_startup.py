@@ -176,8 +176,10 @@ def test_pagedjax_serve_answers_health_soon_with_empty_caches(tmp_path):
         metrics = raw(base, "GET", "/metrics", key=None)[1].decode()
         programs = re.search(r"^pagedjax_startup_programs (\S+)", metrics, re.M)
         assert programs and 0 < float(programs.group(1)) <= 60, metrics[:2000]
+        assert re.search(r"^pagedjax_startup_seconds [1-9]", metrics, re.M), metrics[:2000]
     finally:
         proc.terminate()
         proc.wait(60)
         log.close()
     assert list((tmp_path / "jax").iterdir())  # compiled programs went to the empty cache
+    assert "programs compiled at start" in (tmp_path / "serve.log").read_text()  # the log line
