@@ -52,23 +52,18 @@ def _timed(fn, calls: int, repeats: int) -> float:
 
 @contextlib.contextmanager
 def _attention_stubbed():
-    """The paged attention (every CPU path: native, one pass, chunked) replaced by ``q`` itself
-    while inside; the step programs are traced again on entry and on exit."""
+    """The CPU backend's decode attention (every path: native, one pass, chunked) replaced by
+    ``q`` itself while inside; the step programs are traced again on entry and on exit."""
     import jax
+    from pagedjax.pallas_kernels import NativeBackend
 
-    paged = sys.modules["pagedjax.pallas_kernels.paged_attention"]
-    native = sys.modules["pagedjax.pallas_kernels.native_attention"]
-    real = paged.paged_attention_reference, paged.paged_attention_chunked
-    real_native = native.paged_attention_native
-    stub = lambda q, *a, **k: q  # noqa: E731
-    paged.paged_attention_reference = paged.paged_attention_chunked = stub
-    native.paged_attention_native = stub
+    real = NativeBackend.decode
+    NativeBackend.decode = lambda self, q, *a, **k: q
     jax.clear_caches()
     try:
         yield
     finally:
-        paged.paged_attention_reference, paged.paged_attention_chunked = real
-        native.paged_attention_native = real_native
+        NativeBackend.decode = real
         jax.clear_caches()
 
 

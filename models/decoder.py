@@ -55,7 +55,7 @@ from .step_input import StepInput
 class Attention(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype
-    backend: str
+    backend: pallas_kernels.AttentionBackend  # chosen once, by the runner
     mesh: Mesh | None = None
     packed: bool = False  # the projections' stacked kernels are packed (models/layers.py Dense)
     stacked: bool = True  # parameters stacked over the layers (the scan), taken at ``layer``
@@ -121,7 +121,7 @@ class DecoderLayer(nn.Module):
 
     config: ModelConfig
     dtype: jnp.dtype
-    backend: str
+    backend: pallas_kernels.AttentionBackend  # chosen once, by the runner
     mesh: Mesh | None = None
     packed: bool = False
     stacked: bool = True
@@ -207,7 +207,7 @@ def packs_tied_table(config: ModelConfig) -> bool:
 class DecoderModel(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype = jnp.float32
-    backend: str = "auto"
+    backend: pallas_kernels.AttentionBackend = pallas_kernels.ReferenceBackend()
     mesh: Mesh | None = None  # tensor parallelism by heads (models/sharding.py)
     # "scan" over stacked parameters, or "unrolled" over one tree per layer (models/layer_loop.py)
     layer_loop: str = "scan"

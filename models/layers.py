@@ -298,10 +298,11 @@ def paged_attention(
     window: jax.Array | int | None,  # i32[] or int: this layer's window (<= 0: global)
     step: StepInput,
     config: ModelConfig,
-    backend: str,
+    backend: pallas_kernels.AttentionBackend,
     mesh: Mesh | None,
 ) -> tuple[jax.Array, KVPool]:  # [num_tokens, num_heads, head_dim], pool
-    """Write this step's K/V into ``layer``'s pages of the stacked pool, then attend.
+    """Write this step's K/V into ``layer``'s pages of the stacked pool, then attend, both
+    through the attention ``backend`` the runner chose.
 
     The layer's blocks start at block ``layer * num_blocks`` of the pool: its slot mapping and
     block tables are offset there, so the kernels read and write its pages in place. With a
@@ -313,28 +314,26 @@ def paged_attention(
     block_size = kv[0].shape[2]
     slots = jnp.where(step.slot_mapping < 0, -1, step.slot_mapping + first * block_size)
     tables = step.block_tables + first
-    options = {"scale": c.attn_scale, "backend": backend}
-    if c.attn_soft_cap:
-        options["soft_cap"] = float(c.attn_soft_cap)
-    if isinstance(window, int) and window > 0:
-        options["sliding_window"] = window
+    soft_cap = float(c.attn_soft_cap) if c.attn_soft_cap else None
+    static = window if isinstance(window, int) and window > 0 else None
     traced_window = window is not None and not isinstance(window, int)
 
     def attend(q, k, v, pool, slots, tables, lens, qsl, *window):
-        kw = {**options, "sliding_window": window[0]} if window else options
         # An 8-bit pool (k, v, k_scales, v_scales): write_kv quantizes the new rows and writes
         # their scales; the attention dequantizes with them.
-        pool = pallas_kernels.write_kv(pool[0], pool[1], k, v, slots, *pool[2:])
-        if len(pool) == 4:
-            kw = {**kw, "k_scales": pool[2], "v_scales": pool[3]}
-        if max_q == 1 and q.shape[0] == tables.shape[0]:
-            # Decode layout: row i is sequence i's only query.
-            out = pallas_kernels.paged_attention(q, pool[0], pool[1], tables, lens, **kw)
-        else:
-            out = pallas_kernels.ragged_paged_attention(
-                q, pool[0], pool[1], tables, lens, qsl, max_query_len=max_q, **kw
-            )
-        return out, tuple(pool)
+        kv = backend.write_kv(pallas_kernels.PagedKV.of(pool), k, v, slots)
+        decode = max_q == 1 and q.shape[0] == tables.shape[0]  # row i: sequence i's only query
+        md = pallas_kernels.AttentionMetadata(
+            tables,
+            lens,
+            None if decode else qsl,
+            slots,
+            max_query_len=None if decode else max_q,
+        )
+        opts = pallas_kernels.AttentionOptions(
+            c.attn_scale, window[0] if window else static, soft_cap
+        )
+        return backend.attend(q, kv, md, opts), kv.as_tuple()
 
     kv = tuple(kv)
     args = (q, k, v, kv, slots, tables, step.context_lens, step.query_start_loc)

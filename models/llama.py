@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from .. import pallas_kernels
 from .config import ModelConfig
 from .decoder import DecoderModel, packs_tied_table
 from .layer_loop import (
@@ -84,7 +85,7 @@ def forward(
     kv_pool: KVPool,
     step_input: StepInput,
     config: ModelConfig,
-    backend: str = "auto",
+    backend: pallas_kernels.AttentionBackend | str | None = None,
     mesh: Mesh | None = None,
     packed_weights: bool = False,
 ):
@@ -92,13 +93,15 @@ def forward(
 
     The compute dtype is the embedding's (linear kernels may be 8-bit: models/quant.py). With a
     ``mesh``, parameters and pool are sharded by heads (models/sharding.py) and attention runs
-    per device under shard_map.
+    per device under shard_map. ``backend``: the attention backend object (the runner's); a
+    name or None (the setting, else the platform's) picks one here (``select_backend``).
     ``params`` stacked run the layers under a scan; split per layer (``split_layers``, chosen
     at load: models/layer_loop.py) they run unrolled. ``packed_weights``: the layers'
     projection kernels are packed, and a tied table where ``packs_tied_table``
     (``pack_layer_kernels``).
     """
     dtype = compute_dtype(params)
+    backend = pallas_kernels.select_backend(backend)  # an object as is; else by name or setting
     loop = "unrolled" if is_per_layer(params) else "scan"
     model = DecoderModel(config, dtype, backend, mesh, loop, packed_weights)
     return model.apply({"params": flax_tree(params)}, kv_pool, step_input)
@@ -193,6 +196,6 @@ def param_shapes(config: ModelConfig, dtype_name: str = "float32"):
         i32((1,)),
         max_query_len=1,
     )
-    model = DecoderModel(config, dtype, "reference")
+    model = DecoderModel(config, dtype, pallas_kernels.ReferenceBackend())
     shapes = jax.eval_shape(lambda p, s: model.init(jax.random.key(0), p, s), pool, step)
     return shapes["params"]

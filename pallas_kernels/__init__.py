@@ -1,5 +1,18 @@
-"""Pallas kernels for paged attention and their pure-jnp references. Arrays in, arrays out."""
+"""Kernels for paged attention and their pure-jnp references. Arrays in, arrays out.
 
+Attention backends, one folder each: ``triton/`` (GPU), ``tpu/``, ``cpu/`` (native C++ kernels),
+``reference/`` (the oracle); ``selection.select_backend`` chooses one. ``attention.py`` holds the
+public flat functions over them.
+"""
+
+from .attention import (
+    paged_attention,
+    paged_attention_reference,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+from .backend import AttentionBackend
+from .cpu import NativeBackend
 from .kv_cache import (
     copy_blocks,
     copy_blocks_reference,
@@ -24,17 +37,23 @@ from .layer_matmul import (
     unpack_stacked,
     unpack_table,
 )
-from .paged_attention import (
-    paged_attention,
-    paged_attention_reference,
-    resolve_backend,
-)
-from .ragged_attention import (
-    ragged_paged_attention,
-    ragged_paged_attention_reference,
-)
+from .metadata import AttentionMetadata, AttentionOptions, PagedKV
+from .reference import ReferenceBackend
+from .selection import BACKENDS, backend_setting, select_backend
+from .tpu import TpuBackend
+from .triton import TritonBackend
 
 __all__ = [
+    "BACKENDS",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "AttentionOptions",
+    "NativeBackend",
+    "PagedKV",
+    "ReferenceBackend",
+    "TpuBackend",
+    "TritonBackend",
+    "backend_setting",
     "copy_blocks",
     "copy_blocks_reference",
     "gather_blocks",
@@ -53,9 +72,9 @@ __all__ = [
     "quantize_kv",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
-    "resolve_backend",
     "scatter_blocks",
     "scatter_blocks_reference",
+    "select_backend",
     "unpack_stacked",
     "unpack_table",
     "write_kv",

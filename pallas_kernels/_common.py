@@ -24,15 +24,22 @@ def cdiv(a, b):
     return jax.lax.div(a + b - 1, b)
 
 
-def attention_logits(q, k, scale: float, soft_cap: float | None = None, k_scale=None):
+def attention_logits(
+    q, k, scale: float, soft_cap: float | None = None, k_scale=None, precision=None
+):
     """``q @ k.T * scale`` in float32, soft-capped: q [rows, head_dim], k [block_k, head_dim].
 
     An 8-bit k is cast to q's dtype (exact for int8 and float8_e4m3fn in bf16/f32) and its
-    per-key scales ``k_scale`` f32[1, block_k] multiply the logits' columns."""
+    per-key scales ``k_scale`` f32[1, block_k] multiply the logits' columns. ``precision``: the
+    dot's (``lax.Precision``; None: the lowering's default)."""
     if k.dtype != q.dtype:
         k = k.astype(q.dtype)
     s = jax.lax.dot_general(
-        q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        q,
+        k,
+        (((1,), (1,)), ((), ())),
+        precision=precision,
+        preferred_element_type=jnp.float32,
     )  # [rows, block_k]
     s = s * scale
     if k_scale is not None:
@@ -53,7 +60,7 @@ def window_start(pos, window):
     return jnp.maximum(pos - span + 1, 0)
 
 
-def online_softmax_step(s, v, m_prev, l_prev, acc_prev, v_scale=None):
+def online_softmax_step(s, v, m_prev, l_prev, acc_prev, v_scale=None, precision=None):
     """One flash-attention step over a block of keys.
 
     s: f32[rows, block_k], masked entries already -inf; v: [block_k, head_dim], rows past the
@@ -61,6 +68,7 @@ def online_softmax_step(s, v, m_prev, l_prev, acc_prev, v_scale=None):
     A row whose logits so far are all -inf keeps m = -inf, den = 0, acc = 0 (no NaN from inf - inf).
     An 8-bit v comes with ``v_scale`` f32[1, block_k] (zero past the sequence): the probabilities
     are multiplied by it (v itself cast by the caller to the query's dtype, exactly).
+    ``precision``: the p @ v dot's (as ``attention_logits``).
     """
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [rows, 1]
     m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
@@ -71,6 +79,7 @@ def online_softmax_step(s, v, m_prev, l_prev, acc_prev, v_scale=None):
         (p if v_scale is None else p * v_scale).astype(v.dtype),
         v,
         (((1,), (0,)), ((), ())),
+        precision=precision,
         preferred_element_type=jnp.float32,
     )  # [rows, head_dim]
     return m_next, l_next, alpha * acc_prev + pv

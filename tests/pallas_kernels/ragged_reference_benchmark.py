@@ -25,11 +25,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernel_cases import ragged_case, rel_err  # noqa: E402
-from pagedjax.pallas_kernels.paged_attention import (  # noqa: E402
-    gather_context,
+from pagedjax.pallas_kernels import (  # noqa: E402
     paged_attention_reference,
+    ragged_paged_attention_reference,
 )
-from pagedjax.pallas_kernels.ragged_reference import ragged_paged_attention_reference  # noqa: E402
+from pagedjax.pallas_kernels.reference import gather_context  # noqa: E402
 
 SHAPE = dict(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=jnp.float32)
 

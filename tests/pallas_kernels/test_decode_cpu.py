@@ -1,4 +1,4 @@
-"""The CPU backend's chunked decode attention against the float64 numpy oracle.
+"""The native backend's chunked decode attention (its XLA path) against the float64 numpy oracle.
 
 Pools start all-NaN (stale slots), block tables end in padding, and lengths fall on and off block
 and chunk boundaries, with windows (traced and static) that start mid-chunk and soft caps.
@@ -15,10 +15,14 @@ import numpy as np
 import pytest
 from kernel_cases import HEADS, decode_case, fresh_rng, numpy_attention, rel_err
 from pagedjax.pallas_kernels import native, paged_attention
-from pagedjax.pallas_kernels.decode_cpu import SINGLE_PASS_TOKENS, paged_attention_chunked
+from pagedjax.pallas_kernels.attention import flat_entry
+from pagedjax.pallas_kernels.cpu.chunked import SINGLE_PASS_TOKENS, chunked_decode
 from test_sliding_window_soft_cap import poison_before_windows
 
 LENS = [0, 1, 7, 8, 9, 16, 23, 40, 57, 64]
+paged_attention_chunked = flat_entry(
+    chunked_decode, name="paged_attention_chunked", ragged=False, doc="chunked_decode, flat"
+)
 
 
 def run(case, *, chunk_tokens, window=None, soft_cap=None):
@@ -70,7 +74,7 @@ def test_bfloat16(request):
 
 
 def test_engine_decode_on_cpu_takes_the_chunked_path_for_long_tables(request, monkeypatch):
-    """The public entry point on the reference backend, where no native kernel serves (switched
+    """The public entry point on the native backend, where no native kernel serves (switched
     off here; on a CPU where it builds, this XLA path is what other platforms lower): one pass
     over a table of at most SINGLE_PASS_TOKENS, the chunked loop over a longer one; the
     oracle's numbers either way."""
@@ -79,7 +83,7 @@ def test_engine_decode_on_cpu_takes_the_chunked_path_for_long_tables(request, mo
     request.addfinalizer(paged_attention.clear_cache)
     shape = dict(num_heads=4, num_kv_heads=2, block_size=8, head_dim=32, dtype=jnp.float32)
     case = decode_case(fresh_rng(request), LENS, **shape)
-    fn = functools.partial(paged_attention, scale=case.scale, backend="reference")
+    fn = functools.partial(paged_attention, scale=case.scale, backend="native")
     for extra, loop in ((0, False), (SINGLE_PASS_TOKENS // 8, True)):
         # padding columns: the null block (NaN), past every context
         table = jnp.pad(case.block_tables, ((0, 0), (0, extra)))

@@ -27,6 +27,11 @@ from pagedjax.pallas_kernels import (
 from pagedjax.pallas_kernels.layer_matmul import (
     SYMBOLS,
     TRANSPOSED_NATIVE_MAX_ROWS,
+    CpuLinearMethods,
+    InPlaceLinear,
+    NativeTable,
+    PackedLinear,
+    PackedTable,
     native_supported,
     packed_layer_matmul_reference,
 )
@@ -49,7 +54,7 @@ def _arrays(m, k, n, layers, x_dtype, w_dtype, seed=0):
 def test_every_native_source_builds_where_a_compiler_is():
     """With a compiler (this machine's and CI's g++), both kernels build and load: a source that
     no longer compiles fails here, not as a silent fallback (or skipped kernel tests)."""
-    from pagedjax.pallas_kernels import native_attention
+    from pagedjax.pallas_kernels.cpu import native as native_attention
 
     assert NATIVE
     assert native_attention.available()
@@ -243,6 +248,7 @@ def test_model_step_reads_its_kernels_in_place():
     """The compiled decode step slices no weight stack (the copies XLA makes of a scanned
     slice), and its layer matmuls are the native kernel."""
     from pagedjax.models.config import ModelConfig
+    from pagedjax.models.linear import choose_layout
     from pagedjax.models.llama import forward, param_shapes
     from pagedjax.models.step_input import StepInput
 
@@ -251,8 +257,9 @@ def test_model_step_reads_its_kernels_in_place():
     pool = jax.ShapeDtypeStruct((2, 4 * 32, 8, 16), jnp.float32)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     step = StepInput(i32(8), i32(8), i32(8), i32(8, 4), i32(8), i32(9), i32(8), max_query_len=1)
-    fn = jax.jit(forward, static_argnums=(3, 4, 5))
-    hlo = fn.lower(params, (pool, pool), step, c, "reference", None).compile().as_text()
+    layout = _in_place(choose_layout(params, c))  # the row-major kernels, read in place
+    fn = jax.jit(forward, static_argnums=(3, 4, 5, 6))
+    hlo = fn.lower(params, (pool, pool), step, c, "reference", None, layout).compile().as_text()
     stacks = {a.shape for a in jax.tree.leaves(params["layers"]) if a.ndim == 3}
     assert weight_stack_slices(hlo, stacks) == []
     target = native.load("matmul_cpu", SYMBOLS).target("LayerMatmul")
@@ -381,18 +388,35 @@ def _random_params(c, seed=0):
     return jax.tree.map(lambda s: 0.1 * jax.random.normal(next(keys), s.shape, s.dtype), shapes)
 
 
+def _cpu_layout(params, config):
+    """The runner's processing on this CPU: the layers under the scan, the native methods."""
+    from pagedjax.models.linear import process_weights_after_loading
+
+    return process_weights_after_loading(params, config, None, "scan", CpuLinearMethods())
+
+
+def _in_place(layout):
+    """``layout`` with every projection read in place row-major and the table as it is (the
+    methods of parameters left unpacked)."""
+    from pagedjax.models.linear import WeightLayout
+
+    methods = tuple((p, InPlaceLinear() if "/" in p else m) for p, m in layout.methods)
+    return WeightLayout(methods, NativeTable())
+
+
 @pytest.mark.skipif(not NATIVE, reason="native kernel unavailable")
 def test_a_model_with_packed_kernels_gives_the_same_logits_and_pool():
-    """pack_layer_kernels packs every layer projection; the packed step's logits and KV pool
-    are bit for bit the row-major step's. A width that cannot be packed leaves all as they are;
-    parameters packed already come back as they are."""
+    """The CPU's methods pack every layer projection at load; the packed step's logits and KV
+    pool are bit for bit the row-major step's. A width that cannot be packed leaves all as they
+    are (read in place); parameters packed already come back as they are."""
     from pagedjax.models.config import ModelConfig
-    from pagedjax.models.llama import forward, pack_layer_kernels, param_shapes
+    from pagedjax.models.llama import forward, param_shapes
 
     c = ModelConfig("LlamaForCausalLM", 256, 64, 128, 2, 4, 2, 16)
     params = _random_params(c)
-    packed, ok = pack_layer_kernels(params, c)
-    assert ok
+    packed, layout = _cpu_layout(params, c)
+    layers = [m for path, m in layout.methods if "/" in path]  # "self_attn/q_proj", ...
+    assert set(layers) == {PackedLinear()} and len(layers) == 7
     for group, names in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down"))):
         for name in names:
             proj = f"{name}_proj"
@@ -400,23 +424,26 @@ def test_a_model_with_packed_kernels_gives_the_same_logits_and_pool():
             np.testing.assert_array_equal(
                 unpack_stacked(packed["layers"][group][proj]["kernel"]), kernel
             )
-    assert packed["embed_tokens"] is params["embed_tokens"]  # untied: the table stays as it is
-    again, ok = pack_layer_kernels(packed, c)
-    assert ok and again is packed
+    # untied: the table stays as it is
+    assert packed["embed_tokens"]["embedding"] is params["embed_tokens"]["embedding"]
+    again, same_layout = _cpu_layout(packed, c)
+    assert same_layout == layout
+    jax.tree.map(lambda a, b: a is b or pytest.fail("processed twice"), again, packed)
     pool_shape = (2, 2 * 32, 8, 16)  # 32 blocks of 8 slots per layer
     pool = jax.random.normal(jax.random.key(1), pool_shape, jnp.float32)
     step = _decode_step(c, num_seqs=5, blocks=4, block_size=8, seed=2)
     run = jax.jit(forward, static_argnums=(3, 4, 5, 6))
-    plain = run(params, (pool, pool + 1), step, c, "reference", None, False)
-    fast = run(packed, (pool, pool + 1), step, c, "reference", None, True)
+    plain = run(params, (pool, pool + 1), step, c, "reference", None, _in_place(layout))
+    fast = run(packed, (pool, pool + 1), step, c, "reference", None, layout)
     np.testing.assert_array_equal(np.asarray(fast[0]), np.asarray(plain[0]))
     for a, b in zip(fast[1], plain[1], strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     odd = ModelConfig("LlamaForCausalLM", 256, 64, 120, 2, 4, 2, 16)  # MLP width 120
     odd_params = jax.tree.map(jnp.zeros_like, param_shapes(odd))
-    same, ok = pack_layer_kernels(odd_params, odd)
-    assert not ok and same is odd_params
+    same, odd_layout = _cpu_layout(odd_params, odd)
+    assert {m for path, m in odd_layout.methods if "/" in path} == {InPlaceLinear()}
+    jax.tree.map(lambda a, b: a is b or pytest.fail("changed"), same, odd_params)
 
 
 @pytest.mark.skipif(not NATIVE, reason="native kernel unavailable")
@@ -429,15 +456,16 @@ def test_a_tied_table_is_packed_with_the_layers_when_its_rows_allow(vocab):
     import dataclasses
 
     from pagedjax.models.config import ModelConfig
-    from pagedjax.models.llama import forward, pack_layer_kernels
+    from pagedjax.models.llama import forward
 
     c = dataclasses.replace(
         ModelConfig("LlamaForCausalLM", vocab, 64, 128, 2, 4, 2, 16), tie_word_embeddings=True
     )
     params = _random_params(c, seed=3)
     assert "lm_head" not in params
-    packed, ok = pack_layer_kernels(params, c)
-    assert ok
+    packed, layout = _cpu_layout(params, c)
+    assert {m for path, m in layout.methods if "/" in path} == {PackedLinear()}
+    assert layout.table == (PackedTable() if vocab % 32 == 0 else NativeTable())
     table = packed["embed_tokens"]["embedding"]
     if vocab % 32:
         assert table is params["embed_tokens"]["embedding"]
@@ -447,12 +475,12 @@ def test_a_tied_table_is_packed_with_the_layers_when_its_rows_allow(vocab):
     pool = jax.random.normal(jax.random.key(1), (2, 2 * 32, 8, 16), jnp.float32)
     step = _decode_step(c, num_seqs=5, blocks=4, block_size=8, seed=4)
     run = jax.jit(forward, static_argnums=(3, 4, 5, 6))
-    plain = run(params, (pool, pool + 1), step, c, "reference", None, False)
-    fast = run(packed, (pool, pool + 1), step, c, "reference", None, True)
+    plain = run(params, (pool, pool + 1), step, c, "reference", None, _in_place(layout))
+    fast = run(packed, (pool, pool + 1), step, c, "reference", None, layout)
     np.testing.assert_allclose(np.asarray(fast[0]), np.asarray(plain[0]), rtol=1e-5, atol=1e-5)
     for a, b in zip(fast[1], plain[1], strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     if vocab % 32 == 0:  # one kernel at every row count (unpacked: dot products up to 4 rows)
         one = jax.tree.map(lambda a: a[:1], step).replace(query_start_loc=step.query_start_loc[:2])
-        alone = run(packed, (pool, pool + 1), one, c, "reference", None, True)
+        alone = run(packed, (pool, pool + 1), one, c, "reference", None, layout)
         np.testing.assert_array_equal(np.asarray(alone[0])[0], np.asarray(fast[0])[0])

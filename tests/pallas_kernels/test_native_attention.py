@@ -1,4 +1,4 @@
-"""The native CPU paged-attention kernel (pallas_kernels/native_attention.py) against the oracles.
+"""The native backend's CPU kernel (pallas_kernels/cpu/native.py) against the oracles.
 
 Every case runs on the same arrays as the pure-jnp references and the float64 numpy oracle of
 ``kernel_cases``: pools NaN everywhere but the live slots, random block tables with a padding
@@ -22,13 +22,17 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from kernel_cases import TOLERANCE, decode_case, fresh_rng, numpy_attention, ragged_case, rel_err
 from pagedjax.pallas_kernels import (
+    AttentionMetadata,
+    AttentionOptions,
+    NativeBackend,
+    PagedKV,
     native,
-    native_attention,
     paged_attention,
     paged_attention_reference,
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+from pagedjax.pallas_kernels.cpu import native as native_attention
 from test_kv8 import poison_before_window, quantize_case
 
 pytestmark = pytest.mark.skipif(
@@ -56,14 +60,8 @@ RAGGED_SEQS = [  # (context_len, query_len): prefill, decodes, empty, chunked pr
 ]
 WINDOW, SOFT_CAP = 11, 2.5
 
-native_decode = jax.jit(
-    native_attention.paged_attention_native,
-    static_argnames=("scale", "soft_cap", "num_threads"),
-)
-native_ragged = jax.jit(
-    native_attention.ragged_paged_attention_native,
-    static_argnames=("scale", "max_query_len", "soft_cap", "tile_rows", "num_threads"),
-)
+native_decode = functools.partial(paged_attention, backend="native")
+native_ragged = functools.partial(ragged_paged_attention, backend="native")
 
 
 def decode_lens(block_size: int) -> list[int]:
@@ -288,22 +286,24 @@ def test_validation_names_bad_values():
         np.random.default_rng(1), [3, 9], num_heads=4, num_kv_heads=2, block_size=8, head_dim=64,
         dtype="float32",
     )  # fmt: skip
+    kv = PagedKV(case.k_pages, case.v_pages)
+    md = AttentionMetadata(case.block_tables, case.context_lens)
     with pytest.raises(ValueError, match="float16"):
-        native_attention.paged_attention_native(
-            case.q.astype(jnp.float16), *case.args()[1:], scale=0.1
+        native_attention.native_decode(
+            case.q.astype(jnp.float16), kv, md, AttentionOptions(scale=0.1)
         )
     with pytest.raises(ValueError, match="num_threads"):
-        native_attention.paged_attention_native(*case.args(), scale=0.1, num_threads=0)
+        native_decode(*case.args(), scale=0.1, num_threads=0)
     with pytest.raises(ValueError, match="k_scales"):
-        native_attention.paged_attention_native(
+        native_decode(
             case.q, case.k_pages.astype(jnp.int8), case.v_pages.astype(jnp.int8),
             *case.args()[3:], scale=0.1,
         )  # fmt: skip
     qsl = jnp.array([0, 1, 2], jnp.int32)
     with pytest.raises(ValueError, match="tile_rows"):
-        native_attention.ragged_paged_attention_native(*case.args(), qsl, scale=0.1, tile_rows=0)
+        NativeBackend(tile_rows=0)
     with pytest.raises(ValueError, match="query_start_loc"):
-        native_attention.ragged_paged_attention_native(*case.args(), qsl[:2], scale=0.1)
+        native_ragged(*case.args(), qsl[:2], scale=0.1)
 
 
 # --- dispatch -----------------------------------------------------------------------------------
@@ -316,14 +316,16 @@ def _shapes():
     return s((4, 8, 64), f32), pool, pool, s((4, 4), i32), s((4,), i32), s((5,), i32)
 
 
-def _decode_hlo(**lower) -> str:
+def _decode_hlo(backend="native", **lower) -> str:
     q, k, v, tables, lens, _ = _shapes()
-    fn = jax.jit(functools.partial(paged_attention, scale=0.1, backend="reference"))
+    fn = jax.jit(functools.partial(paged_attention, scale=0.1, backend=backend))
     return fn.trace(q, k, v, tables, lens).lower(**lower).as_text()
 
 
-def _ragged_hlo() -> str:
-    fn = jax.jit(functools.partial(ragged_paged_attention, scale=0.1, max_query_len=4))
+def _ragged_hlo(backend="auto") -> str:
+    fn = jax.jit(
+        functools.partial(ragged_paged_attention, scale=0.1, max_query_len=4, backend=backend)
+    )
     return fn.lower(*_shapes()).as_text()
 
 
@@ -344,9 +346,14 @@ def fresh_traces():
 def test_cpu_programs_call_the_native_kernel(fresh_traces):
     assert _native_calls(_decode_hlo()) == 1
     assert _native_calls(_ragged_hlo()) == 1
-    # Lowered for a GPU with backend="reference": XLA's gathers, no CPU custom call.
+    # Lowered for a GPU with backend="native": XLA's gathers, no CPU custom call.
     gpu = _decode_hlo(lowering_platforms=("cuda",))
     assert _native_calls(gpu) == 0 and "gather" in gpu
+
+
+def test_the_reference_backend_never_calls_the_native_kernel(fresh_traces):
+    assert _native_calls(_decode_hlo("reference")) == 0
+    assert _native_calls(_ragged_hlo("reference")) == 0
 
 
 def _xla_path_matches(request) -> None:

@@ -23,14 +23,8 @@ from kernel_cases import (
     rel_err,
     tpu_interpret,
 )
-from pagedjax.pallas_kernels import _tpu_decode
-from pagedjax.pallas_kernels.paged_attention import (
-    paged_attention,
-    paged_attention_reference,
-    pick_backend,
-)
-
-from pagedjax import pallas_kernels
+from pagedjax.pallas_kernels import paged_attention, paged_attention_reference
+from pagedjax.pallas_kernels.selection import resolve_name
 
 
 def decode_lengths(block_size: int) -> list[int]:
@@ -111,13 +105,14 @@ def test_tpu_decode_cuts_a_large_block_table_into_chunks(request, record_error):
         dtype=jnp.float32,
     )
     table_cols = case.block_tables.shape[1]
-    fn = jax.jit(
-        lambda *a: _tpu_decode.paged_attention_tpu(
-            *a, scale=case.scale, pages_per_block=2, max_table_entries=2 * table_cols
-        )
-    )
     with tpu_interpret():
-        out = fn(*case.args())
+        out = paged_attention(
+            *case.args(),
+            scale=case.scale,
+            backend="tpu",
+            pages_per_block=2,
+            max_table_entries=2 * table_cols,
+        )
     check_against_reference(
         case, out, kernel="decode-tpu", dtype="float32", record_error=record_error
     )
@@ -205,10 +200,9 @@ def test_decode_validation_errors():
         )
 
 
-def test_auto_backend_falls_back_to_reference_for_shapes_the_gpu_kernel_cannot_tile(monkeypatch):
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert pick_backend("auto", block_size=16, head_dim=128) == "gpu"
-    assert pick_backend("auto", block_size=16, head_dim=80) == "reference"
-    assert pick_backend("gpu", block_size=16, head_dim=80) == "gpu"  # explicit: the kernel raises
-    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert pallas_kernels.resolve_backend("auto") == "reference"
+def test_auto_backend_falls_back_to_reference_for_shapes_the_gpu_kernel_cannot_tile():
+    gpu = dict(platform="gpu", block_size=16)
+    assert resolve_name("auto", head_dim=128, **gpu) == "triton"
+    assert resolve_name("auto", head_dim=80, **gpu) == "reference"
+    assert resolve_name("gpu", head_dim=80, **gpu) == "triton"  # explicit: the kernel raises
+    assert resolve_name("auto", platform="cpu") == "native"

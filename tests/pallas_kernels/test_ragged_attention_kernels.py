@@ -23,7 +23,7 @@ from kernel_cases import (
     rel_err,
     tpu_interpret,
 )
-from pagedjax.pallas_kernels.ragged_attention import (
+from pagedjax.pallas_kernels import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )

@@ -23,7 +23,7 @@ from kernel_cases import (
     rel_err,
 )
 from pagedjax.pallas_kernels import ragged_paged_attention_reference
-from pagedjax.pallas_kernels.ragged_reference import EMPTY, ONE_SEQUENCE, PER_ROW
+from pagedjax.pallas_kernels.reference.ragged import EMPTY, ONE_SEQUENCE, PER_ROW
 
 SHAPE = dict(num_heads=6, num_kv_heads=2, block_size=8, head_dim=16)
 # Rows: 2 decodes, a 13-row prompt, a 6-row chunk, an empty slot, 2 new tokens after a cached

@@ -1,4 +1,4 @@
-"""Pure-jnp ragged paged attention whose work follows the real query rows (the CPU path).
+"""The oracle for ragged attention: pure jnp, float32, its work following the real query rows.
 
 Packed query rows are cut into tiles of ``tile_rows`` consecutive rows, walked one tile at a time
 (``lax.map``); each tile takes one of three branches (``lax.switch``):
@@ -21,61 +21,34 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ._common import cap_logits, cdiv, window_start
-from .paged_attention import gather_context, paged_attention_reference
+from .._common import cap_logits, cdiv, window_start
+from ..metadata import AttentionMetadata, AttentionOptions, PagedKV
+from .decode import gather_context
 
 TILE_ROWS = 16  # query rows per tile; prefill tiles are [16 x group] x context matmuls
 
 EMPTY, ONE_SEQUENCE, PER_ROW = 0, 1, 2  # the tile branches
 
 
-def ragged_paged_attention_reference(
+def reference_prefill(
     q: jax.Array,  # [num_tokens, num_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    block_tables: jax.Array,  # i32[num_seqs, max_blocks]
-    context_lens: jax.Array,  # i32[num_seqs]
-    query_start_loc: jax.Array,  # i32[num_seqs + 1]
+    kv: PagedKV,
+    md: AttentionMetadata,
+    opts: AttentionOptions,
     *,
-    scale: float,
-    max_query_len: int | None = None,
-    sliding_window: int | jax.Array | None = None,
-    soft_cap: float | None = None,
-    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size] (8-bit pool)
-    v_scales: jax.Array | None = None,
     tile_rows: int = TILE_ROWS,
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]; rows of no sequence are zero
-    """Float32 attention of packed query rows over their paged contexts (semantics of
-    ``ragged_paged_attention``). Rows at or past ``max_query_len`` in their sequence are zero."""
+    """Float32 attention of packed query rows over their paged contexts (the contract of
+    ``AttentionBackend.ragged``); rows at or past ``max_query_len`` in their sequence are zero."""
     num_tokens, num_heads, head_dim = q.shape
-    num_seqs = block_tables.shape[0]
-    max_q = num_tokens if max_query_len is None else max_query_len
-    if num_tokens == 0 or num_seqs == 0:
-        return jnp.zeros_like(q)
-    if max_q == 1:  # pure decode: every sequence has at most one query row
-        starts = jnp.clip(query_start_loc[:-1], 0, num_tokens - 1)
-        out = paged_attention_reference(
-            q[starts],
-            k_pages,
-            v_pages,
-            block_tables,
-            context_lens,
-            scale=scale,
-            sliding_window=sliding_window,
-            soft_cap=soft_cap,
-            k_scales=k_scales,
-            v_scales=v_scales,
-        )
-        has_q = query_start_loc[1:] > query_start_loc[:-1]
-        out = jnp.where(has_q[:, None, None], out, 0)
-        return jnp.zeros_like(q).at[jnp.where(has_q, starts, num_tokens)].set(out, mode="drop")
-
-    num_kv_heads = k_pages.shape[0]
+    num_seqs = md.num_seqs
+    max_q = md.max_q(num_tokens)
+    num_kv_heads = kv.k_pages.shape[0]
     group = num_heads // num_kv_heads
     num_tiles = cdiv(num_tokens, tile_rows)
     rows = num_tiles * tile_rows
-    qsl = query_start_loc.astype(jnp.int32)
-    lens = context_lens.astype(jnp.int32)
+    qsl = md.query_start_loc.astype(jnp.int32)
+    lens = md.context_lens.astype(jnp.int32)
 
     # Per packed row: its sequence (the last one starting at or before it), position, liveness.
     n = jnp.arange(rows, dtype=jnp.int32)
@@ -94,17 +67,7 @@ def ragged_paged_attention_reference(
     last = jnp.max(jnp.where(tiled(live), tiled(seq), -1), axis=1)
     branch = jnp.where(last < 0, EMPTY, jnp.where(first == last, ONE_SEQUENCE, PER_ROW))
 
-    attend = functools.partial(
-        _attend_tile,
-        k_pages=k_pages,
-        v_pages=v_pages,
-        k_scales=k_scales,
-        v_scales=v_scales,
-        block_tables=block_tables,
-        scale=scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-    )
+    attend = functools.partial(_attend_tile, kv=kv, block_tables=md.block_tables, opts=opts)
     out = jax.lax.map(
         attend,
         (branch, jnp.clip(first, 0, num_seqs - 1), qf, tiled(seq), tiled(pos), tiled(ctx)),
@@ -112,18 +75,16 @@ def ragged_paged_attention_reference(
     return out.reshape(rows, num_heads, head_dim)[:num_tokens].astype(q.dtype)
 
 
-def _attend_tile(
-    tile, *, k_pages, v_pages, k_scales, v_scales, block_tables, scale, sliding_window, soft_cap
-):
+def _attend_tile(tile, *, kv: PagedKV, block_tables, opts: AttentionOptions):
     branch, tile_seq, q, seq, pos, ctx = tile  # q f32[tile_rows, Hkv, group, D]; rest i32[rows]
-    span = block_tables.shape[1] * k_pages.shape[2]
+    span = block_tables.shape[1] * kv.block_size
     t = jnp.arange(span, dtype=jnp.int32)
     seen = (t[None, :] < ctx[:, None]) & (t[None, :] <= pos[:, None])  # [tile_rows, span]
-    if sliding_window is not None:
-        seen &= t[None, :] >= window_start(pos, sliding_window)[:, None]
+    if opts.windowed:
+        seen &= t[None, :] >= window_start(pos, opts.sliding_window)[:, None]
 
     def softmax_pv(s, v, mask):  # s [rows, Hkv, group, span]; v [rows or 1, Hkv, span, D]
-        s = jnp.where(mask[:, None, None, :], cap_logits(s * scale, soft_cap), -jnp.inf)
+        s = jnp.where(mask[:, None, None, :], cap_logits(s * opts.scale, opts.soft_cap), -jnp.inf)
         m = jnp.max(s, axis=-1, keepdims=True)
         p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0))
         denom = jnp.sum(p, axis=-1, keepdims=True)
@@ -137,16 +98,18 @@ def _attend_tile(
 
     def one_sequence():  # the tile's live rows share one context, gathered once
         table = block_tables[tile_seq][None]
-        k = gather_context(k_pages, table, k_scales).astype(jnp.float32)  # [1, Hkv, span, D]
-        v = gather_context(v_pages, table, v_scales).astype(jnp.float32)
+        k = gather_context(kv.k_pages, table, kv.k_scales)  # [1, Hkv, span, D]
+        k = k.astype(jnp.float32)
+        v = gather_context(kv.v_pages, table, kv.v_scales).astype(jnp.float32)
         v = jnp.where(seen.any(axis=0)[None, None, :, None], v, 0)  # stale slots may be NaN
         s = jnp.einsum("rkgd,ktd->rkgt", q, k[0])
         return softmax_pv(s, v, seen)
 
     def per_row():  # each row gathers its own sequence's context
         table = block_tables[seq]
-        k = gather_context(k_pages, table, k_scales).astype(jnp.float32)  # [rows, Hkv, span, D]
-        v = gather_context(v_pages, table, v_scales).astype(jnp.float32)
+        k = gather_context(kv.k_pages, table, kv.k_scales)  # [rows, Hkv, span, D]
+        k = k.astype(jnp.float32)
+        v = gather_context(kv.v_pages, table, kv.v_scales).astype(jnp.float32)
         v = jnp.where(seen[:, None, :, None], v, 0)
         s = jnp.einsum("rkgd,rktd->rkgt", q, k)
         return softmax_pv(s, v, seen)

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import _tpu_common as tpu
-from ._common import (
+from .. import metadata as m
+from .._common import (
     attention_logits,
     cdiv,
     decode_tiling,
@@ -35,6 +35,7 @@ from ._common import (
     window_start,
     with_scale_refs,
 )
+from . import common as tpu
 
 MAX_TABLE_ENTRIES = 32768  # i32 entries of block table prefetched per call (128 KiB of SMEM)
 
@@ -185,23 +186,21 @@ def _decode_call(
     )(lens, window_operand(window), table.reshape(-1), q, k_pages, v_pages, *scales)
 
 
-def paged_attention_tpu(
+def tpu_decode(
     q: jax.Array,  # [num_seqs, num_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    block_tables: jax.Array,  # i32[num_seqs, max_blocks]
-    context_lens: jax.Array,  # i32[num_seqs]
+    kv: m.PagedKV,
+    md: m.AttentionMetadata,
+    opts: m.AttentionOptions,
     *,
-    scale: float,
     pages_per_block: int | None = None,
     partition_size: int | None = None,
     max_table_entries: int = MAX_TABLE_ENTRIES,
-    interpret=False,
-    sliding_window: int | jax.Array | None = None,
-    soft_cap: float | None = None,
-    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size] (8-bit pool)
-    v_scales: jax.Array | None = None,
+    interpret: bool = False,
 ) -> jax.Array:  # [num_seqs, num_heads, head_dim]
+    k_pages, v_pages, k_scales, v_scales = kv.k_pages, kv.v_pages, kv.k_scales, kv.v_scales
+    block_tables, context_lens = md.block_tables, md.context_lens
+    scale, sliding_window, soft_cap = opts.scale, opts.sliding_window, opts.soft_cap
+    interpret = tpu.interpret_params(interpret)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     max_blocks = block_tables.shape[1]

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import _tpu_common as tpu
-from ._common import (
+from .. import metadata as m
+from .._common import (
     attention_logits,
     cdiv,
     next_pow2,
@@ -31,6 +31,7 @@ from ._common import (
     window_start,
     with_scale_refs,
 )
+from . import common as tpu
 
 
 def _ragged_kernel(
@@ -145,23 +146,21 @@ def _ragged_kernel(
     jax.lax.while_loop(more, attend, first_seq_ref[tile])
 
 
-def ragged_paged_attention_tpu(
+def tpu_prefill(
     q: jax.Array,  # [num_tokens, num_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    block_tables: jax.Array,  # i32[num_seqs, max_blocks]
-    context_lens: jax.Array,  # i32[num_seqs]
-    query_start_loc: jax.Array,  # i32[num_seqs + 1]
+    kv: m.PagedKV,
+    md: m.AttentionMetadata,
+    opts: m.AttentionOptions,
     *,
-    scale: float,
     block_q: int | None = None,
     pages_per_block: int | None = None,
-    interpret=False,
-    sliding_window: int | jax.Array | None = None,
-    soft_cap: float | None = None,
-    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size] (8-bit pool)
-    v_scales: jax.Array | None = None,
+    interpret: bool = False,
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]; rows owned by no sequence are zero
+    k_pages, v_pages, k_scales, v_scales = kv.k_pages, kv.v_pages, kv.k_scales, kv.v_scales
+    block_tables, context_lens = md.block_tables, md.context_lens
+    query_start_loc = md.query_start_loc
+    scale, sliding_window, soft_cap = opts.scale, opts.sliding_window, opts.soft_cap
+    interpret = tpu.interpret_params(interpret)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     num_seqs, max_blocks = block_tables.shape

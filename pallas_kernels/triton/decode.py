@@ -1,4 +1,4 @@
-"""GPU decode attention over a paged KV pool (Pallas, lowered through ``_gpu``).
+"""GPU decode attention over a paged KV pool (Pallas, Triton lowering: ``lowering.py``).
 
 One program per (sequence, KV head, partition). The query heads of a GQA group are the matmul
 rows (padded to 16, Triton's smallest dot). Each program walks its partition's pages
@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import _gpu
-from ._common import (
+from .. import metadata as m
+from .._common import (
     attention_logits,
     cdiv,
     decode_tiling,
@@ -33,6 +33,7 @@ from ._common import (
     window_start,
     with_scale_refs,
 )
+from . import lowering
 
 # Enough programs to fill an H100/H200 (132 SMs) a few times over before splitting contexts.
 TARGET_PROGRAMS = 512
@@ -56,6 +57,7 @@ def _decode_kernel(
     group: int,
     windowed: bool,
     soft_cap: float | None,
+    precision,
 ):
     split = pl.program_id(2)
     pages_per_partition = bt_ref.shape[0]
@@ -89,11 +91,11 @@ def _decode_kernel(
             k_scale = ks_ref[ids].reshape(1, block_k)
             v_scale = jnp.where(seen(col, col), vs_ref[ids].reshape(1, block_k), 0.0)
             v = v.astype(q.dtype)
-        s = attention_logits(q, k, scale, soft_cap, k_scale)
+        s = attention_logits(q, k, scale, soft_cap, k_scale, precision)
         s = jnp.where(seen(col, col), s, -jnp.inf)
         row = token0 + jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
         v = jnp.where(seen(row, row), v, jnp.zeros_like(v))  # stale slots may be NaN
-        return online_softmax_step(s, v, *carry, v_scale=v_scale)
+        return online_softmax_step(s, v, *carry, v_scale=v_scale, precision=precision)
 
     m, den, acc = jax.lax.fori_loop(
         first_step, cdiv(num_tokens, block_k), step, softmax_init(rows, head_dim)
@@ -101,30 +103,27 @@ def _decode_kernel(
     out = softmax_finish(den, acc).astype(o_ref.dtype)
     # Only the group's real rows are stored: the padded ones are never read back.
     real = jax.lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0) < group
-    _gpu.masked_store(o_ref, out, real)
+    lowering.masked_store(o_ref, out, real)
     m_ref[...] = m.reshape(rows)
     l_ref[...] = den.reshape(rows)
 
 
-def paged_attention_gpu(
+def triton_decode(
     q: jax.Array,  # [num_seqs, num_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    block_tables: jax.Array,  # i32[num_seqs, max_blocks]
-    context_lens: jax.Array,  # i32[num_seqs]
+    kv: m.PagedKV,
+    md: m.AttentionMetadata,
+    opts: m.AttentionOptions,
     *,
-    scale: float,
     pages_per_block: int | None = None,
     partition_size: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
-    sliding_window: int | jax.Array | None = None,
-    soft_cap: float | None = None,
-    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size] (8-bit pool)
-    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [num_seqs, num_heads, head_dim]
     """Build the grid and BlockSpecs, run the kernel, merge the partitions."""
+    k_pages, v_pages, k_scales, v_scales = kv.k_pages, kv.v_pages, kv.k_scales, kv.v_scales
+    block_tables, context_lens = md.block_tables, md.context_lens
+    scale, sliding_window, soft_cap = opts.scale, opts.sliding_window, opts.soft_cap
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_pages.shape
     max_blocks = block_tables.shape[1]
@@ -132,7 +131,7 @@ def paged_attention_gpu(
     group_p = max(16, next_pow2(group))
     if pages_per_block is None:
         pages_per_block = max(1, 128 // block_size)
-    _gpu.check_gpu_shapes(
+    lowering.check_gpu_shapes(
         block_size=block_size, head_dim=head_dim, block_k=pages_per_block * block_size
     )
     tiling = decode_tiling(
@@ -159,6 +158,7 @@ def paged_attention_gpu(
         group=group,
         windowed=sliding_window is not None,
         soft_cap=soft_cap,
+        precision=lowering.dot_precision(q.dtype),
     )
     pool_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim), lambda s, h, p: (h, 0, 0, 0))
     scales_spec = pl.BlockSpec((None, num_blocks, block_size), lambda s, h, p: (h, 0, 0))
@@ -185,7 +185,7 @@ def paged_attention_gpu(
             jax.ShapeDtypeStruct(partial_shape, jnp.float32),
             jax.ShapeDtypeStruct(partial_shape, jnp.float32),
         ],
-        compiler_params=_gpu.compiler_params(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=lowering.compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"paged_decode_bs{block_size}_ppb{pages_per_block}_g{group}",
     )(lens, window_operand(sliding_window), block_tables, qg, k_pages, v_pages, *scales)

@@ -1,16 +1,21 @@
-"""The one place that picks how GPU kernels are lowered.
-
-Today: Pallas on the Triton backend (jax 0.10 and 0.11). jax 0.11 deprecates it in favour of
-Mosaic GPU; a Mosaic GPU variant would be chosen here, the kernel bodies being small and written
-with ops (``lax.dot_general``, ``jnp.where``, ``lax.fori_loop``) that both lowerings accept. The
-one Triton-only op in use is the masked store, also reached through this module.
+"""What the GPU kernels of this folder need from Pallas's Triton lowering (jax 0.10 and 0.11;
+0.11 deprecates it in favour of Mosaic GPU): compiler params, masked loads and stores, the
+shapes its tiles take, and the dots' precision.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
 GPU_LOWERING = "triton"
+
+
+def dot_precision(dtype) -> jax.lax.Precision | None:
+    """The kernels' dots for operands of ``dtype``: float32 at full float32 precision (the
+    lowering runs a DEFAULT float32 dot as TF32, about 1e-3 relative), other dtypes as they are."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def compiler_params(*, num_warps: int, num_stages: int):
@@ -33,7 +38,8 @@ def check_gpu_shapes(*, block_size: int, head_dim: int, block_k: int) -> None:
     for name, value in (("block_size", block_size), ("head_dim", head_dim)):
         if value & (value - 1):
             raise ValueError(
-                f"the GPU kernel needs a power-of-two {name}, got {value}; use backend='reference'"
+                f"the GPU kernel needs a power-of-two {name}, got {value}; use "
+                "backend='reference' or 'native'"
             )
     if head_dim < 16:
         raise ValueError(f"the GPU kernel needs head_dim >= 16, got {head_dim}")

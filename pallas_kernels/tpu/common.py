@@ -7,7 +7,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._common import cdiv
+from .._common import cdiv
+
+
+def interpret_params(interpret: bool):
+    """``interpret=True`` runs a kernel in TPU interpret mode (also reachable, for whole
+    programs, through ``pltpu.force_tpu_interpret_mode``)."""
+    return pltpu.InterpretParams() if interpret else False
 
 
 def compiler_params(num_grid_dims: int):

@@ -1,6 +1,7 @@
-"""Decode attention for the engine's CPU ("reference") backend: online softmax over chunks.
+"""Decode attention on a CPU in XLA (the native backend's path without its kernel): online
+softmax over chunks.
 
-``paged_attention_reference`` (the oracle) gathers every sequence's whole block table at once: a
+``reference_decode`` (the oracle) gathers every sequence's whole block table at once: a
 ``[num_seqs, num_kv_heads, max_blocks * block_size, head_dim]`` copy of K and of V, sized by the
 padded table width, not by the real contexts. On a CPU that copy falls out of the caches and the
 step pays for it twice (write, then read). This path walks the tables in chunks of a few blocks,
@@ -22,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._common import cap_logits, dequantize, window_start
+from .._common import cap_logits, dequantize, window_start
+from ..metadata import AttentionMetadata, AttentionOptions, PagedKV
 
 CHUNK_TOKENS = 64  # keys per loop step (4 blocks of 16)
 # Tables up to this many tokens take the one-pass reference: there its gather stays in cache and
@@ -38,22 +40,19 @@ def _dequantized(pages, scales, ids):
     return x.astype(jnp.float32).reshape(kh, s, n * bs, d)
 
 
-def paged_attention_chunked(
+def chunked_decode(
     q: jax.Array,  # [num_seqs, num_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    block_tables: jax.Array,  # i32[num_seqs, max_blocks]
-    context_lens: jax.Array,  # i32[num_seqs]
+    kv: PagedKV,
+    md: AttentionMetadata,
+    opts: AttentionOptions,
     *,
-    scale: float,
-    sliding_window: int | jax.Array | None = None,
-    soft_cap: float | None = None,
-    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size] (8-bit pool)
-    v_scales: jax.Array | None = None,
     chunk_tokens: int = CHUNK_TOKENS,
 ) -> jax.Array:  # [num_seqs, num_heads, head_dim]
-    """Same contract as ``paged_attention_reference`` (slots at or past a context, or before its
-    window, are ignored whatever they hold, NaN included; length 0 gives zeros)."""
+    """Same contract as ``reference_decode`` (slots at or past a context, or before its window,
+    are ignored whatever they hold, NaN included; length 0 gives zeros)."""
+    k_pages, v_pages, k_scales, v_scales = kv.k_pages, kv.v_pages, kv.k_scales, kv.v_scales
+    block_tables, context_lens = md.block_tables, md.context_lens
+    scale, sliding_window, soft_cap = opts.scale, opts.sliding_window, opts.soft_cap
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     group = num_heads // num_kv_heads

@@ -1,4 +1,4 @@
-"""GPU attention for packed (ragged) batches over a paged KV pool (Pallas, lowered via ``_gpu``).
+"""GPU attention for packed (ragged) batches over a paged KV pool (Pallas, Triton lowering).
 
 One program per (sequence, KV head, tile of ``block_q`` of its query rows). The tile's rows times
 the GQA group's heads are the matmul rows. Keys are walked from the first token up to the causal
@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import _gpu
-from ._common import (
+from .. import metadata as m
+from .._common import (
     attention_logits,
     cdiv,
     next_pow2,
@@ -30,6 +30,7 @@ from ._common import (
     window_start,
     with_scale_refs,
 )
+from . import lowering
 
 
 def _ragged_kernel(
@@ -50,6 +51,7 @@ def _ragged_kernel(
     group: int,
     windowed: bool,
     soft_cap: float | None,
+    precision,
 ):
     seq, tile = pl.program_id(0), pl.program_id(2)
     _, block_size, head_dim = k_ref.shape
@@ -90,13 +92,14 @@ def _ragged_kernel(
             used_col = (col < ctx) & (col >= lo) if windowed else col < ctx
             v_scale = jnp.where(used_col, vs_ref[ids].reshape(1, block_k), 0.0)
             v = v.astype(q.dtype)
-        s = jnp.where(seen, attention_logits(q, k, scale, soft_cap, k_scale), -jnp.inf)
+        s = attention_logits(q, k, scale, soft_cap, k_scale, precision)
+        s = jnp.where(seen, s, -jnp.inf)
         key = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
         used = key < ctx
         if windowed:
             used &= key >= lo
         v = jnp.where(used, v, jnp.zeros_like(v))  # stale slots may be NaN
-        return online_softmax_step(s, v, *carry, v_scale=v_scale)
+        return online_softmax_step(s, v, *carry, v_scale=v_scale, precision=precision)
 
     first_step = jax.lax.div(lo, block_k) if windowed else 0
     _, den, acc = jax.lax.fori_loop(
@@ -107,29 +110,26 @@ def _ragged_kernel(
     mine = (jax.lax.broadcasted_iota(jnp.int32, shape, 0) < live) & (
         jax.lax.broadcasted_iota(jnp.int32, shape, 1) < group
     )
-    _gpu.masked_store(o_ref.at[pl.ds(row0, block_q)], out, mine)
+    lowering.masked_store(o_ref.at[pl.ds(row0, block_q)], out, mine)
 
 
-def ragged_paged_attention_gpu(
+def triton_prefill(
     q: jax.Array,  # [num_tokens, num_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    block_tables: jax.Array,  # i32[num_seqs, max_blocks]
-    context_lens: jax.Array,  # i32[num_seqs]
-    query_start_loc: jax.Array,  # i32[num_seqs + 1]
+    kv: m.PagedKV,
+    md: m.AttentionMetadata,
+    opts: m.AttentionOptions,
     *,
-    scale: float,
-    max_query_len: int,
     block_q: int | None = None,
     pages_per_block: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
-    sliding_window: int | jax.Array | None = None,
-    soft_cap: float | None = None,
-    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_blocks, block_size] (8-bit pool)
-    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]; rows owned by no sequence are unspecified
+    k_pages, v_pages, k_scales, v_scales = kv.k_pages, kv.v_pages, kv.k_scales, kv.v_scales
+    block_tables, context_lens = md.block_tables, md.context_lens
+    query_start_loc = md.query_start_loc
+    scale, sliding_window, soft_cap = opts.scale, opts.sliding_window, opts.soft_cap
+    max_query_len = md.max_q(q.shape[0])
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_pages.shape
     num_seqs, max_blocks = block_tables.shape
@@ -146,7 +146,7 @@ def ragged_paged_attention_gpu(
     if pages_per_block is None:
         pages_per_block = max(1, 64 // block_size)
     block_k = pages_per_block * block_size
-    _gpu.check_gpu_shapes(block_size=block_size, head_dim=head_dim, block_k=block_k)
+    lowering.check_gpu_shapes(block_size=block_size, head_dim=head_dim, block_k=block_k)
 
     table = pad_block_tables(
         block_tables.astype(jnp.int32), cdiv(max(max_blocks, 1), pages_per_block) * pages_per_block
@@ -165,6 +165,7 @@ def ragged_paged_attention_gpu(
         group=group,
         windowed=sliding_window is not None,
         soft_cap=soft_cap,
+        precision=lowering.dot_precision(q.dtype),
     )
     rows_spec = pl.BlockSpec((padded, None, group_p, head_dim), lambda s, h, t: (0, h, 0, 0))
     pool_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim), lambda s, h, t: (h, 0, 0, 0))
@@ -185,7 +186,7 @@ def ragged_paged_attention_gpu(
         ],
         out_specs=rows_spec,
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-        compiler_params=_gpu.compiler_params(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=lowering.compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"paged_ragged_bs{block_size}_bq{block_q}_g{group}",
     )(

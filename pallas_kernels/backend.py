@@ -1,0 +1,86 @@
+"""The attention backend: one object, chosen once (``selection.select_backend``), that writes a
+step's K/V into the pool and attends over it.
+
+Every backend has the same three operations over the same arguments (``metadata.py``):
+``write_kv(kv, k_new, v_new, slot_mapping) -> kv``, ``decode(q, kv, md, opts)`` (one query row
+per sequence) and ``ragged(q, kv, md, opts)`` (packed rows of many sequences, causal). A backend
+is a frozen dataclass whose fields are its tuning knobs: hashable, so a jitted step takes it as
+a static argument.
+
+Contract of ``decode`` and ``ragged`` (``reference/`` is the oracle): GQA when num_heads is a
+multiple of num_kv_heads; slots at or past a context length, or before a query's window, are
+ignored whatever they hold (NaN included); a sequence of length 0 and rows of no sequence (or past
+``max_query_len`` in theirs) give zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from .kv_cache import write_kv
+from .metadata import AttentionMetadata, AttentionOptions, PagedKV, decode_rows, owned_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    name: ClassVar[str] = ""
+    # A ragged step's work follows its real query rows (not num_seqs x max_query_len), so the
+    # runner need not bucket query lengths.
+    follows_rows: ClassVar[bool] = False
+
+    @property
+    def reads_rows_only(self) -> bool:
+        """Whether attention reads each query row's own keys only (the step profile's count)."""
+        return False
+
+    def write_kv(
+        self,
+        kv: PagedKV,
+        k_new: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
+        v_new: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
+        slot_mapping: jax.Array,  # i32[num_tokens], negative = drop
+    ) -> PagedKV:
+        """Scatter the new rows into the pool in place (XLA's scatter serves every platform); an
+        8-bit pool's rows are quantized and their scales written at the same slots."""
+        return PagedKV(*write_kv(*kv.as_tuple()[:2], k_new, v_new, slot_mapping, *kv.scales))
+
+    def decode(
+        self, q: jax.Array, kv: PagedKV, md: AttentionMetadata, opts: AttentionOptions
+    ) -> jax.Array:  # q, out: [num_seqs, num_heads, head_dim]
+        raise NotImplementedError
+
+    def ragged(
+        self, q: jax.Array, kv: PagedKV, md: AttentionMetadata, opts: AttentionOptions
+    ) -> jax.Array:  # q, out: [num_tokens, num_heads, head_dim]
+        """Packed rows; a batch of single rows goes to this backend's decode kernel (which may
+        split long contexts), the rest to ``prefill``."""
+        if q.shape[0] == 0 or md.num_seqs == 0:
+            return jnp.zeros_like(q)
+        if md.max_q(q.shape[0]) == 1:
+            return decode_rows(self.decode, q, kv, md, opts)
+        return self.prefill(q, kv, md, opts)
+
+    def prefill(
+        self, q: jax.Array, kv: PagedKV, md: AttentionMetadata, opts: AttentionOptions
+    ) -> jax.Array:  # [num_tokens, num_heads, head_dim]
+        """``ragged`` for batches with rows longer than one token."""
+        raise NotImplementedError
+
+    def attend(
+        self, q: jax.Array, kv: PagedKV, md: AttentionMetadata, opts: AttentionOptions
+    ) -> jax.Array:
+        """``decode`` for the decode layout (``md.query_start_loc`` None), else ``ragged``."""
+        if md.query_start_loc is None:
+            return self.decode(q, kv, md, opts)
+        return self.ragged(q, kv, md, opts)
+
+
+def zero_unowned_rows(out: jax.Array, md: AttentionMetadata) -> jax.Array:
+    """Rows of no sequence, or past ``max_query_len`` in theirs, set to zero (the contract), for
+    kernels that leave them unspecified."""
+    keep = owned_rows(md.query_start_loc.astype(jnp.int32), out.shape[0], md.max_q(out.shape[0]))
+    return jnp.where(keep[:, None, None], out, jnp.zeros_like(out))
