@@ -31,6 +31,7 @@ from pagedjax.models.sharding import (
 from pagedjax.output_processor import OutputProcessor
 from pagedjax.outputs import EngineStats, RequestOutput
 from pagedjax.request import Request
+from pagedjax.request_table import RequestTable
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 from pagedjax.spec_decode.draft import with_draft_model
 from pagedjax.spec_decode.speculator import make_speculator, stop_checker
@@ -108,9 +109,22 @@ class LLMEngine:
         )
         self.runner = with_draft_model(config, self.runner)  # as is, unless a draft model proposes
         self.processes = DriverOrFollower(self.runner)
-        self.steps = StepLoop(self, config.async_scheduling)  # step(), overlapped where safe
         self._rng = np.random.default_rng(config.seed)
         self.history = inspection.History()  # recent steps and finished requests (inspect())
+        self.request_table = RequestTable(
+            self.requests, self.output_processor, self.scheduler, self.speculator
+        )
+        self.steps = StepLoop(  # step(), overlapped where safe
+            self.scheduler,
+            self.runner,
+            self.request_table,
+            history=self.history,
+            profile=self.profile,
+            vocab_size=mc.vocab_size,
+            check_stop=self.output_processor.check_stop,
+            speculating=self.speculator is not None,
+            enabled=config.async_scheduling,
+        )
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -169,31 +183,6 @@ class LLMEngine:
         self.processes.require_driver("step")
         return self.steps.step()
 
-    def _fail(self, req: Request, error: Exception) -> None:
-        """End one request for a fault of its own; everything else keeps running."""
-        if req.error is None:
-            req.error = f"the request failed in the engine: {type(error).__name__}: {error}"
-            logger.error("request %r: %s", req.request_id, req.error, exc_info=error)
-            self.scheduler.num_aborted += 1
-        self.scheduler.abort(req.request_id)  # its unfinished seqs end with "abort"
-
-    def _output(self, request_id: str) -> RequestOutput | None:
-        req = self.requests.get(request_id)
-        if req is None:
-            return None
-        try:
-            output = self.output_processor.make_output(req)
-        except Exception as e:
-            self._fail(req, e)
-            output = RequestOutput(
-                request_id, req.prompt, req.prompt_token_ids, [], True, error=req.error
-            )
-        if self.speculator is not None:
-            output.spec_decoding = self.speculator.request_stats(req.group)
-        if output.finished:
-            del self.requests[request_id]
-        return output
-
     # ---- state ---------------------------------------------------------------------------
 
     def state(self) -> inspection.EngineState:
@@ -209,6 +198,7 @@ class LLMEngine:
         self.block_manager = state.scheduler.bm
         self.requests.clear()
         self.requests.update(state.requests)
+        self.steps.load(self.scheduler, self.history)  # and the request table's scheduler
 
     def inspect(self):
         self.steps.drain()  # a step in flight shows placeholders: finish it (outputs come later)

@@ -16,6 +16,7 @@ from collections.abc import Collection
 from pagedjax import beam_search
 from pagedjax.config import PREEMPTION_MODES
 from pagedjax.core.block_manager import AllocStatus, BlockManager
+from pagedjax.core.in_flight import InFlight
 from pagedjax.core.longrope import LongRopeSwitch
 from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
@@ -167,6 +168,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.speculator = speculator
         self._seq_ids = itertools.count()
+        self.in_flight = InFlight(self)  # async scheduling's account of a step in flight
 
     # ---- requests -------------------------------------------------------------------------
 

@@ -3,9 +3,10 @@
 A step's host inputs (the ``StepInput`` arrays and the sampler's logits rows, all int32) travel
 as ONE buffer, one transfer (``pack_inputs``); the program slices them back out at offsets its
 static ``StepLayout`` fixes. Inside the same program, before the model, placeholder tokens take
-the previous step's sampled tokens (async scheduling: id ``-1 - r`` is row r of ``prev_tokens``,
-an i32[W] array still on the device; W = ``fill_width``, every step's tokens are widened or cut
-to it, so there is no program per pair of widths); after the model, the sampler's logits rows
+the previous step's sampled tokens (async scheduling: id ``-1 - r``, core/in_flight.py's
+``placeholder(r)``, is row r of ``prev_tokens``, an i32[W] array still on the device; W =
+``fill_width``, every step's tokens are widened or cut to it, so there is no program per pair of
+widths); after the model, the sampler's logits rows
 are gathered and a plain greedy batch is sampled there too (``sampler.greedy``: argmax and
 logprobs, no sampling input). A batch that needs more (penalties, bias, sampling, top logprobs)
 runs the sampler program on the gathered rows (``sample_program``), a step that verifies
@@ -105,13 +106,6 @@ def fill_width(max_num_seqs: int) -> int:
     return widest_seqs_bucket(max_num_seqs)
 
 
-def placeholder(row: int) -> int:
-    """The token id that stands for row ``row`` of the previous step's sampled tokens."""
-    if row < 0:
-        raise ValueError(f"row must be >= 0, got {row}")
-    return -1 - row
-
-
 def fill_tokens(token_ids: jax.Array, prev_tokens: jax.Array) -> jax.Array:
     """token_ids i32[num_tokens] (-1 - r: row r of prev_tokens), prev_tokens i32[W]."""
     src = jnp.clip(-1 - token_ids, 0, prev_tokens.shape[0] - 1)
@@ -172,7 +166,6 @@ __all__ = [
     "fill_width",
     "pack_inputs",
     "pack_output",
-    "placeholder",
     "sample_program",
     "unpack_inputs",
     "unpack_output",

@@ -264,7 +264,8 @@ def test_nothing_compiles_after_warmup_with_overlap(tiny):
 
 
 def test_fill_reads_the_step_befores_rows_inside_the_step_program():
-    from pagedjax.worker.step_program import fill_tokens, fill_width, placeholder, to_width
+    from pagedjax.core.in_flight import placeholder
+    from pagedjax.worker.step_program import fill_tokens, fill_width, to_width
 
     assert fill_width(9) == 16 and fill_width(256) == 256
     prev = np.array([7, 8, 9, 10, 11, 12, 13, 14], np.int32)
