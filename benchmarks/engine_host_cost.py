@@ -1,0 +1,129 @@
+"""The engine's own cost per step: decode steps of a model whose compute is negligible (2 layers,
+hidden 64, a 256-token vocabulary, random weights, no tokenizer), so what a step costs is the
+engine's host work (scheduling, building and packing inputs, dispatching, fetching, updating) and
+the dispatch overhead of its programs. At batch 1 and 64, with async scheduling on and off:
+ms per decode step (min and median over repeats of a block of steps) and, from the same run, the
+programs dispatched and the host arrays transferred per step (the runner's counts).
+
+    python benchmarks/engine_host_cost.py [--steps 32] [--repeats 7] [--batches 1 64] [--quick]
+
+Time it on a quiet machine: other jobs' load shows up directly in these figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the repo
+
+from pagedjax.models.config import ModelConfig  # noqa: E402
+from pagedjax.models.llama import param_shapes  # noqa: E402
+from pagedjax.models.loader import LoadedModel  # noqa: E402
+
+from pagedjax import LLM, SamplingParams  # noqa: E402
+
+PROMPT_LEN = 8
+BLOCK_SIZE = 16
+
+
+def tiny_model() -> LoadedModel:
+    config = ModelConfig("LlamaForCausalLM", 256, 64, 128, 2, 4, 2, 16)
+    rng = np.random.default_rng(0)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, s: (
+            np.ones(s.shape, s.dtype)
+            if "norm" in jax.tree_util.keystr(path)
+            else (0.02 * rng.standard_normal(s.shape)).astype(s.dtype)
+        ),
+        param_shapes(config, "float32"),
+    )
+    return LoadedModel(config=config, params=params, source="engine-host-cost", tokenizer_dir=None)
+
+
+def make_llm(loaded: LoadedModel, batch: int, max_model_len: int, async_scheduling: bool) -> LLM:
+    """An LLM over in-memory weights (LLM takes a path: its loader hands back ``loaded``)."""
+    module = sys.modules[LLM.__module__]
+    original = module.load_model
+    module.load_model = lambda *a, **k: loaded
+    try:
+        return LLM(
+            loaded.source,
+            dtype="float32",
+            block_size=BLOCK_SIZE,
+            max_model_len=max_model_len,
+            max_num_seqs=batch,
+            max_num_batched_tokens=max(batch * PROMPT_LEN, 64),
+            num_blocks=batch * -(-max_model_len // BLOCK_SIZE) + 8,
+            async_scheduling=async_scheduling,
+        )
+    finally:
+        module.load_model = original
+
+
+def measure(llm: LLM, batch: int, steps: int, repeats: int) -> dict:
+    """Per-step ms (each repeat times ``steps`` decode steps) and per-step counts."""
+    engine, runner = llm.engine, llm.engine.runner
+    params = SamplingParams(max_tokens=steps * (repeats + 1) + 4, temperature=0.0, ignore_eos=True)
+    rng = np.random.default_rng(batch)
+    for i in range(batch):
+        engine.add_request(f"r{i}", rng.integers(3, 250, PROMPT_LEN).tolist(), params)
+    for _ in range(steps):  # prompts, then decode steps: every program compiled (discarded)
+        engine.step()
+    times = []
+    programs, transfers = runner.num_programs, runner.num_transfers
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        times.append((time.perf_counter() - t0) / steps)
+    n = steps * repeats
+    for i in range(batch):
+        engine.abort_request(f"r{i}")
+    return dict(
+        min_ms=min(times) * 1e3,
+        median_ms=statistics.median(times) * 1e3,
+        programs=(runner.num_programs - programs) / n,
+        transfers=(runner.num_transfers - transfers) / n,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=32, help="decode steps per repeat")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--quick", action="store_true", help="a few steps: checks that it runs")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.repeats = 4, 2
+    print(f"load average {os.getloadavg()[0]:.2f} at the start; jax {jax.__version__} on "
+          f"{jax.default_backend()}")  # fmt: skip
+    loaded = tiny_model()
+    max_model_len = PROMPT_LEN + args.steps * (args.repeats + 2) + 8
+    print(f"{'batch':>5s} {'async':>5s} {'min ms':>8s} {'median ms':>10s} "
+          f"{'programs':>9s} {'transfers':>10s}  (per decode step)")  # fmt: skip
+    for batch in args.batches:
+        for async_scheduling in (True, False):
+            llm = make_llm(loaded, batch, max_model_len, async_scheduling)
+            try:
+                r = measure(llm, batch, args.steps, args.repeats)
+            finally:
+                llm.close()
+            print(
+                f"{batch:5d} {'on' if async_scheduling else 'off':>5s} {r['min_ms']:8.3f} "
+                f"{r['median_ms']:10.3f} {r['programs']:9.2f} {r['transfers']:10.2f}"
+            )
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
