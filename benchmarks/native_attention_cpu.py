@@ -43,11 +43,32 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the repo
 
-from pagedjax.pallas_kernels import native_attention as na  # noqa: E402
-from pagedjax.pallas_kernels import quantize_kv  # noqa: E402
-from pagedjax.pallas_kernels.decode_cpu import paged_attention_chunked  # noqa: E402
-from pagedjax.pallas_kernels.paged_attention import paged_attention_reference  # noqa: E402
-from pagedjax.pallas_kernels.ragged_reference import ragged_paged_attention_reference  # noqa: E402
+from pagedjax.pallas_kernels import (  # noqa: E402
+    NativeBackend,
+    paged_attention_reference,
+    quantize_kv,
+    ragged_paged_attention_reference,
+)
+from pagedjax.pallas_kernels.attention import flat_entry  # noqa: E402
+from pagedjax.pallas_kernels.cpu import chunked_decode  # noqa: E402
+from pagedjax.pallas_kernels.cpu import native as na  # noqa: E402
+
+# The backends' kernels over the flat arguments, as the references take them.
+paged_attention_chunked = flat_entry(
+    chunked_decode, name="paged_attention_chunked", ragged=False, doc="XLA's chunked decode"
+)
+paged_attention_native = flat_entry(
+    lambda q, kv, md, opts, **knobs: NativeBackend(**knobs).decode(q, kv, md, opts),
+    name="paged_attention_native",
+    ragged=False,
+    doc="the native decode kernel",
+)
+ragged_paged_attention_native = flat_entry(
+    lambda q, kv, md, opts, **knobs: NativeBackend(**knobs).ragged(q, kv, md, opts),
+    name="ragged_paged_attention_native",
+    ragged=True,
+    doc="the native ragged kernel",
+)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M
 NUM_BLOCKS = 3000
@@ -93,7 +114,7 @@ def decode_case(rng, dtype, lo, hi, width, xla_fn) -> Case:
     kw = {"scale": HEAD_DIM**-0.5, **scales}
     name = f"decode ctx {lo}-{hi}, {width}-block tables"
     read = live_bytes(lens, k, bool(scales))
-    return Case(name, args, kw, xla_fn, na.paged_attention_native, read)
+    return Case(name, args, kw, xla_fn, paged_attention_native, read)
 
 
 def cached_decode_case(rng, dtype) -> Case:
@@ -111,7 +132,7 @@ def cached_decode_case(rng, dtype) -> Case:
         args,
         kw,
         paged_attention_reference,
-        na.paged_attention_native,
+        paged_attention_native,
         read,
     )
 
@@ -132,7 +153,7 @@ def ragged_case(rng, dtype) -> Case:
         args,
         kw,
         ragged_paged_attention_reference,
-        na.ragged_paged_attention_native,
+        ragged_paged_attention_native,
         read,
     )
 
@@ -152,7 +173,7 @@ def prefill_case(rng, dtype) -> Case:
         args,
         kw,
         ragged_paged_attention_reference,
-        na.ragged_paged_attention_native,
+        ragged_paged_attention_native,
         tiles * live_bytes(lens, k, bool(scales)),
     )
 
@@ -224,7 +245,7 @@ def layouts(repeats: int) -> None:
     @jax.jit
     def step(q, k, v, tables, lens):  # each layer reads its own blocks, as the engine's scan
         outs = [
-            na.paged_attention_native(q + i, k, v, tables + i * LAYER_BLOCKS, lens, scale=0.125)
+            paged_attention_native(q + i, k, v, tables + i * LAYER_BLOCKS, lens, scale=0.125)
             for i in range(LAYERS)
         ]
         return sum(o[:, 0, 0] for o in outs)
