@@ -183,3 +183,22 @@ def test_pagedjax_serve_answers_health_soon_with_empty_caches(tmp_path):
         log.close()
     assert list((tmp_path / "jax").iterdir())  # compiled programs went to the empty cache
     assert "programs compiled at start" in (tmp_path / "serve.log").read_text()  # the log line
+
+
+def test_the_jax_and_xla_autotune_caches_live_under_the_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGEDJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PAGEDJAX_COMPILATION_CACHE", raising=False)
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_enable_xla_caches")
+    saved = {name: getattr(jax.config, name) for name in names}
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)  # as in a fresh process
+        jax.config.update("jax_persistent_cache_enable_xla_caches", None)  # whatever JAX's default
+        assert compilation.enable_persistent_cache() == tmp_path / "jax"
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "jax")
+        # JAX puts the XLA caches it enables inside the compilation cache directory.
+        assert "xla_gpu_per_fusion_autotune_cache_dir" in (
+            jax.config.jax_persistent_cache_enable_xla_caches or ""
+        )
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
