@@ -80,8 +80,9 @@ def _step_and_sample(params, kv_pool, packed, prev_tokens, config, backend, mesh
 _step = jax.jit(_model_step, static_argnums=(3, 4, 5, 6), donate_argnums=(1,))
 # A step's one program: token fill, model, and a plain greedy batch's sampling.
 _step_program = jax.jit(_step_and_sample, static_argnums=(4, 5, 6, 7, 8), donate_argnums=(1,))
-# The sampler of a batch that needs more than greedy: (logits rows, sampling, W) -> (packed, W).
-_sample = jax.jit(step_program.sample_program, static_argnums=(2,))
+# The sampler of a batch that needs more than greedy: (logits rows, packed sampling, its layout,
+# W) -> (packed output, tokens i32[W]).
+_sample = jax.jit(step_program.sample_program, static_argnums=(2, 3))
 _forward = jax.jit(_model_step, static_argnums=(3, 4, 5, 6), donate_argnums=(1,))
 
 compilation.track_compile_seconds()
@@ -291,7 +292,8 @@ class Runner:
             return self._launch(verify_step, *args), None, scored
         if sampling.variant == sampler.Variant():  # plain greedy: sampled in the step program
             return outs["packed"], outs["tokens"], scored
-        args = (outs["logits"], self._put(sampling), self.fill_width)
+        packed_sampling, sampling_layout = step_program.pack_sampling(sampling)
+        args = (outs["logits"], self._put(packed_sampling), sampling_layout, self.fill_width)
         return *self._launch(_sample, *args), scored
 
     def _put(self, tree):
@@ -357,8 +359,13 @@ class Runner:
     def _lower_default_sample(self, num_seqs: int):
         """The sampler a batch of default sampling rows (temperature 1, nothing else) runs."""
         rows = [SamplingRow(temperature=1.0)]
-        sampling = jax.device_put(self._sampling_input(rows, num_seqs, 0), self._inputs)
-        return _sample.lower(self._logits_like(num_seqs), sampling, self.fill_width)
+        return self._lower_sampler(self._sampling_input(rows, num_seqs, 0))
+
+    def _lower_sampler(self, sampling: SamplingInput):
+        packed, layout = step_program.pack_sampling(sampling)
+        logits = self._logits_like(len(sampling.temperature))
+        packed = jax.device_put(packed, self._inputs)
+        return _sample.lower(logits, packed, layout, self.fill_width)
 
     def warmup_jobs(
         self,
@@ -432,7 +439,7 @@ class Runner:
             if self.verifies_draft_probs:
                 args += (self._logits_like(size),)  # q: placed like the logits
             return verify_step.lower(*args)
-        return _sample.lower(args[0], args[2], self.fill_width)
+        return self._lower_sampler(sampling)
 
     # ---- block moves (before the step that needs them) ------------------------------------
 

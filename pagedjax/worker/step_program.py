@@ -9,8 +9,8 @@ the previous step's sampled tokens (async scheduling: id ``-1 - r``, core/in_fli
 widths); after the model, the sampler's logits rows
 are gathered and a plain greedy batch is sampled there too (``sampler.greedy``: argmax and
 logprobs, no sampling input). A batch that needs more (penalties, bias, sampling, top logprobs)
-runs the sampler program on the gathered rows (``sample_program``), a step that verifies
-proposals the verify program.
+runs the sampler program on the gathered rows (``sample_program``), its sampling input packed
+into one buffer too (``pack_sampling``); a step that verifies proposals, the verify program.
 
 Every step's sampled tokens come back as one i32[rows, 2 + 2K] array (``pack_output``: token,
 logprob bits, K top ids, K top logprob bits), copied to the host as soon as it is dispatched.
@@ -153,9 +153,39 @@ def after_model(
     }
 
 
-def sample_program(logits: jax.Array, sampling: SamplingInput, width: int):
-    """The sampler program of a batch that needs more than greedy: (packed output, i32[W])."""
-    out = sample(logits, sampling)
+@dataclasses.dataclass(frozen=True)
+class SamplingLayout:
+    """The static shape of a packed ``SamplingInput``: its tree (static flags included) and
+    each array's shape and dtype (all 32 bits wide)."""
+
+    treedef: object
+    leaves: tuple[tuple[tuple[int, ...], str], ...]
+
+
+def pack_sampling(sampling: SamplingInput) -> tuple[np.ndarray, SamplingLayout]:
+    """One i32 host buffer holding every array of ``sampling`` (floats as their bits)."""
+    leaves, treedef = jax.tree.flatten(sampling)
+    arrays = [np.ascontiguousarray(x) for x in leaves]
+    assert all(a.dtype.itemsize == 4 for a in arrays), [a.dtype for a in arrays]
+    layout = SamplingLayout(treedef, tuple((a.shape, a.dtype.name) for a in arrays))
+    return np.concatenate([a.view(np.int32).reshape(-1) for a in arrays]), layout
+
+
+def unpack_sampling(buf: jax.Array, layout: SamplingLayout) -> SamplingInput:
+    """``pack_sampling`` undone inside a program."""
+    leaves, start = [], 0
+    for shape, dtype in layout.leaves:
+        size = int(np.prod(shape))
+        x = jax.lax.bitcast_convert_type(buf[start : start + size], jnp.dtype(dtype))
+        leaves.append(x.reshape(shape))
+        start += size
+    return jax.tree.unflatten(layout.treedef, leaves)
+
+
+def sample_program(logits: jax.Array, packed: jax.Array, layout: SamplingLayout, width: int):
+    """The sampler program of a batch that needs more than greedy, its sampling input packed
+    (``pack_sampling``): (packed output, tokens i32[W])."""
+    out = sample(logits, unpack_sampling(packed, layout))
     return pack_output(out), to_width(out.tokens, width)
 
 
@@ -166,7 +196,9 @@ __all__ = [
     "fill_width",
     "pack_inputs",
     "pack_output",
+    "pack_sampling",
     "sample_program",
     "unpack_inputs",
     "unpack_output",
+    "unpack_sampling",
 ]

@@ -20,7 +20,7 @@ from pagedjax import LLM, SamplingParams
 from pagedjax.worker import runner as runner_mod
 from pagedjax.worker import step_program
 from pagedjax.worker.input_batch import InputBatcher, ScheduledSeq
-from pagedjax.worker.sampler import SamplerOutput, SamplingRow
+from pagedjax.worker.sampler import SamplerOutput, SamplingInput, SamplingRow
 
 NUM_BLOCKS, BLOCK = 256, 8
 _DEF = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]")
@@ -113,7 +113,7 @@ def test_a_greedy_decode_step_is_one_program_and_one_transfer(tiny, monkeypatch,
     llm = LLM(tiny, block_size=8, max_model_len=64, num_blocks=32, max_num_seqs=4,
               async_scheduling=async_scheduling)  # fmt: skip
     engine, runner = llm.engine, llm.engine.runner
-    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    greedy = SamplingParams(max_tokens=20, temperature=0.0)
     for i in range(3):
         engine.add_request(f"r{i}", [5 + i, 6, 7, 8], greedy)
     for _ in range(3):  # the prompts, then decode steps
@@ -125,8 +125,29 @@ def test_a_greedy_decode_step_is_one_program_and_one_transfer(tiny, monkeypatch,
     assert runner.num_programs - programs == steps, "a greedy decode step is one program"
     assert runner.num_transfers - transfers == steps, "its inputs are one transfer"
     assert puts.calls == steps, "a device_put outside the runner's count"
-    # A sampled batch adds the sampler program and its inputs.
+    # A sampled batch adds the sampler program and its inputs, packed into one buffer.
     engine.add_request("s", [9, 10, 11], SamplingParams(max_tokens=8, temperature=0.8, seed=1))
+    for _ in range(2):  # its prompt (a mixed step), then decode steps
+        engine.step()
+    programs, transfers = runner.num_programs, runner.num_transfers
+    for _ in range(3):
+        engine.step()
+    assert (runner.num_programs - programs, runner.num_transfers - transfers) == (6, 6)
     while engine.has_unfinished_requests():
         engine.step()
-    assert runner.num_programs - programs > steps
+
+
+def test_a_sampling_input_packs_into_one_buffer():
+    rows = [
+        SamplingRow(0.7, top_k=5, top_p=0.9, seed=3, position=11, repetition_penalty=1.2,
+                    prompt_token_ids=[4, 5], output_token_ids=[6], logit_bias=((7, -1.5),)),
+        SamplingRow(),
+    ]  # fmt: skip
+    s = SamplingInput.build(rows, 4, 300, 2, history_width=8)
+    packed, layout = step_program.pack_sampling(s)
+    assert packed.dtype == np.int32 and packed.ndim == 1
+    back = jax.jit(step_program.unpack_sampling, static_argnums=1)(packed, layout)
+    assert back.variant == s.variant
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(s), strict=True):
+        assert np.asarray(a).dtype == np.asarray(b).dtype
+        np.testing.assert_array_equal(a, b)
