@@ -27,6 +27,7 @@ def serve(
     limits: ServerLimits | None = None,
     public_metrics: bool = False,
     public_docs: bool = False,
+    tool_config=None,
     log_level: str = "info",
     warmup: bool = True,
     warmup_all: bool = False,
@@ -66,6 +67,7 @@ def serve(
             limits=limits,
             public_metrics=public_metrics,
             public_docs=public_docs,
+            tool_config=tool_config,
         )
         app.state.engine_loop.attach_startup(start)
         uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -161,8 +161,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from pagedjax.entrypoints.api_server import ServerLimits, check_api_key, serve
+    from pagedjax.entrypoints.openai.tools import ToolConfig
 
     check_api_key(args.api_key)  # before anything loads
+    tool_config = ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser)
     limits = ServerLimits(
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
@@ -181,6 +183,7 @@ def _serve(args: argparse.Namespace) -> int:
         limits=limits,
         public_metrics=args.public_metrics,
         public_docs=args.public_docs,
+        tool_config=tool_config,
         warmup=args.warmup,
         warmup_all=args.warmup_all,
         background_compile=args.background_compile,
@@ -294,6 +297,16 @@ def main(argv: list[str] | None = None) -> int:
         default=1 << 20,
         help="logprob entries one response may carry, counted up front from echo, logprobs, n "
         "and max_tokens; a request over it is a 400 (default 1048576)",
+    )
+    srv.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto": the model\'s calls are read by --tool-call-parser',
+    )
+    srv.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how the model writes tool calls: hermes (Qwen 2.5/3), llama3_json, pythonic",
     )
     srv.set_defaults(func=_serve)
     _add_bench_parser(sub)

@@ -490,7 +490,11 @@ def test_non_finite_and_out_of_range_numbers_are_400s(server):
         ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),  # out of [-100, 100]
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         ("/v1/completions", {"min_tokens": 3}, "min_tokens"),  # unknown fields are not ignored
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {}}]}, "tools"),
+        (
+            "/v1/chat/completions",
+            {"tools": [{"type": "function", "function": {}}]},
+            "tools.0.function.name",
+        ),
         ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
         ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
         ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),

@@ -182,6 +182,7 @@ class ChatMessage(_Strict):
     content: str | list[Any] | None = None
     name: str | None = None
     tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None  # a "tool" message's answer to this call
 
 
 class ChatRequest(_Common):
@@ -200,8 +201,6 @@ class ChatRequest(_Common):
 # field -> the values that ask for nothing this server lacks
 _NEUTRAL: dict[str, tuple] = {
     "suffix": ("",),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
 }
@@ -234,16 +233,12 @@ def _refuse_unsupported(req: _Common) -> None:
         raise bad_request("best_of greater than n cannot be streamed", "best_of")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options needs stream: true", "stream_options")
-    if isinstance(req, ChatRequest) and req.parallel_tool_calls and req.tools:
-        raise bad_request("parallel_tool_calls is not supported by this server")
 
 
 def chat_messages(req: ChatRequest) -> list[dict]:
     """The conversation as the chat template takes it: text only, content parts joined."""
     messages = []
     for i, m in enumerate(req.messages):
-        if m.tool_calls:
-            raise bad_request("tool calls are not supported by this server", f"messages.{i}")
         content = m.content
         if isinstance(content, list):
             parts = enumerate(content)
@@ -251,6 +246,10 @@ def chat_messages(req: ChatRequest) -> list[dict]:
         message = {"role": m.role, "content": content or ""}
         if m.name is not None:
             message["name"] = m.name
+        if m.tool_calls:  # checked and shaped for the template by tools.template_messages
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
         messages.append(message)
     return messages
 

@@ -40,6 +40,7 @@ from pagedjax.entrypoints.openai.protocol import (
     structured_outputs,
 )
 from pagedjax.entrypoints.openai.serving_engine import Echo, OpenAIServing
+from pagedjax.entrypoints.openai.tools import ToolConfig, template_messages, tool_mode
 
 logger = logging.getLogger("pagedjax.api_server")
 
@@ -58,15 +59,17 @@ def build_app(
     *,
     public_metrics: bool = False,
     public_docs: bool = False,
+    tool_config: ToolConfig | None = None,
 ) -> FastAPI:
     """The FastAPI app over ``engine``; the engine thread starts and stops with the app.
 
     ``served_model_name`` is the model id, or several aliases: requests may name any of them,
     /v1/models lists them all, responses carry the first. With ``api_key`` every route but
     /health needs it, /metrics and the API docs too unless ``public_metrics`` / ``public_docs``
-    open them.
+    open them. ``tool_config``: whether tool_choice "auto" is served, with which parser.
     """
     check_api_key(api_key)
+    tool_config = tool_config or ToolConfig()
     model_names = (
         [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     )
@@ -280,7 +283,12 @@ def build_app(
         req = await offload.run(parse, ChatRequest, await read_json(request))
         if tokenizer is None or tokenizer.chat_template is None:
             raise bad_request("this model's tokenizer has no chat template")
-        ids = await serving.chat_prompt_ids(chat_messages(req))
+        constraint, constraint_field = structured_outputs(req)
+        shown_tools, tools = tool_mode(req, tool_config, constraint)
+        if tools is not None and tools.constraint is not None:  # "required" or named
+            constraint, constraint_field = tools.constraint, "tools"
+        messages = template_messages(chat_messages(req))
+        ids = await serving.chat_prompt_ids(messages, shown_tools)
         if req.max_completion_tokens is not None:
             max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
         else:
@@ -292,7 +300,6 @@ def build_app(
             k = req.top_logprobs or 0
         elif req.top_logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        constraint, constraint_field = structured_outputs(req)
         await serving.check_constraint(constraint, constraint_field)
         extra = {"logit_bias": logit_bias(req, serving.vocab), "structured_outputs": constraint}
         params = sampling_params(req, max_tokens, field, k, limits, **extra)
@@ -301,6 +308,6 @@ def build_app(
             limits, [ids], k=k, n=req.n, max_tokens=max_tokens, echo=False, field=lp_field
         )
         await serving.admit([ids], params, "messages")
-        return await serving.run(request, req, [ids], params, chat=True, k_logprobs=k)
+        return await serving.run(request, req, [ids], params, chat=True, k_logprobs=k, tools=tools)
 
     return app

@@ -86,10 +86,11 @@ class OpenAIServing:
             self.check_token_ids(x)
         return ids
 
-    def _chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+    def _chat_prompt_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        kwargs = {} if tools is None else {"tools": tools}
         try:
             text = self.offload.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
+                messages, add_generation_prompt=True, tokenize=False, **kwargs
             )
         except Exception as e:
             raise bad_request(f"the chat template failed on these messages: {e}") from None
@@ -117,9 +118,9 @@ class OpenAIServing:
         checked against the vocabulary."""
         return await self.offload.run(self._prompt_ids, texts, prompts)
 
-    async def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The conversation rendered by the chat template, then tokenized."""
-        return await self.offload.run(self._chat_prompt_ids, messages)
+    async def chat_prompt_ids(self, messages: list[dict], tools: list[dict] | None = None):
+        """The conversation rendered by the chat template (with ``tools``), then tokenized."""
+        return await self.offload.run(self._chat_prompt_ids, messages, tools)
 
     async def echo_texts(self, prompts: list[list[int]]) -> list[str]:
         return await self.offload.run(self._detokenize, prompts)
@@ -195,8 +196,18 @@ class OpenAIServing:
                 self.engine_loop.abort(rid)
 
     async def run(
-        self, request, req, prompts, params, chat: bool, k_logprobs: int | None, echo=None
+        self,
+        request,
+        req,
+        prompts,
+        params,
+        chat: bool,
+        k_logprobs: int | None,
+        echo=None,
+        tools=None,
     ):
+        """Answer ``req``: streamed or whole; ``tools`` (a tools.ToolMode) takes the choices'
+        tool calls out of their text."""
         job = await self.start(prompts, params)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         now = int(time.time())
@@ -206,6 +217,8 @@ class OpenAIServing:
                 self.responses, rid, now, job.request_ids, prompts, params, chat, k_logprobs, echo
             )
             gen = self.stream(request, job, events, include_usage)
+            if tools is not None:
+                gen = tools.events(gen)
             return StreamingResponse(gen, media_type="text/event-stream")
         finals: dict[str, RequestOutput] = {}
         try:
@@ -230,6 +243,8 @@ class OpenAIServing:
             k_logprobs,
             echo,
         )
+        if tools is not None:
+            body = await self.offload.run(tools.final_body, body)
         return Response(body, media_type="application/json")
 
     async def stream(self, request, job: _Job, events: StreamEvents, include_usage: bool):

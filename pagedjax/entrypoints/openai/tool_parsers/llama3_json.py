@@ -11,11 +11,11 @@ whatever does not parse as a further call is content from there on.
 from __future__ import annotations
 
 from pagedjax.entrypoints.openai.tool_parsers.base import (
+    BracketScanner,
     Item,
     ParsedCall,
     ToolParser,
     call_of,
-    BracketScanner,
     loads,
 )
 
