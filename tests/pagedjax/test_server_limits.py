@@ -62,18 +62,19 @@ def health(server, timeout: float) -> bool:
 
 
 class Held:
-    """Replaces ``owner.name`` (a method) with one that, on its first call while armed, says so
-    and waits until released (at most ``hold_s``) before doing its work."""
+    """Replaces ``owner.name`` (a method) with one that, when ``when(*args)`` holds, says so and
+    waits until released (at most ``hold_s``) before doing its work."""
 
-    def __init__(self, monkeypatch, owner, name: str, hold_s: float = 15.0):
+    def __init__(self, monkeypatch, owner, name: str, when=lambda *args: True, hold_s=15.0):
         self.entered, self.release = threading.Event(), threading.Event()
-        self.hold_s = hold_s
+        self.count = 0
         original = getattr(owner, name)
 
         def held(*args, **kwargs):
-            if not self.entered.is_set():
+            if when(*args):
+                self.count += 1
                 self.entered.set()
-                self.release.wait(self.hold_s)
+                self.release.wait(hold_s)
             return original(*args, **kwargs)
 
         monkeypatch.setattr(owner, name, held)
@@ -171,6 +172,44 @@ def test_health_answers_during_real_megabyte_prompts(server, monkeypatch):
     assert len(spans) == 4
     inside = [t for t in trips if any(a < t[0] and t[1] < b for a, b in spans)]
     assert inside, f"no /health answered during a tokenization: {spans=} {trips[:20]=}"
+
+
+def small_request_while_held(server, held: Held, sends: list) -> tuple[int, list]:
+    """Start every ``sends`` call on its own thread; once ``len(sends)`` held steps are entered
+    (or queued behind them), send a small completion (10 s). Returns its status and the
+    replies of ``sends``."""
+    replies = []
+    workers = [threading.Thread(target=lambda f=f: replies.append(f())) for f in sends]
+    for w in workers:
+        w.start()
+    assert held.entered.wait(60)
+    time.sleep(1.0)  # the rest reach their lane's queue
+    try:
+        status, _ = post(server, {"prompt": "Hi", "max_tokens": 2}, timeout=10)
+    except (TimeoutError, urllib.error.URLError):
+        status = None
+    finally:
+        held.release.set()
+    for w in workers:
+        w.join(timeout=120)
+    return status, replies
+
+
+def test_slow_grammar_compiles_do_not_queue_small_requests(server, monkeypatch):
+    held = Held(monkeypatch, GrammarCompiler, "compile")
+    body = {"prompt": "Hi", "max_tokens": 2, "structured_outputs": {"regex": "[cd]{1,5}"}}
+    sends = [lambda: post(server, body) for _ in range(6)]
+    status, replies = small_request_while_held(server, held, sends)
+    assert status == 200, "a small request waited behind grammar compilation"
+    assert [r[0] for r in replies] == [200] * 6
+
+
+def test_huge_prompts_do_not_queue_small_requests(server, monkeypatch):
+    held = Held(monkeypatch, OpenAIServing, "tokenize", when=lambda self, text, *a: len(text) > 1e4)
+    big = {"prompt": "w " * 100_000, "max_tokens": 2}  # 200 KB: the heavy lane
+    status, replies = small_request_while_held(server, held, [lambda: post(server, big)] * 6)
+    assert status == 200, "a small request waited behind huge prompts"
+    assert [r[0] for r in replies] == [400] * 6  # over the context
 
 
 # ---- responses too large to build are refused up front (item 3) -----------------------------

@@ -2,6 +2,10 @@
 compiling grammars and building large responses run on a fixed number of threads, so that
 /health and every other connection keep being served while one request's heavy part runs.
 
+Three lanes, each a bounded pool, so that slow work never queues the quick work of others:
+``light`` for ordinary requests, ``heavy`` for a request marked heavy (a large body, echo or
+logprobs), ``grammar`` for compiling structured-output constraints (whose cost no size predicts).
+A request is marked with ``mark_heavy()``; the mark lives in the handler's task (a ContextVar).
 Each thread encodes with its own copy of the tokenizer (a fast tokenizer shared between threads
 that encode can fail with "Already borrowed"). Bodies are serialized a slice at a time, so that
 one huge body never holds the GIL in a single call of the JSON encoder.
@@ -11,24 +15,29 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import copy
 import functools
 import json
 import threading
 
-OFFLOAD_THREADS = 4
+LANES = {"light": 4, "heavy": 2, "grammar": 2}  # threads per lane
+HEAVY_BODY_BYTES = 64 * 1024  # a body over this is parsed, tokenized and answered in "heavy"
 _JSON_SLICE = 1024  # list items encoded per call of the C encoder
+_heavy: contextvars.ContextVar[bool] = contextvars.ContextVar("pagedjax_heavy", default=False)
 
 
 class Offload:
-    """A bounded pool of worker threads; ``await offload.run(fn, *args)`` runs fn on one."""
+    """Bounded pools of worker threads: ``await offload.run(fn, *args)`` runs fn in the request's
+    lane (light, or heavy once marked), ``await offload.run_grammar(fn, *args)`` in grammar."""
 
-    def __init__(self, tokenizer, threads: int = OFFLOAD_THREADS):
+    def __init__(self, tokenizer, lanes: dict[str, int] | None = None):
         self._tokenizer = tokenizer
         self._local = threading.local()
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            threads, thread_name_prefix="pagedjax-offload"
-        )
+        self._pools = {
+            lane: concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix=f"pagedjax-{lane}")
+            for lane, n in (lanes or LANES).items()
+        }
 
     @property
     def tokenizer(self):
@@ -38,12 +47,24 @@ class Offload:
             tok = self._local.tokenizer = copy.deepcopy(self._tokenizer)
         return tok
 
+    @staticmethod
+    def mark_heavy() -> None:
+        """From here on, the calling request's work runs in the heavy lane."""
+        _heavy.set(True)
+
     async def run(self, fn, *args, **kwargs):
+        return await self._run("heavy" if _heavy.get() else "light", fn, *args, **kwargs)
+
+    async def run_grammar(self, fn, *args, **kwargs):
+        return await self._run("grammar", fn, *args, **kwargs)
+
+    async def _run(self, lane: str, fn, *args, **kwargs):
         call = functools.partial(fn, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+        return await asyncio.get_running_loop().run_in_executor(self._pools[lane], call)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def dumps(value) -> str:

@@ -23,7 +23,7 @@ from starlette.requests import ClientDisconnect
 
 from pagedjax.entrypoints.openai.engine_loop import EngineLoop
 from pagedjax.entrypoints.openai.metrics import CONTENT_TYPE
-from pagedjax.entrypoints.openai.offload import Offload
+from pagedjax.entrypoints.openai.offload import HEAVY_BODY_BYTES, Offload
 from pagedjax.entrypoints.openai.protocol import (
     APIError,
     ChatRequest,
@@ -152,6 +152,8 @@ def build_app(
             body += chunk
             if len(body) > limits.max_body_bytes:
                 raise too_big
+        if len(body) > HEAVY_BODY_BYTES:
+            offload.mark_heavy()  # its parsing and tokenizing never queue small requests' work
         return await offload.run(parse_json, bytes(body))
 
     def parse(model_cls, data):

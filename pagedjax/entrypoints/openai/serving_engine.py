@@ -136,7 +136,7 @@ class OpenAIServing:
             return
         compiler = self.engine.input_processor.grammars
         try:
-            await self.offload.run(compiler.compile, constraint)
+            await self.offload.run_grammar(compiler.compile, constraint)
         except ValueError as e:
             raise bad_request(str(e), param) from None
 
@@ -146,6 +146,8 @@ class OpenAIServing:
             raise APIError(500, "the engine thread has stopped", "server_error", "engine_error")
 
     async def start(self, prompts: list[list[int]], params: SamplingParams) -> _Job:
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            self.offload.mark_heavy()  # its outputs are turned into events in the heavy lane
         job = _Job(asyncio.get_running_loop())
         base = f"{next(self._counter)}-{uuid.uuid4().hex[:8]}"
         try:
