@@ -89,9 +89,9 @@ def compile_jobs(
     skip_failures: bool = False,
 ) -> WarmupReport:
     """Lower each job (one at a time: tracing holds the GIL) and compile it on ``workers``
-    threads (default: one per CPU). ``skip_failures``: a job that fails is logged and skipped
-    (its program then compiles on first use) instead of raising. ``stop``: once set, no further
-    job starts."""
+    threads (default: one per CPU; one: on the calling thread, job after job).
+    ``skip_failures``: a job that fails is logged and skipped (its program then compiles on
+    first use) instead of raising. ``stop``: once set, no further job starts."""
     start = time.perf_counter()
     report = WarmupReport([], 0.0)
     workers = max(1, min(len(jobs), workers or os.cpu_count() or 1))
@@ -105,7 +105,7 @@ def compile_jobs(
 
     with (
         tqdm(total=len(jobs), desc="compiling", disable=not progress, unit="prog") as bar,
-        concurrent.futures.ThreadPoolExecutor(workers) as pool,
+        concurrent.futures.ThreadPoolExecutor(workers) if workers > 1 else _Inline() as pool,
     ):
         pending = []
         for name, lower in jobs:
@@ -125,12 +125,27 @@ def compile_jobs(
             future = pool.submit(compile_one, name, lowered)
             future.lower_s = time.perf_counter() - t0
             pending.append(future)
-            if workers == 1:  # in the background: one program at a time, stoppable between
+            if workers == 1:  # one program at a time (the background), stoppable between
                 _collect([future], report, bar, skip_failures)
                 pending.clear()
         _collect(pending, report, bar, skip_failures)
     report.seconds = time.perf_counter() - start
     return report
+
+
+class _Inline(contextlib.AbstractContextManager):
+    """An executor that runs each job as it is submitted, on the calling thread."""
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as e:
+            future.set_exception(e)
+        return future
 
 
 def _collect(futures, report: WarmupReport, bar, skip_failures: bool) -> None:

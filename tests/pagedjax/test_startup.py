@@ -24,7 +24,7 @@ from pagedjax import LLM, SamplingParams, compilation
 from pagedjax.entrypoints import startup
 from pagedjax.entrypoints.api_server import build_app
 from pagedjax.worker.runner import Runner
-from pagedjax.worker.warmup import BackgroundCompile
+from pagedjax.worker.warmup import BackgroundCompile, compile_jobs
 
 # The server's defaults for a model with an 8192-token context: 256 sequences, 8192 tokens.
 DEFAULT_LIMITS = (256, 8192)
@@ -202,3 +202,25 @@ def test_the_jax_and_xla_autotune_caches_live_under_the_cache_dir(monkeypatch, t
     finally:
         for name, value in saved.items():
             jax.config.update(name, value)
+
+
+def test_a_stopped_background_compile_starts_no_further_program():
+    started, release, lowered = threading.Event(), threading.Event(), []
+
+    def job(i):
+        def lower():
+            lowered.append(i)
+            if i == 0:
+                started.set()
+                release.wait(60)
+            return jax.jit(lambda x: x * (i + 7)).lower(jnp.float32(1))
+
+        return (f"job {i}", lower)
+
+    bg = BackgroundCompile(compile_jobs, [job(i) for i in range(3)])
+    bg.start()
+    assert started.wait(60)
+    bg.stop(timeout=0)  # while the first job runs
+    release.set()
+    assert bg.finished.wait(60)
+    assert lowered == [0] and bg.num_done == 1 and bg.num_compiled >= 1
