@@ -151,6 +151,7 @@ DEVICE = Sizes(
     budgets={
         "env": 15,
         "kernels": 90,
+        "backends": 90,
         "engine_tiny": 60,
         "engine_8b": 150,
         "decode": 60,
@@ -192,6 +193,7 @@ TOY = Sizes(
     budgets={
         "env": 60,
         "kernels": 240,
+        "backends": 300,
         "engine_tiny": 240,
         "engine_8b": 240,
         "decode": 240,

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from . import decode, engine_8b, engine_tiny, env, kernels, peer, serve
+from . import backends, decode, engine_8b, engine_tiny, env, kernels, peer, serve
 
 STAGES = {
     "env": ("1", "environment", env.run),
@@ -17,4 +17,9 @@ STAGES = {
     "decode": ("4", "decode-kernel benchmark", decode.run),
     "peer": ("5", "transformers on the same device", peer.run),
     "serve": ("6", "online serving: pagedjax serve vs transformers serve", serve.run),
+    "backends": (
+        "7",
+        "attention backends vs a float64 oracle; decode bandwidth per backend",
+        backends.run,
+    ),
 }
