@@ -5,13 +5,16 @@ read by the hermes parser; 400s naming the bad field."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import types
+from typing import Annotated, Literal
 
 import jsonschema
 import openai
 import pytest
 from hf_models import make_tiny_model
+from pydantic import Field
 from test_api_server_hardening import assert_openai_error, live_server, raw, save_byte_tokenizer
 
 from pagedjax import LLM
@@ -294,3 +297,48 @@ def test_auto_needs_the_servers_flag():
         ToolConfig(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="hermes, llama3_json, pythonic"):
         ToolConfig(tool_call_parser="nope")
+
+
+def test_openai_agents_sdk_calls_a_tool_then_answers(server):
+    """The OpenAI Agents SDK, unmodified, against this server: its forced tool call runs the
+    Python function, the result goes back as a tool message, the model answers in text."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    seen = []
+
+    @agents.function_tool
+    def get_weather(
+        city: Literal["Paris", "Rome", "Oslo"], days: Annotated[int, Field(ge=1, le=7)]
+    ) -> str:
+        """The weather of a city for some days."""
+        seen.append((city, days))
+        return f"sunny in {city}"
+
+    def agent():
+        client = openai.AsyncOpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0)
+        return agents.Agent(
+            name="weather",
+            instructions="Answer with the weather.",
+            tools=[get_weather],
+            model=agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+            model_settings=agents.ModelSettings(
+                tool_choice="get_weather", max_tokens=40, temperature=0
+            ),
+        )
+
+    result = agents.Runner.run_sync(agent(), "Weather in Paris?", max_turns=3)
+    assert len(seen) == 1 and seen[0][0] in ("Paris", "Rome", "Oslo") and 1 <= seen[0][1] <= 7
+    assert isinstance(result.final_output, str)
+    calls = [i for i in result.new_items if i.type == "tool_call_item"]
+    outputs = [i for i in result.new_items if i.type == "tool_call_output_item"]
+    assert len(calls) == 1 and outputs[0].output == f"sunny in {seen[0][0]}"
+
+    async def streamed():
+        run = agents.Runner.run_streamed(agent(), "Weather in Paris?", max_turns=3)
+        async for _ in run.stream_events():
+            pass
+        return run
+
+    run = asyncio.run(streamed())
+    assert seen[1] == seen[0]  # greedy: the same call, streamed
+    assert isinstance(run.final_output, str)
