@@ -10,6 +10,7 @@ import random
 import pytest
 
 from pagedjax.entrypoints.openai.tool_parsers import PARSERS, DeltaStream, extract, get_parser
+from pagedjax.entrypoints.openai.tool_parsers.json_calls import ArrayCallsParser, NamedCallParser
 
 WEATHER = '{"name": "get_current_temperature", "arguments": {"location": "San Francisco, CA, USA"}}'
 QWEN_ONE = f"<tool_call>\n{WEATHER}\n</tool_call>"
@@ -206,3 +207,29 @@ def test_max_calls_keeps_the_first_call_only():
 def test_unknown_parser_names_the_choices():
     with pytest.raises(ValueError, match="hermes, llama3_json, pythonic"):
         get_parser("mistral")
+
+
+GRAMMAR_REPLIES = [
+    (lambda: NamedCallParser("get_weather"), '{"city": "Paris", "days": 2}', 1),
+    (lambda: NamedCallParser("get_weather"), '{"city": "Par', 0),  # cut by max_tokens
+    (
+        ArrayCallsParser,
+        '[{"name": "get_time", "arguments": {"zone": "CET"}}, '
+        '{"name": "get_weather", "arguments": {"city": "Oslo"}}]',
+        2,
+    ),
+    (ArrayCallsParser, '[{"name": "get_time", "arguments": {"zone": "C', 0),
+    (ArrayCallsParser, '[{"name": "get_time", "arguments": {}}, {"name": "get_w', 1),
+]
+
+
+@pytest.mark.parametrize(("parser", "text", "count"), GRAMMAR_REPLIES)
+def test_grammar_constrained_replies(parser, text, count):
+    content, calls = extract(parser(), text)
+    assert len(calls) == count
+    if not count:
+        assert content == text
+    for sizes in ([1], [5], [len(text)]):
+        got_content, got = _stream(parser, text, sizes)
+        assert got == [(c.name, c.arguments) for c in calls]
+        assert got_content == (content or "")
