@@ -102,13 +102,13 @@ def prepare(
     """Compile what the server needs before it answers: nothing (``warmup=False``: everything
     compiles on first use), every program (``warmup_all``), or the bucket policy's common ones
     with the rest left to a background compile (``background``) or to first use."""
+    if not warmup:
+        return Startup(WarmupReport([], 0.0))
     engine, runner = llm.engine, llm.runner
     sched = engine.config.scheduler
     limits = (sched.max_num_seqs, sched.token_budget)
     swap = engine.block_manager.num_host_blocks > 0
     fill = engine.steps.enabled  # async steps fill placeholder tokens on the device
-    if not warmup:
-        return Startup(WarmupReport([], 0.0))
     if warmup_all or not hasattr(runner, "startup_jobs"):  # a draft model's: everything
         return Startup(runner.warmup(*limits, swap=swap, fill_tokens=fill))
     first = runner.startup_jobs(*limits, fill_tokens=fill)
