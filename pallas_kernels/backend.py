@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from .kv_cache import write_kv
-from .metadata import AttentionMetadata, AttentionOptions, PagedKV, decode_rows, owned_rows
+from .metadata import AttentionMetadata, AttentionOptions, PagedKV
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,8 @@ class AttentionBackend:
     ) -> PagedKV:
         """Scatter the new rows into the pool in place (XLA's scatter serves every platform); an
         8-bit pool's rows are quantized and their scales written at the same slots."""
-        return PagedKV(*write_kv(*kv.as_tuple()[:2], k_new, v_new, slot_mapping, *kv.scales))
+        pool = write_kv(kv.k_pages, kv.v_pages, k_new, v_new, slot_mapping, *kv.scales)
+        return PagedKV(*pool)
 
     def decode(
         self, q: jax.Array, kv: PagedKV, md: AttentionMetadata, opts: AttentionOptions
@@ -84,3 +85,26 @@ def zero_unowned_rows(out: jax.Array, md: AttentionMetadata) -> jax.Array:
     kernels that leave them unspecified."""
     keep = owned_rows(md.query_start_loc.astype(jnp.int32), out.shape[0], md.max_q(out.shape[0]))
     return jnp.where(keep[:, None, None], out, jnp.zeros_like(out))
+
+
+def decode_rows(decode, q, kv: PagedKV, md: AttentionMetadata, opts: AttentionOptions):
+    """A ragged batch whose sequences have at most one query row each, through ``decode`` (a
+    backend's decode kernel): each sequence's row at its start; rows of no sequence are zero."""
+    num_tokens = q.shape[0]
+    qsl = md.query_start_loc
+    starts = jnp.clip(qsl[:-1], 0, num_tokens - 1)
+    out = decode(q[starts], kv, md.replace(query_start_loc=None, max_query_len=None), opts)
+    has_q = qsl[1:] > qsl[:-1]
+    out = jnp.where(has_q[:, None, None], out, 0)
+    rows = jnp.where(has_q, starts, num_tokens)  # out of range: dropped
+    return jnp.zeros_like(q).at[rows].set(out, mode="drop")
+
+
+def owned_rows(
+    query_start_loc: jax.Array, num_tokens: int, max_query_len: int
+) -> jax.Array:  # bool[num_tokens]
+    """Rows owned by a sequence within its first ``max_query_len`` queries (as the reference)."""
+    num_seqs = query_start_loc.shape[0] - 1
+    n = jnp.arange(num_tokens)
+    seq = jnp.clip(jnp.searchsorted(query_start_loc, n, side="right") - 1, 0, num_seqs - 1)
+    return (n < query_start_loc[-1]) & (n - query_start_loc[seq] < max_query_len)

@@ -9,7 +9,6 @@ All three are pytrees (``flax.struct.dataclass``) so they pass through ``jit``, 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import struct
 
 from ._common import check_kv_scales, check_window_and_cap
@@ -126,26 +125,3 @@ def validate(q: jax.Array, kv: PagedKV, md: AttentionMetadata, opts: AttentionOp
     max_q = md.max_query_len
     if max_q is not None and not 1 <= max_q <= max(q.shape[0], 1):
         raise ValueError(f"max_query_len={max_q} must be in [1, num_tokens={q.shape[0]}]")
-
-
-def decode_rows(decode, q, kv: PagedKV, md: AttentionMetadata, opts: AttentionOptions):
-    """A ragged batch whose sequences have at most one query row each, through ``decode`` (a
-    backend's decode kernel): each sequence's row at its start; rows of no sequence are zero."""
-    num_tokens = q.shape[0]
-    qsl = md.query_start_loc
-    starts = jnp.clip(qsl[:-1], 0, num_tokens - 1)
-    out = decode(q[starts], kv, md.replace(query_start_loc=None, max_query_len=None), opts)
-    has_q = qsl[1:] > qsl[:-1]
-    out = jnp.where(has_q[:, None, None], out, 0)
-    rows = jnp.where(has_q, starts, num_tokens)  # out of range: dropped
-    return jnp.zeros_like(q).at[rows].set(out, mode="drop")
-
-
-def owned_rows(
-    query_start_loc: jax.Array, num_tokens: int, max_query_len: int
-) -> jax.Array:  # bool[num_tokens]
-    """Rows owned by a sequence within its first ``max_query_len`` queries (as the reference)."""
-    num_seqs = query_start_loc.shape[0] - 1
-    n = jnp.arange(num_tokens)
-    seq = jnp.clip(jnp.searchsorted(query_start_loc, n, side="right") - 1, 0, num_seqs - 1)
-    return (n < query_start_loc[-1]) & (n - query_start_loc[seq] < max_query_len)
