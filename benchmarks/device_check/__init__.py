@@ -1,8 +1,9 @@
 """One command that proves and times pagedjax on a GPU: run it first whenever a GPU is at hand.
 
 Stages, each guarded (a failure is recorded with its traceback and the next stage still runs) and
-each with its own time budget (stages 1-5 are sized for 8 minutes on one H200, stage 6 for about
-150 s more; --budget-scale 0.8 fits the whole run in 10 minutes, and --stages runs a part of it):
+each with its own time budget (stages 1-5 are sized for 8 minutes on one H200, stages 6 and 7 for
+about 240 s more; --budget-scale 0.8 fits the whole run in 10 minutes, and --stages runs a part of
+it):
 
   1 env       jax/jaxlib/torch/transformers versions, backend, device kind, memory, the Pallas
               GPU lowerings this JAX offers (Triton; Mosaic GPU) and the ops it ships
@@ -28,6 +29,9 @@ each with its own time budget (stages 1-5 are sized for 8 minutes on one H200, s
               tokenizer, no EOS: exact output lengths on both sides), random 256-token prompts,
               128-token outputs, concurrency 1/16/64: output tok/s, TTFT, TPOT per concurrency and
               the pagedjax / transformers ratios
+  7 backends  every attention backend of the platform (``select_backend``) against a float64
+              numpy oracle, decode and ragged, NaN in stale slots, GQA, block sizes, head dims,
+              windows, soft caps, 8-bit KV; decode bandwidth per backend against a device copy
 
 Prints one summary table at the end (and each stage's lines as it goes); writes
 ``device_check.json`` (after every stage) and ``device_check.log`` under --out.
