@@ -274,6 +274,21 @@ class Variant:
         )
 
 
+def plain_greedy(rows: Sequence[SamplingRow], num_top_logprobs: int = 0) -> bool:
+    """Whether ``SamplingInput.build(rows, ..., num_top_logprobs)`` would be ``Variant()``: no
+    row samples or has a penalty, bias or mask, and no top logprobs (the step program samples
+    such a batch itself; nothing to build)."""
+    return num_top_logprobs == 0 and all(
+        r.temperature <= 0
+        and r.repetition_penalty == 1
+        and r.presence_penalty == 0
+        and r.frequency_penalty == 0
+        and not r.logit_bias
+        and r.token_bitmask is None
+        for r in rows
+    )
+
+
 def variants() -> list[Variant]:
     """Every sampler program a batch of some row count can run (greedy ones filter nothing)."""
     out = []
@@ -476,6 +491,7 @@ __all__ = [
     "Filters",
     "Variant",
     "variants",
+    "plain_greedy",
     "process_logits",
     "row_keys",
     "sample",

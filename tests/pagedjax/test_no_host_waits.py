@@ -77,3 +77,24 @@ def test_the_variant_follows_the_rows():
     assert build([SamplingRow(1.0, top_k=V + 5)]).filters == Filters.MIN_P  # k >= vocab: off
     assert build([SamplingRow(1.0, top_k=5), SamplingRow(top_p=0.9)]).filters == Filters.SORT
     assert len(set(sampler.variants())) == len(sampler.variants()) == 32
+
+
+def test_plain_greedy_agrees_with_the_built_variant():
+    rng = np.random.default_rng(5)
+    pick = lambda *xs: xs[rng.integers(len(xs))]  # noqa: E731
+    for _ in range(200):
+        rows = [
+            SamplingRow(
+                temperature=pick(0.0, 0.0, 0.0, 0.7),
+                top_p=pick(1.0, 0.9),
+                repetition_penalty=pick(1.0, 1.0, 1.0, 1.2),
+                presence_penalty=pick(0.0, 0.0, 0.0, 0.5),
+                frequency_penalty=pick(0.0, 0.0, 0.0, -0.3),
+                logit_bias=pick((), (), (), ((3, 1.0),)),
+                token_bitmask=pick(None, None, None, np.full(10, -1, np.int32)),
+            )
+            for _ in range(int(rng.integers(1, 4)))
+        ]
+        k = int(pick(0, 0, 2))
+        built = SamplingInput.build(rows, ROWS, V, k).variant
+        assert sampler.plain_greedy(rows, k) == (built == sampler.Variant()), (rows, k)
