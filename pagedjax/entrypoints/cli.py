@@ -14,6 +14,7 @@ from pagedjax.config import (
     CacheConfig,
     SchedulerConfig,
 )
+from pagedjax.serve_ray.cli_args import add_ray_args
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -173,6 +174,12 @@ def _serve(args: argparse.Namespace) -> int:
         max_stop_string_chars=args.max_stop_string_chars,
         max_response_logprobs=args.max_response_logprobs,
     )
+    if args.ray:
+        from pagedjax.serve_ray.cli_args import serve_on_ray
+
+        server = {"api_key": args.api_key, "limits": limits, "tool_config": tool_config}
+        server |= {"public_metrics": args.public_metrics, "public_docs": args.public_docs}
+        return serve_on_ray(args, _engine_kwargs(args), server)
     _initialize_distributed(args)
     serve(
         args.model,
@@ -308,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="how the model writes tool calls: hermes (Qwen 2.5/3), llama3_json, pythonic",
     )
+    add_ray_args(srv)
     srv.set_defaults(func=_serve)
     _add_bench_parser(sub)
     args = parser.parse_args(argv)

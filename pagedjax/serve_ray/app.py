@@ -1,0 +1,90 @@
+"""Assemble and run the Ray Serve application: ingress -> engine replicas.
+
+``build`` for Python, ``app_builder`` for ``serve run`` (a config file or ``key=value``
+arguments), ``run`` for ``pagedjax serve --ray``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from ray import serve
+
+from pagedjax.serve_ray.ingress import Ingress
+from pagedjax.serve_ray.options import AutoscalingOptions, RayServeOptions
+from pagedjax.serve_ray.replica import EngineReplica
+
+
+def build(
+    model: str,
+    options: RayServeOptions | None = None,
+    *,
+    served_model_name: str | list[str] | None = None,
+    llm_kwargs: dict | None = None,
+    server_kwargs: dict | None = None,
+    startup_kwargs: dict | None = None,
+):
+    """The application: ``llm_kwargs`` go to each replica's ``LLM``, ``server_kwargs`` to
+    ``build_app`` (api_key, limits, ...), ``startup_kwargs`` to ``startup.prepare``."""
+    options = options or RayServeOptions()
+    names = served_model_name or model
+    engine = EngineReplica.options(**options.replica_deployment_options()).bind(
+        model, names, llm_kwargs, server_kwargs, startup_kwargs
+    )
+    return Ingress.bind(engine, routing=options.routing)
+
+
+_NUMBERS = {
+    "num_replicas": int,
+    "num_cpus": float,
+    "num_gpus": float,
+    "max_ongoing_requests": int,
+    "routing_stats_period_s": float,
+}
+
+
+def app_builder(args: dict):
+    """For ``serve run pagedjax.serve_ray.app:app_builder model=PATH num_replicas=2 ...`` or a
+    Serve config file's ``import_path``: ``model``, ``served_model_name``, the RayServeOptions
+    fields (``autoscaling`` a dict of AutoscalingOptions fields), and ``llm_kwargs`` /
+    ``server_kwargs`` / ``startup_kwargs`` (dicts, or JSON strings on the command line)."""
+    args = dict(args)
+    model = args.pop("model")
+    name = args.pop("served_model_name", None)
+    kw = {k: _dict(args.pop(k, None)) for k in ("llm_kwargs", "server_kwargs", "startup_kwargs")}
+    scale = _dict(args.pop("autoscaling", None))
+    for key, kind in _NUMBERS.items():  # `serve run` passes key=value as strings
+        if key in args:
+            args[key] = kind(args[key])
+    options = RayServeOptions(**args, autoscaling=AutoscalingOptions(**scale) if scale else None)
+    return build(model, options, served_model_name=name, **kw)
+
+
+def _dict(value) -> dict:
+    if value is None:
+        return {}
+    return json.loads(value) if isinstance(value, str) else dict(value)
+
+
+def run(
+    model: str,
+    options: RayServeOptions,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    address: str | None = None,
+    **build_kwargs,
+) -> None:
+    """Join (``address``) or start a Ray cluster, deploy, and serve until interrupted."""
+    import ray
+
+    ray.init(address=address)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build(model, options, **build_kwargs), name="pagedjax", route_prefix="/")
+    print(f"pagedjax on Ray Serve at http://{host}:{port} (Ctrl-C stops it)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.shutdown()
