@@ -49,7 +49,7 @@ def step_programs(model: str | None, repeats: int) -> list[dict]:
     # The unrolled step's parameters: one tree per layer (shapes suffice to compile)
     dtype = jax.tree.leaves(r.params)[0].dtype.name
     unrolled = split_layers(param_shapes(r.config, dtype), r.config)
-    layouts = {False: (r.params, r.packed_weights), True: (unrolled, False)}
+    layouts = {False: (r.params, r.linear), True: (unrolled, None)}
     shapes = [
         ("decode", [ScheduledSeq([5], 3, [1], [SamplingRow()])]),
         ("prefill 5 tokens", [ScheduledSeq([5] * 5, 0, [1], [SamplingRow()])]),
@@ -69,7 +69,7 @@ def step_programs(model: str | None, repeats: int) -> list[dict]:
                     return forward(*args)
 
                 fn = jax.jit(fresh, static_argnums=(3, 4, 5, 6), donate_argnums=(1,))
-                params, packed = layouts[unroll]
+                params, linear = layouts[unroll]
                 loadavg = load()
                 t0 = time.perf_counter()
                 lowered = fn.lower(
@@ -79,7 +79,7 @@ def step_programs(model: str | None, repeats: int) -> list[dict]:
                     r.config,
                     r.backend,
                     r.mesh,
-                    packed,
+                    linear,
                 )
                 t1 = time.perf_counter()
                 lowered.compile()

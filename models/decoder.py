@@ -1,12 +1,12 @@
 """The shared decoder: every family is a config-driven variant of it (models/registry.py).
 
 Flax holds the parameters; ``DecoderModel(...).apply({"params": p}, kv_pool, step)`` returns
-``(logits, kv_pool)``. One code path serves prefill (packed, ragged) and decode.
+``(logits, kv_pool)``. One code path serves prefill (ragged) and decode.
 
 Two layer loops, chosen at load (models/layer_loop.py). Under ``nn.scan`` over stacked parameters
 (``params["layers"]``, leading axis ``num_layers``; a CPU's), a compiled step holds one copy of
 the layer whatever the model's depth. The stack is broadcast into the scan and each layer reads
-its row where it lies (models/layers.py ``Dense``: native kernels on a CPU), rather than the scan
+its row where it lies (the CPU's linear methods, models/linear.py), rather than the scan
 slicing it: XLA copies a slice before its dot. What differs between the layers is then scanned
 data, never a Python branch per layer: the attention window (Gemma's alternating local/global
 layers, Qwen's max_window_layers), the rope table (Gemma 3's local base), and for MoE families
@@ -22,7 +22,6 @@ ReLU MLP with biases, post-norm layers and embedding projections.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import flax.linen as nn
@@ -33,11 +32,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import pallas_kernels
-from ..pallas_kernels.layer_matmul import PACK_WIDTH
 from .config import ModelConfig
 from .layers import (
+    Embed,
     KVPool,
-    PackedEmbed,
     activation,
     apply_rope,
     dense,
@@ -47,6 +45,7 @@ from .layers import (
     rope_tables,
     static_window,
 )
+from .linear import WeightLayout
 from .moe import layer_mlp, mlp_stacks, own_mlp
 from .sharding import AXIS
 from .step_input import StepInput
@@ -57,7 +56,7 @@ class Attention(nn.Module):
     dtype: jnp.dtype
     backend: pallas_kernels.AttentionBackend  # chosen once, by the runner
     mesh: Mesh | None = None
-    packed: bool = False  # the projections' stacked kernels are packed (models/layers.py Dense)
+    layout: WeightLayout = WeightLayout()  # each projection's linear method (models/linear.py)
     stacked: bool = True  # parameters stacked over the layers (the scan), taken at ``layer``
 
     @nn.compact
@@ -65,12 +64,14 @@ class Attention(nn.Module):
         c = self.config
         n = c.num_layers if self.stacked else None
         tokens = x.shape[0]
-        linear = functools.partial(
-            dense, dtype=self.dtype, layers=n, in_place=self.mesh is None, packed=self.packed
-        )
-        q = linear(c.num_heads * c.head_dim, c.qkv_bias, name="q_proj")(x, layer, live)
-        k = linear(c.num_kv_heads * c.head_dim, c.qkv_bias, name="k_proj")(x, layer, live)
-        v = linear(c.num_kv_heads * c.head_dim, c.qkv_bias, name="v_proj")(x, layer, live)
+
+        def linear(features, bias, name):
+            method = self.layout.linear(f"self_attn/{name}")
+            return dense(features, bias, self.dtype, name, n, method)
+
+        q = linear(c.num_heads * c.head_dim, c.qkv_bias, "q_proj")(x, layer, live)
+        k = linear(c.num_kv_heads * c.head_dim, c.qkv_bias, "k_proj")(x, layer, live)
+        v = linear(c.num_kv_heads * c.head_dim, c.qkv_bias, "v_proj")(x, layer, live)
         q = q.reshape(tokens, c.num_heads, c.head_dim)
         k = k.reshape(tokens, c.num_kv_heads, c.head_dim)
         v = v.reshape(tokens, c.num_kv_heads, c.head_dim)
@@ -81,7 +82,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, kv = paged_attention(q, k, v, kv, layer, window, step, c, self.backend, self.mesh)
         out = out.reshape(tokens, c.num_heads * c.head_dim)
-        return linear(c.hidden_size, c.o_bias, name="o_proj")(out, layer, live), kv
+        return linear(c.hidden_size, c.o_bias, "o_proj")(out, layer, live), kv
 
 
 class MLP(nn.Module):
@@ -89,28 +90,26 @@ class MLP(nn.Module):
 
     config: ModelConfig
     dtype: jnp.dtype
-    in_place: bool = True
-    packed: bool = False  # the stacked kernels are packed (models/layers.py Dense)
+    layout: WeightLayout = WeightLayout()  # each projection's linear method (models/linear.py)
     stacked: bool = True  # parameters stacked over the layers, taken at ``layer``
 
     @nn.compact
     def __call__(self, x, layer, live=None):
         c = self.config
         act = activation(c)
-        linear = functools.partial(
-            dense,
-            dtype=self.dtype,
-            layers=c.num_layers if self.stacked else None,
-            in_place=self.in_place,
-            packed=self.packed,
-        )
-        up = linear(c.intermediate_size, c.mlp_bias, name="up_proj")(x, layer, live)
+        n = c.num_layers if self.stacked else None
+
+        def linear(features, name):
+            method = self.layout.linear(f"mlp/{name}")
+            return dense(features, c.mlp_bias, self.dtype, name, n, method)
+
+        up = linear(c.intermediate_size, "up_proj")(x, layer, live)
         if c.gated_mlp:
-            gate = linear(c.intermediate_size, c.mlp_bias, name="gate_proj")(x, layer, live)
+            gate = linear(c.intermediate_size, "gate_proj")(x, layer, live)
             up = act(gate) * up
         else:
             up = act(up)
-        return linear(c.hidden_size, c.mlp_bias, name="down_proj")(up, layer, live)
+        return linear(c.hidden_size, "down_proj")(up, layer, live)
 
 
 class DecoderLayer(nn.Module):
@@ -123,7 +122,7 @@ class DecoderLayer(nn.Module):
     dtype: jnp.dtype
     backend: pallas_kernels.AttentionBackend  # chosen once, by the runner
     mesh: Mesh | None = None
-    packed: bool = False
+    layout: WeightLayout = WeightLayout()
     stacked: bool = True
 
     @nn.compact
@@ -139,7 +138,7 @@ class DecoderLayer(nn.Module):
         live = live_rows(step)  # i32[]: rows past it are padding
         n = c.num_layers if self.stacked else None
         attn = Attention(
-            c, dt, self.backend, self.mesh, self.packed, self.stacked, name="self_attn"
+            c, dt, self.backend, self.mesh, self.layout, self.stacked, name="self_attn"
         )
 
         def layer_norm(name):
@@ -151,8 +150,7 @@ class DecoderLayer(nn.Module):
                 return layer_mlp(h, stacks, row, is_moe, c, self.mesh)
             if c.num_experts:  # this layer's own MoE block or dense MLP (Python-known kind)
                 return own_mlp(h, per_layer["is_moe"], c, dt, self.mesh)
-            in_place = self.mesh is None
-            return MLP(c, dt, in_place, self.packed, self.stacked, name="mlp")(h, layer, live)
+            return MLP(c, dt, self.layout, self.stacked, name="mlp")(h, layer, live)
 
         if not c.norm_before:  # post-norm (OPT-350m)
             h, kv = attn(x, cos, sin, kv, layer, window, step, live)
@@ -198,12 +196,6 @@ def per_layer_data(config: ModelConfig) -> dict[str, np.ndarray]:
     return data
 
 
-def packs_tied_table(config: ModelConfig) -> bool:
-    """Whether a model whose layer kernels are packed (``DecoderModel.packed_weights``) holds its
-    embedding table packed too: a tied table (the LM head), its rows a multiple of 32."""
-    return bool(config.tie_word_embeddings) and config.vocab_size % PACK_WIDTH == 0
-
-
 class DecoderModel(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype = jnp.float32
@@ -211,24 +203,16 @@ class DecoderModel(nn.Module):
     mesh: Mesh | None = None  # tensor parallelism by heads (models/sharding.py)
     # "scan" over stacked parameters, or "unrolled" over one tree per layer (models/layer_loop.py)
     layer_loop: str = "scan"
-    # The layers' stacked float kernels are packed tile-major for the native CPU matmul, and a
-    # tied table with them where packs_tied_table (models/llama.py pack_layer_kernels, which
-    # decides when they can be).
-    packed_weights: bool = False
+    # Each Dense's linear method and the table's, chosen at load (models/linear.py)
+    layout: WeightLayout = WeightLayout()
 
     @nn.compact
     def __call__(self, kv_pool: KVPool, step: StepInput):
         c, dt = self.config, self.dtype
-        # A tied table is packed with the layers (models/llama.py pack_layer_kernels).
-        if self.packed_weights and self.mesh is None and packs_tied_table(c):
-            embed = PackedEmbed(c.vocab_size, c.embed_dim, dt, name="embed_tokens")
-        else:
-            embed = nn.Embed(
-                c.vocab_size, c.embed_dim, dtype=dt, param_dtype=dt, name="embed_tokens"
-            )
+        embed = Embed(c.vocab_size, c.embed_dim, dt, self.layout.table, name="embed_tokens")
         x = embed(step.token_ids)  # [num_tokens, embed_dim]
         if c.word_embed_proj_dim:
-            x = dense(c.hidden_size, False, dt, "project_in")(x)
+            x = self._dense(c.hidden_size, "project_in")(x)
         if c.embed_scale:  # sqrt(hidden) rounded to the compute dtype, as HF
             x = x * jnp.asarray(math.sqrt(c.hidden_size), dt)
         cos = sin = None
@@ -249,16 +233,11 @@ class DecoderModel(nn.Module):
         if c.final_norm:
             x = norm(c, dt, "norm")(x)
         if c.word_embed_proj_dim:
-            x = dense(c.embed_dim, False, dt, "project_out")(x)
-        if c.tie_word_embeddings:
-            if isinstance(embed, PackedEmbed):  # the packed layer kernel, one stack of one
-                logits = embed.attend(x)
-            elif self.mesh is None:  # x @ table.T; on a CPU a native kernel streams the table once
-                logits = pallas_kernels.matmul_transposed(x, embed.embedding)
-            else:
-                logits = embed.attend(x)
+            x = self._dense(c.embed_dim, "project_out")(x)
+        if c.tie_word_embeddings:  # x @ table.T, by the table's method
+            logits = embed.attend(x)
         else:
-            logits = dense(c.vocab_size, False, dt, "lm_head")(x)
+            logits = self._dense(c.vocab_size, "lm_head")(x)
         if self.mesh is not None:
             # The head is split by vocabulary: each device computes its columns of the logits,
             # then the rows are gathered (not the head's weights) so every device has them whole.
@@ -269,6 +248,9 @@ class DecoderModel(nn.Module):
         if c.final_soft_cap:
             logits = c.final_soft_cap * jnp.tanh(logits / c.final_soft_cap)
         return logits, kv_pool
+
+    def _dense(self, features: int, name: str) -> nn.Module:
+        return dense(features, False, self.dtype, name, method=self.layout.linear(name))
 
 
 def _scanned_layers(model: DecoderModel, x, kv_pool, cos, sin, step: StepInput):
@@ -283,7 +265,7 @@ def _scanned_layers(model: DecoderModel, x, kv_pool, cos, sin, step: StepInput):
         split_rngs={"params": False},
         in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
         length=c.num_layers,
-    )(c, dt, model.backend, model.mesh, model.packed_weights, name="layers")
+    )(c, dt, model.backend, model.mesh, model.layout, name="layers")
     data = jax.tree.map(jnp.asarray, per_layer_data(c))
     (x, kv_pool), _ = layers((x, kv_pool), data, cos, sin, step, stacks)
     return x, kv_pool
@@ -295,7 +277,7 @@ def _unrolled_layers(model: DecoderModel, x, kv_pool, cos, sin, step: StepInput)
     c = model.config
     for i in range(c.num_layers):
         layer = DecoderLayer(
-            c, model.dtype, model.backend, model.mesh, stacked=False, name=f"layers_{i}"
+            c, model.dtype, model.backend, model.mesh, model.layout, False, name=f"layers_{i}"
         )
         (x, kv_pool), _ = layer((x, kv_pool), layer_data(c, i), cos, sin, step, None)
     return x, kv_pool

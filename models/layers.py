@@ -5,6 +5,7 @@ over the paged KV pool (write this step's K/V by slot mapping, attend through th
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -14,9 +15,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .. import pallas_kernels
-from ..pallas_kernels.layer_matmul import PACK_WIDTH
 from . import quant
 from .config import ModelConfig, longrope_attention_factor
+from .linear import XLA_LINEAR, XlaTable
 from .sharding import AXIS, pool_specs
 from .step_input import StepInput
 
@@ -40,53 +41,29 @@ def activation(config: ModelConfig):
 
 
 class Dense(nn.Module):
-    """``nn.Dense``'s parameters and arithmetic, plus weight-only quantization: when the
-    parameters hold a ``kernel_scale`` (models/quant.py), the 8-bit kernel is converted to the
-    compute dtype inside the dot and each output column multiplied by its scale (with grouped
-    scales, "int8-g64", the kernel is dequantized group by group before the dot).
-
-    Inside the layer scan (``layers`` set) the parameters are stacked, ``kernel`` [layers, in,
-    out], and the call takes the scan's ``layer``: a float kernel is multiplied where it lies
-    (``pallas_kernels.layer_matmul``; on a CPU XLA would copy the slice before its dot), unless
-    ``in_place`` is off (tensor parallelism: the sharded dot is XLA's). ``packed``: the stacked
-    float kernel is held packed tile-major, [layers, out / 32, in, 32]
-    (``pallas_kernels.pack_stacked``; models/llama.py ``pack_layer_kernels``), for the native
-    CPU kernel to stream. ``live_rows``: x's rows past it are padding (the native kernel leaves
-    them zero)."""
+    """``nn.Dense``'s parameters and arithmetic, the kernel laid out and multiplied by its
+    linear ``method``, chosen at load (models/linear.py: XLA's float dot, weight-only 8-bit
+    kernels with their ``kernel_scale``, or a platform's own, such as the CPU's native kernels
+    reading a stacked kernel in place). ``layers``: stacked over that many layers (the scan's
+    parameters), the call taking the scan's ``layer``. ``live_rows``: x's rows past it are
+    padding (a method may leave them zero)."""
 
     features: int
     use_bias: bool
     dtype: jnp.dtype
     layers: int | None = None  # stacked over this many layers (the scan's parameters)
-    in_place: bool = True  # a stacked float kernel is read in place (layer_matmul)
-    packed: bool = False  # ... and held packed tile-major (with layers and in_place only)
+    method: Any = XLA_LINEAR
 
     @nn.compact
     def __call__(self, x, layer=None, live_rows=None):
-        init = nn.initializers.lecun_normal()
         lead = () if self.layers is None else (self.layers,)
-        if self.packed and self.layers is not None and self.in_place:
-            shape = (*lead, self.features // PACK_WIDTH, x.shape[-1], PACK_WIDTH)
-            kernel = self.param("kernel", init, shape, self.dtype)
-            y = pallas_kernels.packed_layer_matmul(x.astype(self.dtype), kernel, layer, live_rows)
-            return self._bias(y, lead, layer)
-        kernel = self.param("kernel", init, (*lead, x.shape[-1], self.features), self.dtype)
-        x = x.astype(self.dtype)
-        dims = (((x.ndim - 1,), (0,)), ((), ()))
-        scale = None
-        if self.has_variable("params", "kernel_scale"):
-            scale = self.get_variable("params", "kernel_scale")
-        if self.layers is not None and scale is None and self.in_place and x.ndim == 2:
-            y = pallas_kernels.layer_matmul(x, kernel.astype(self.dtype), layer, live_rows)
-        else:
-            if self.layers is not None:
-                kernel = kernel[layer]
-                scale = None if scale is None else scale[layer]
-            if scale is not None and scale.ndim == kernel.ndim:  # grouped: dequantize, then dot
-                kernel = quant.dequantize(kernel, scale, self.dtype)
-            y = jax.lax.dot_general(x, kernel.astype(self.dtype), dims)
-            if scale is not None and scale.ndim < kernel.ndim:  # per output column
-                y = y * scale.astype(self.dtype)
+        shape = self.method.kernel_shape(x.shape[-1], self.features, lead)
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), shape, self.dtype)
+        weights = {"kernel": kernel}
+        if self.has_variable("params", quant.SCALE):
+            weights[quant.SCALE] = self.get_variable("params", quant.SCALE)
+        layer = None if self.layers is None else layer  # an unstacked kernel is whole
+        y = self.method.apply(x.astype(self.dtype), weights, layer, live_rows)
         return self._bias(y, lead, layer)
 
     def _bias(self, y, lead, layer):
@@ -103,32 +80,29 @@ def dense(
     dtype,
     name: str,
     layers: int | None = None,
-    in_place: bool = True,
-    packed: bool = False,
+    method=XLA_LINEAR,
 ) -> nn.Module:
-    return Dense(features, bias, dtype, layers, in_place, packed, name=name)
+    return Dense(features, bias, dtype, layers, method, name=name)
 
 
-class PackedEmbed(nn.Module):
-    """``nn.Embed`` with its table held packed for the native CPU matmul
-    (``pallas_kernels.pack_table``: [num_embeddings / 32, features, 32], models/llama.py
-    ``pack_layer_kernels``), as a tied LM head reads it. ``__call__`` looks tokens up
-    (``packed_take``); ``attend`` is ``x @ table.T`` (``packed_matmul_transposed``)."""
+class Embed(nn.Module):
+    """``nn.Embed``'s table, laid out by its table ``method`` (models/linear.py), which also
+    serves the tied LM head: ``__call__`` looks tokens up, ``attend`` is ``x @ table.T``."""
 
     num_embeddings: int
     features: int
     dtype: jnp.dtype
+    method: Any = XlaTable()
 
     def setup(self):
-        shape = (self.num_embeddings // PACK_WIDTH, self.features, PACK_WIDTH)
-        init = nn.initializers.normal(1.0)
-        self.embedding = self.param("embedding", init, shape, self.dtype)
+        shape = self.method.table_shape(self.num_embeddings, self.features)
+        self.embedding = self.param("embedding", nn.linear.default_embed_init, shape, self.dtype)
 
     def __call__(self, ids):
-        return pallas_kernels.packed_take(self.embedding, ids)
+        return self.method.lookup(self.embedding, ids).astype(self.dtype)
 
     def attend(self, x):
-        return pallas_kernels.packed_matmul_transposed(x.astype(self.dtype), self.embedding)
+        return self.method.attend(x.astype(self.dtype), self.embedding)
 
 
 class RMSNorm(nn.Module):
@@ -225,14 +199,14 @@ def longrope_inv_freqs(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
 
 
 def live_rows(step: StepInput) -> jax.Array:  # i32[]
-    """Rows of the packed batch that belong to a sequence with context: the rows after them are
+    """Rows of the batch that belong to a sequence with context: the rows after them are
     padding (both layouts put the real sequences, and their rows, first)."""
     ends = step.query_start_loc[1:]
     return jnp.max(jnp.where(step.context_lens > 0, ends, 0), initial=0)
 
 
 def token_seq_ids(step: StepInput) -> jax.Array:  # i32[num_tokens]
-    """The sequence owning each packed token row (padding rows: clipped to a real one)."""
+    """The sequence owning each token row (padding rows: clipped to a real one)."""
     qsl = step.query_start_loc
     rows = jnp.arange(step.token_ids.shape[0])
     seq = jnp.searchsorted(qsl, rows, side="right") - 1

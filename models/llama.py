@@ -21,17 +21,12 @@ from jax.sharding import Mesh
 
 from .. import pallas_kernels
 from .config import ModelConfig
-from .decoder import DecoderModel, packs_tied_table
-from .layer_loop import (
-    check_layer_loop,
-    default_layer_loop,
-    flax_tree,
-    is_per_layer,
-    split_layers,
-)
+from .decoder import DecoderModel
+from .layer_loop import flax_tree, is_per_layer
 from .layers import KVPool, apply_rope, rope_inv_freq  # noqa: F401 (re-exported)
+from .linear import WeightLayout
 from .quant import compute_dtype
-from .sharding import scales_sharding, shard_params
+from .sharding import scales_sharding
 from .step_input import StepInput
 
 
@@ -87,7 +82,7 @@ def forward(
     config: ModelConfig,
     backend: pallas_kernels.AttentionBackend | str | None = None,
     mesh: Mesh | None = None,
-    packed_weights: bool = False,
+    layout: WeightLayout | None = None,
 ):
     """Pure forward: ``(params, kv_pool, step_input) -> (logits f32[num_logits, vocab], kv_pool)``.
 
@@ -96,85 +91,15 @@ def forward(
     per device under shard_map. ``backend``: the attention backend object (the runner's); a
     name or None (the setting, else the platform's) picks one here (``select_backend``).
     ``params`` stacked run the layers under a scan; split per layer (``split_layers``, chosen
-    at load: models/layer_loop.py) they run unrolled. ``packed_weights``: the layers'
-    projection kernels are packed, and a tied table where ``packs_tied_table``
-    (``pack_layer_kernels``).
+    at load: models/layer_loop.py) they run unrolled. ``layout``: the linear methods the
+    weights were processed for (``process_weights_after_loading``, models/linear.py; default:
+    XLA's, for weights as loaded).
     """
     dtype = compute_dtype(params)
     backend = pallas_kernels.select_backend(backend)  # an object as is; else by name or setting
     loop = "unrolled" if is_per_layer(params) else "scan"
-    model = DecoderModel(config, dtype, backend, mesh, loop, packed_weights)
+    model = DecoderModel(config, dtype, backend, mesh, loop, layout or WeightLayout())
     return model.apply({"params": flax_tree(params)}, kv_pool, step_input)
-
-
-def process_weights_after_loading(
-    params, config: ModelConfig, mesh: Mesh | None = None, layer_loop: str | None = None
-) -> tuple[dict, bool]:
-    """The loaded (stacked) parameters in the layout the step reads, and whether its kernels
-    are packed (``forward``'s ``packed_weights``). ``layer_loop`` (default
-    ``default_layer_loop()``): "unrolled" splits the layers into one tree per layer
-    (``split_layers``; placed by ``param_shardings`` on a mesh); "scan" keeps them stacked and,
-    without a mesh, packs the kernels for the native CPU matmul where it can
-    (``pack_layer_kernels``)."""
-    loop = check_layer_loop(layer_loop) if layer_loop else default_layer_loop()
-    if loop == "unrolled":
-        params = split_layers(params, config)
-        return (params if mesh is None else shard_params(params, mesh)), False
-    if is_per_layer(params):
-        raise ValueError("layer_loop='scan' needs stacked parameters, got one tree per layer")
-    if mesh is not None:  # sharded kernels take XLA's dot
-        return params, False
-    return pack_layer_kernels(params, config)
-
-
-# The layers' projections whose stacked kernels pack_layer_kernels packs (models/decoder.py).
-PACKED_PROJECTIONS = {
-    "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
-    "mlp": ("gate_proj", "up_proj", "down_proj"),
-}
-
-
-def pack_layer_kernels(params, config: ModelConfig) -> tuple[dict, bool]:
-    """``(params, True)`` with the layers' projection kernels packed tile-major for the native
-    CPU matmul (``pallas_kernels.pack_stacked``: each tile of 32 output columns one contiguous
-    run, which the CPU streams from DRAM: 11-21% faster at a decode step's 64 rows), and a tied
-    embedding table with them where ``packs_tied_table(config)`` (``pallas_kernels.pack_table``:
-    the LM head runs the same kernel), to run with ``forward(..., packed_weights=True)``;
-    ``(params, False)`` unchanged where they cannot be: the native kernel unavailable (not a
-    CPU, switched off, no compiler), a quantized or non-float kernel, or an output width not a
-    multiple of 32. All or none are packed; parameters packed already come back as they are.
-    Not for a mesh: sharded kernels take XLA's dot."""
-    from ..pallas_kernels import native
-    from ..pallas_kernels.layer_matmul import PACK_WIDTH, SYMBOLS, pack_stacked, pack_table
-
-    layers = params.get("layers", {})
-    found = [
-        (group, name)
-        for group, names in PACKED_PROJECTIONS.items()
-        for name in names
-        if name in layers.get(group, {})
-    ]
-    projections = [layers[group][name] for group, name in found]
-    if found and all(set(p) <= {"kernel", "bias"} and p["kernel"].ndim == 4 for p in projections):
-        return params, True  # packed already (a runner built from another runner's parameters)
-    packable = bool(found) and all(
-        set(p) <= {"kernel", "bias"}  # no kernel_scale: quantized kernels stay as they are
-        and p["kernel"].ndim == 3
-        and p["kernel"].shape[2] % PACK_WIDTH == 0
-        and jnp.dtype(p["kernel"].dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-        for p in projections
-    )
-    if not packable or native.load("matmul_cpu", SYMBOLS) is None:
-        return params, False
-    pack = jax.jit(pack_stacked)
-    new_layers = {**layers, **{group: dict(layers[group]) for group, _ in found}}
-    for (group, name), proj in zip(found, projections, strict=True):
-        new_layers[group][name] = {**proj, "kernel": pack(proj["kernel"])}
-    params = {**params, "layers": new_layers}
-    if packs_tied_table(config):
-        table = params["embed_tokens"]["embedding"]
-        params["embed_tokens"] = {**params["embed_tokens"], "embedding": jax.jit(pack_table)(table)}
-    return params, True
 
 
 @functools.lru_cache(maxsize=16)

@@ -35,11 +35,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from pagedjax import compilation, pallas_kernels
 from pagedjax.distributed import Channel
 from pagedjax.models.config import ModelConfig
-from pagedjax.models.llama import forward, process_weights_after_loading
+from pagedjax.models.linear import process_weights_after_loading
+from pagedjax.models.llama import forward
 from pagedjax.models.quant import compute_dtype
 from pagedjax.models.sharding import pool_sharding, shard_params
 from pagedjax.models.step_input import StepInput
 from pagedjax.pallas_kernels import native_attention
+from pagedjax.pallas_kernels.layer_matmul import CpuLinearMethods
 from pagedjax.spec_decode.rejection import verify_step
 from pagedjax.step_profile import StepProfile
 from pagedjax.utils import next_pow2, powers_of_two
@@ -61,8 +63,9 @@ __all__ = ["Runner", "ScheduledSeq", "StepHandle", "StepShape", "WarmupReport"]
 logger = logging.getLogger(__name__)
 
 
-def _model_step(params, kv_pool, step_input, config, backend, mesh, packed=False):
-    return forward(params, kv_pool, step_input, config, backend, mesh, packed_weights=packed)
+def _model_step(params, kv_pool, step_input, config, backend, mesh, linear=None):
+    # linear: the WeightLayout the parameters were processed for (models/linear.py)
+    return forward(params, kv_pool, step_input, config, backend, mesh, linear)
 
 
 def _step_and_sample(params, kv_pool, packed, prev_tokens, config, backend, mesh, packed_w, layout):
@@ -152,9 +155,11 @@ class Runner:
         else:
             self._inputs = pool = SingleDeviceSharding(jax.local_devices()[0])
             params = jax.device_put(params, pool)
-        # The weights in the layout the step reads, chosen once (models/llama.py): one array
-        # per layer, or stacked under the scan (on a CPU packed for the native matmul).
-        params, self.packed_weights = process_weights_after_loading(params, config, mesh)
+        # The weights in the layout the step reads, chosen once (models/linear.py): one array
+        # per layer, or stacked under the scan (on a CPU in the native kernels' layouts).
+        params, self.linear = process_weights_after_loading(
+            params, config, mesh, platform=CpuLinearMethods()
+        )
         self.params = params
         self.kv_cache = KVCache(
             config,
@@ -216,10 +221,7 @@ class Runner:
             step_input = self.build_step_input(seqs)
             rows = [row for s in seqs for row in s.samples]
             logit_rows, drafts = self.batcher.sample_rows(seqs, step_input)
-            # None: a plain greedy batch, sampled in the step program (nothing to build)
-            sampling = None
-            if drafts is not None or not sampler.plain_greedy(rows, num_top_logprobs):
-                sampling = self._sampling_input(rows, len(logit_rows), num_top_logprobs)
+            sampling = self._sampling_input(rows, len(logit_rows), num_top_logprobs)
             step_input, targets = prompt_logprobs.extend_logits_rows(step_input, seqs)
         kind = count_padding(prof, seqs, step_input, self.block_size, self._attention_rows_only)
         packed, layout = step_program.pack_inputs(step_input, logit_rows)
@@ -258,7 +260,7 @@ class Runner:
         self,
         packed: np.ndarray,
         layout: step_program.StepLayout,
-        sampling: SamplingInput | None,
+        sampling: SamplingInput,
         targets: np.ndarray | None = None,
         drafts: np.ndarray | None = None,
         draft_probs: np.ndarray | None = None,
@@ -278,7 +280,7 @@ class Runner:
             self.config,
             self.backend,
             self.mesh,
-            self.packed_weights,
+            self.linear,
             layout,
         )
         scored = None
@@ -293,8 +295,7 @@ class Runner:
             if draft_probs is not None:
                 args += (self._put(draft_probs),)
             return self._launch(verify_step, *args), None, scored
-        # A plain greedy batch (None: nothing built for it) is sampled in the step program.
-        if sampling is None or sampling.variant == sampler.Variant():
+        if sampling.variant == sampler.Variant():  # plain greedy: sampled in the step program
             return outs["packed"], outs["tokens"], scored
         packed_sampling, sampling_layout = step_program.pack_sampling(sampling)
         args = (outs["logits"], self._put(packed_sampling), sampling_layout, self.fill_width)
@@ -418,7 +419,7 @@ class Runner:
             self.config,
             self.backend,
             self.mesh,
-            self.packed_weights,
+            self.linear,
             layout,
         )
 
@@ -487,7 +488,7 @@ class Runner:
                 self.config,
                 self.backend,
                 self.mesh,
-                self.packed_weights,
+                self.linear,
                 layout,
             )
             return outs["logits"]
@@ -498,7 +499,7 @@ class Runner:
             self.config,
             self.backend,
             self.mesh,
-            self.packed_weights,
+            self.linear,
         )
         return logits
 

@@ -16,7 +16,8 @@ import pytest
 from hf_models import save_tiny_config
 from pagedjax.models import layer_loop
 from pagedjax.models.config import ModelConfig
-from pagedjax.models.llama import forward, param_shapes, process_weights_after_loading
+from pagedjax.models.linear import process_weights_after_loading
+from pagedjax.models.llama import forward, param_shapes
 from pagedjax.models.sharding import param_shardings
 from pagedjax.models.step_input import StepInput
 
@@ -152,7 +153,7 @@ def test_unrolled_step_reads_weights_in_place(monkeypatch):
     kernels = jax.tree.leaves(stacked["layers"], is_leaf=lambda x: hasattr(x, "ndim"))
     shapes = {a.shape[1:] for a in kernels if a.ndim == 3}
     shapes |= {(1, *s) for s in shapes}  # a slice keeping the layer axis
-    split, packed = process_weights_after_loading(stacked, c, layer_loop="unrolled")
-    assert not packed and layer_loop.is_per_layer(split)
+    split, _ = process_weights_after_loading(stacked, c, layer_loop="unrolled")
+    assert layer_loop.is_per_layer(split)
     assert weight_copies(_decode_hlo(split, c), shapes) == []
     assert weight_copies(_decode_hlo(stacked, c), shapes)
