@@ -342,3 +342,17 @@ def test_openai_agents_sdk_calls_a_tool_then_answers(server):
     run = asyncio.run(streamed())
     assert seen[1] == seen[0]  # greedy: the same call, streamed
     assert isinstance(run.final_output, str)
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--enable-auto-tool-choice"], "--tool-call-parser"),
+        (["--tool-call-parser", "nope"], "hermes, llama3_json, pythonic"),
+    ],
+)
+def test_serve_refuses_bad_tool_flags_before_loading(flags, says, capsys):
+    from pagedjax.entrypoints.cli import main
+
+    assert main(["serve", "--model", "/nonexistent", *flags]) == 2
+    assert says in capsys.readouterr().err
