@@ -6,13 +6,12 @@ arguments), ``run`` for ``pagedjax serve --ray``.
 
 from __future__ import annotations
 
-import json
 import time
 
 from ray import serve
 
 from pagedjax.serve_ray.ingress import Ingress
-from pagedjax.serve_ray.options import AutoscalingOptions, RayServeOptions
+from pagedjax.serve_ray.options import RayServeOptions, builder_arguments
 from pagedjax.serve_ray.replica import EngineReplica
 
 
@@ -35,36 +34,11 @@ def build(
     return Ingress.bind(engine, routing=options.routing)
 
 
-_NUMBERS = {
-    "num_replicas": int,
-    "num_cpus": float,
-    "num_gpus": float,
-    "max_ongoing_requests": int,
-    "routing_stats_period_s": float,
-}
-
-
 def app_builder(args: dict):
     """For ``serve run pagedjax.serve_ray.app:app_builder model=PATH num_replicas=2 ...`` or a
-    Serve config file's ``import_path``: ``model``, ``served_model_name``, the RayServeOptions
-    fields (``autoscaling`` a dict of AutoscalingOptions fields), and ``llm_kwargs`` /
-    ``server_kwargs`` / ``startup_kwargs`` (dicts, or JSON strings on the command line)."""
-    args = dict(args)
-    model = args.pop("model")
-    name = args.pop("served_model_name", None)
-    kw = {k: _dict(args.pop(k, None)) for k in ("llm_kwargs", "server_kwargs", "startup_kwargs")}
-    scale = _dict(args.pop("autoscaling", None))
-    for key, kind in _NUMBERS.items():  # `serve run` passes key=value as strings
-        if key in args:
-            args[key] = kind(args[key])
-    options = RayServeOptions(**args, autoscaling=AutoscalingOptions(**scale) if scale else None)
-    return build(model, options, served_model_name=name, **kw)
-
-
-def _dict(value) -> dict:
-    if value is None:
-        return {}
-    return json.loads(value) if isinstance(value, str) else dict(value)
+    Serve config file's ``import_path`` (arguments: options.builder_arguments)."""
+    model, options, kwargs = builder_arguments(args)
+    return build(model, options, **kwargs)
 
 
 def run(

@@ -3,6 +3,7 @@ Serve's deployment options. Imports no ray."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 ROUTING_POLICIES = ("prefix", "random")
@@ -102,3 +103,39 @@ class RayServeOptions:
         else:
             opts["num_replicas"] = self.num_replicas
         return opts
+
+
+_NUMBERS = {
+    "num_replicas": int,
+    "num_cpus": float,
+    "num_gpus": float,
+    "max_ongoing_requests": int,
+    "routing_stats_period_s": float,
+}
+
+
+def builder_arguments(args: dict) -> tuple[str, RayServeOptions, dict]:
+    """(model, options, build's keyword arguments) from ``serve run`` arguments: ``model``,
+    ``served_model_name``, the RayServeOptions fields (numbers may come as strings;
+    ``autoscaling`` a dict of AutoscalingOptions fields) and ``llm_kwargs`` / ``server_kwargs``
+    / ``startup_kwargs`` (dicts, or JSON strings on the command line)."""
+    args = dict(args)
+    if "model" not in args:
+        raise ValueError("model is required (model=PATH)")
+    model = args.pop("model")
+    kwargs = {
+        k: _dict(args.pop(k, None)) for k in ("llm_kwargs", "server_kwargs", "startup_kwargs")
+    }
+    kwargs["served_model_name"] = args.pop("served_model_name", None)
+    scale = _dict(args.pop("autoscaling", None))
+    for key, kind in _NUMBERS.items():
+        if key in args:
+            args[key] = kind(args[key])
+    options = RayServeOptions(**args, autoscaling=AutoscalingOptions(**scale) if scale else None)
+    return model, options, kwargs
+
+
+def _dict(value) -> dict:
+    if value is None:
+        return {}
+    return json.loads(value) if isinstance(value, str) else dict(value)
