@@ -147,9 +147,10 @@ class DecoderLayer(nn.Module):
         def mlp(h):
             if c.num_experts and self.stacked:
                 row, is_moe = per_layer["mlp_row"], per_layer.get("is_moe")
-                return layer_mlp(h, stacks, row, is_moe, c, self.mesh)
+                experts = self.layout.experts
+                return layer_mlp(h, stacks, row, is_moe, c, self.mesh, experts)
             if c.num_experts:  # this layer's own MoE block or dense MLP (Python-known kind)
-                return own_mlp(h, per_layer["is_moe"], c, dt, self.mesh)
+                return own_mlp(h, per_layer["is_moe"], c, dt, self.mesh, self.layout.experts)
             return MLP(c, dt, self.layout, self.stacked, name="mlp")(h, layer, live)
 
         if not c.norm_before:  # post-norm (OPT-350m)

@@ -13,9 +13,11 @@ A table method (an embedding, and the tied LM head) has ``table_shape``, ``accep
 ``process_weights_after_loading``, ``lookup(table, ids)`` and ``attend(x, table)``.
 
 Here: XLA's float dot, weight-only 8-bit kernels with a scale per output column (int8 / fp8) or
-per group of inputs (int8-g32 / g64), and XLA's table. A platform may offer its own methods for
-the stacked layers under the scan (the CPU's native ones: pallas_kernels/layer_matmul.py
-``CpuLinearMethods``), passed in by the caller; models/ knows them only through this interface.
+per group of inputs (int8-g32 / g64), XLA's table, and a MoE block's experts as one grouped
+matmul (``apply(rows, kernels, group_sizes, scale, row_expert)``). A platform may offer its own
+methods for the stacked layers under the scan (the CPU's native ones:
+pallas_kernels/layer_matmul.py ``CpuLinearMethods``), passed in by the caller; models/ knows
+them only through this interface.
 """
 
 from __future__ import annotations
@@ -108,6 +110,17 @@ class XlaTable:
         return y.astype(x.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupedExpertsLinear:
+    """A MoE block's experts as one grouped matmul over rows sorted by expert
+    (``jax.lax.ragged_dot``): kernels [experts, in, out], float, or 8-bit with a scale per
+    output column of each expert ([experts, out]) applied to each row by its expert."""
+
+    def apply(self, a, kernels, group_sizes, scale=None, row_expert=None) -> jax.Array:
+        y = jax.lax.ragged_dot(a, kernels.astype(a.dtype), group_sizes)
+        return y if scale is None else y * scale[row_expert].astype(y.dtype)
+
+
 XLA_LINEAR = XlaLinear()
 _QUANTIZED = (ColumnQuantLinear(), GroupedQuantLinear())
 # A Dense's path in the parameter tree, as WeightLayout names it: "self_attn/q_proj" for a
@@ -126,6 +139,7 @@ class WeightLayout:
 
     methods: tuple[tuple[str, object], ...] = ()
     table: object = XlaTable()
+    experts: object = GroupedExpertsLinear()  # a MoE family's experts (models/moe.py)
 
     def linear(self, path: str):
         return dict(self.methods).get(path, XlaLinear())

@@ -17,9 +17,11 @@ from jax.sharding import PartitionSpec as P
 
 from .config import ModelConfig
 from .layers import activation
+from .linear import GroupedExpertsLinear
 from .sharding import AXIS
 
 _INIT = nn.initializers.normal(0.02)
+GROUPED_EXPERTS = GroupedExpertsLinear()
 
 
 class _Params(nn.Module):
@@ -113,7 +115,7 @@ def gated_mlp(x: jax.Array, p: dict, act) -> jax.Array:  # x: [num_tokens, hidde
     return (act(gate) * up) @ p["down_proj"]["kernel"]
 
 
-def _grouped_experts(x, top_idx, top_w, gate_w, up_w, down_w, act, scales=None):
+def _grouped_experts(x, top_idx, top_w, gate_w, up_w, down_w, act, scales, method):
     """sum_k top_w[t, k] * expert_{top_idx[t, k]}(x[t]) as three grouped matmuls.
 
     x: [num_tokens, hidden]; top_idx i32 / top_w f32: [num_tokens, k]; gate_w/up_w:
@@ -121,6 +123,7 @@ def _grouped_experts(x, top_idx, top_w, gate_w, up_w, down_w, act, scales=None):
     ``scales``: None, or the 8-bit kernels' per-output-channel scales (gate, up: f32[experts,
     inner]; down: f32[experts, hidden]; models/quant.py): the kernels are converted to the
     compute dtype inside the matmul and each row's output multiplied by its expert's scales.
+    ``method``: the experts' linear method (models/linear.py ``GroupedExpertsLinear``).
     """
     num_tokens, k = top_idx.shape
     experts = gate_w.shape[0]
@@ -133,8 +136,7 @@ def _grouped_experts(x, top_idx, top_w, gate_w, up_w, down_w, act, scales=None):
     gate_s, up_s, down_s = scales if scales is not None else (None, None, None)
 
     def matmul(a, w, scale):  # a: [num_tokens * k, in]; w: [experts, in, out]
-        y = jax.lax.ragged_dot(a, w.astype(a.dtype), sizes)
-        return y if scale is None else y * scale[row_expert].astype(y.dtype)
+        return method.apply(a, w, sizes, scale, row_expert)
 
     h = act(matmul(xs, gate_w, gate_s)) * matmul(xs, up_w, up_s)
     y = matmul(h, down_w, down_s)  # [num_tokens * k, hidden]
@@ -142,8 +144,11 @@ def _grouped_experts(x, top_idx, top_w, gate_w, up_w, down_w, act, scales=None):
     return jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[rows].add(y)
 
 
-def moe_mlp(x: jax.Array, p: dict, config: ModelConfig, mesh: Mesh | None) -> jax.Array:
-    """One layer's MoE block. x: [num_tokens, hidden]; ``p`` is the layer's row of ``moe``."""
+def moe_mlp(
+    x: jax.Array, p: dict, config: ModelConfig, mesh: Mesh | None, experts=GROUPED_EXPERTS
+) -> jax.Array:
+    """One layer's MoE block. x: [num_tokens, hidden]; ``p`` is the layer's row of ``moe``;
+    ``experts``: the experts' linear method, chosen at load (models/linear.py)."""
     c = config
     act = activation(c)
     logits = x @ p["router"]["kernel"]  # [num_tokens, experts]
@@ -156,7 +161,7 @@ def moe_mlp(x: jax.Array, p: dict, config: ModelConfig, mesh: Mesh | None) -> ja
     weights = tuple(ex[n] for n in names)
     scales = tuple(ex[f"{n}_scale"] for n in names) if "gate_proj_scale" in ex else ()
     if mesh is None:
-        out = _grouped_experts(x, top_idx, top_w, *weights, act, scales or None)
+        out = _grouped_experts(x, top_idx, top_w, *weights, act, scales or None, experts)
     else:
         # Each device holds a slice of EVERY expert's intermediate dimension (column-split
         # gate/up, row-split down, as the dense MLP), not whole experts: every device then does
@@ -166,7 +171,8 @@ def moe_mlp(x: jax.Array, p: dict, config: ModelConfig, mesh: Mesh | None) -> ja
         # Quantized: gate/up scales split like their columns, down's (per hidden) whole (a
         # per-column factor commutes with the sum over the devices' partial rows).
         def local(x, top_idx, top_w, gate_w, up_w, down_w, *scales):
-            part = _grouped_experts(x, top_idx, top_w, gate_w, up_w, down_w, act, scales or None)
+            args = (gate_w, up_w, down_w, act, scales or None, experts)
+            part = _grouped_experts(x, top_idx, top_w, *args)
             return jax.lax.psum(part, AXIS)
 
         col, row = P(None, None, AXIS), P(None, AXIS, None)
@@ -185,11 +191,13 @@ def moe_mlp(x: jax.Array, p: dict, config: ModelConfig, mesh: Mesh | None) -> ja
     return out
 
 
-def layer_mlp(x: jax.Array, stacks: dict, row, is_moe, config: ModelConfig, mesh) -> jax.Array:
+def layer_mlp(
+    x: jax.Array, stacks: dict, row, is_moe, config: ModelConfig, mesh, experts=GROUPED_EXPERTS
+) -> jax.Array:
     """A MoE family's layer MLP: row ``row`` of its stack; ``is_moe`` (bool[] per-layer data,
     or None when every layer is MoE) picks the stack when the layers mix both kinds."""
     take = lambda tree: jax.tree.map(lambda a: a[row], tree)  # noqa: E731
-    moe = lambda x: moe_mlp(x, take(stacks["moe"]), config, mesh)  # noqa: E731
+    moe = lambda x: moe_mlp(x, take(stacks["moe"]), config, mesh, experts)  # noqa: E731
     if "dense_mlp" not in stacks:
         return moe(x)
     dense = lambda x: gated_mlp(x, take(stacks["dense_mlp"]), activation(config))  # noqa: E731
@@ -198,11 +206,13 @@ def layer_mlp(x: jax.Array, stacks: dict, row, is_moe, config: ModelConfig, mesh
     return jax.lax.cond(is_moe, moe, dense, x)
 
 
-def own_mlp(x: jax.Array, is_moe: bool, config: ModelConfig, dtype, mesh) -> jax.Array:
+def own_mlp(
+    x: jax.Array, is_moe: bool, config: ModelConfig, dtype, mesh, experts=GROUPED_EXPERTS
+) -> jax.Array:
     """An unrolled layer's MLP over its own parameters (``moe`` or ``dense_mlp``, one layer's
     row of the stacks; models/layer_loop.py): the kind is known in Python, so no cond."""
     c = config
     if is_moe:
-        return moe_mlp(x, MoEParams(c, dtype, None, name="moe")(), c, mesh)
+        return moe_mlp(x, MoEParams(c, dtype, None, name="moe")(), c, mesh, experts)
     p = _GatedMLPParams(None, c.hidden_size, c.intermediate_size, dtype, name="dense_mlp")()
     return gated_mlp(x, p, activation(c))

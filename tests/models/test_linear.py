@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from pagedjax.models import quant
 from pagedjax.models.config import ModelConfig
@@ -73,3 +74,18 @@ def test_a_platforms_methods_apply_to_the_stacked_layers_only():
     _, on_mesh = process_weights_after_loading(zeros(CONFIG), CONFIG, mesh, "scan", platform)
     assert on_mesh == choose_layout(zeros(CONFIG), CONFIG)  # XLA's: sharded kernels
     assert on_mesh.table == XlaTable() and WeightLayout().linear("lm_head") == XlaLinear()
+
+
+def test_grouped_experts_scale_each_row_by_its_expert():
+    """The experts' method: rows sorted by expert, one ragged matmul, each row's output times
+    its expert's column scales."""
+    rows = jax.random.normal(jax.random.key(0), (5, 8))
+    kernels = jax.random.normal(jax.random.key(1), (3, 8, 4))
+    sizes, row_expert = jnp.asarray([2, 0, 3]), jnp.asarray([0, 0, 2, 2, 2])
+    scale = jnp.asarray([[1.0, 2, 3, 4], [9, 9, 9, 9], [0.5, 0.5, 1, 1]])
+    experts = WeightLayout().experts
+    plain = experts.apply(rows, kernels, sizes)
+    want = jnp.concatenate([rows[:2] @ kernels[0], rows[2:] @ kernels[2]])
+    np.testing.assert_allclose(plain, want, rtol=1e-5, atol=1e-5)
+    scaled = experts.apply(rows, kernels, sizes, scale, row_expert)
+    np.testing.assert_allclose(scaled, want * scale[row_expert], rtol=1e-5, atol=1e-5)
