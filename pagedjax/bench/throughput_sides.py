@@ -162,7 +162,9 @@ def run_pagedjax(spec: dict, requests: list[Request]) -> dict:
     load_s = time.perf_counter() - t0
     leaves = jax.tree.leaves(llm.runner.params)
     param_bytes = sum(x.nbytes for x in leaves)
-    kernel_dtype = str(llm.runner.params["layers"]["self_attn"]["q_proj"]["kernel"].dtype)
+    layers = llm.runner.params["layers"]  # stacked, or one tree per layer (models/layer_loop.py)
+    layer = layers[0] if isinstance(layers, (tuple, list)) else layers
+    kernel_dtype = str(layer["self_attn"]["q_proj"]["kernel"].dtype)
 
     def once() -> float:
         return generate_pagedjax(llm, requests).elapsed_s
