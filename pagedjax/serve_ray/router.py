@@ -4,18 +4,26 @@ A request's kwargs carry ``prefix`` (prefix_key.block_hashes of its prompt) and 
 ("prefix" or "random"). The router remembers which replica last served each block hash; a
 request goes to the candidate holding its longest remembered prefix unless that replica's load
 exceeds the least loaded one's by more than ``imbalance`` requests, in which case (and when no
-prefix matches) it goes to the least loaded. Load = requests this router has in flight on the
-replica + the engine's waiting and running requests (its routing stats), KV usage breaking ties.
+prefix matches) it goes to the least loaded: among equals, the one its prefix ranks first by
+rendezvous hashing, so that new prefixes spread over the replicas. Load = requests this router
+has in flight on the replica + the engine's waiting and running requests (its routing stats),
+KV usage breaking ties.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections import OrderedDict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 MAX_REMEMBERED_BLOCKS = 100_000
+
+
+def _rank(hashes: list[str], replica: RunningReplica) -> bytes:
+    seed = (hashes[0] if hashes else "") + replica.replica_id.unique_id
+    return hashlib.blake2b(seed.encode(), digest_size=8).digest()
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -34,8 +42,10 @@ class PrefixAwareRouter(RequestRouter):
         kwargs = pending_request.kwargs if pending_request is not None else {}
         if kwargs.get("routing", "prefix") == "random":
             return [[random.choice(candidate_replicas)]]
-        by_load = sorted(candidate_replicas, key=self._load)
-        holder = self._prefix_holder(kwargs.get("prefix") or [], candidate_replicas)
+        hashes = kwargs.get("prefix") or []
+        # equal loads: rendezvous hashing on the prefix spreads new prefixes over the replicas
+        by_load = sorted(candidate_replicas, key=lambda r: (self._load(r), _rank(hashes, r)))
+        holder = self._prefix_holder(hashes, candidate_replicas)
         if holder is not None and self._load(holder)[0] <= self._load(by_load[0])[0] + (
             self.imbalance
         ):
