@@ -221,7 +221,10 @@ class Runner:
             step_input = self.build_step_input(seqs)
             rows = [row for s in seqs for row in s.samples]
             logit_rows, drafts = self.batcher.sample_rows(seqs, step_input)
-            sampling = self._sampling_input(rows, len(logit_rows), num_top_logprobs)
+            # None: a plain greedy batch, sampled in the step program (nothing to build)
+            sampling = None
+            if drafts is not None or not sampler.plain_greedy(rows, num_top_logprobs):
+                sampling = self._sampling_input(rows, len(logit_rows), num_top_logprobs)
             step_input, targets = prompt_logprobs.extend_logits_rows(step_input, seqs)
         kind = count_padding(prof, seqs, step_input, self.block_size, self._attention_rows_only)
         packed, layout = step_program.pack_inputs(step_input, logit_rows)
@@ -260,7 +263,7 @@ class Runner:
         self,
         packed: np.ndarray,
         layout: step_program.StepLayout,
-        sampling: SamplingInput,
+        sampling: SamplingInput | None,
         targets: np.ndarray | None = None,
         drafts: np.ndarray | None = None,
         draft_probs: np.ndarray | None = None,
@@ -295,7 +298,8 @@ class Runner:
             if draft_probs is not None:
                 args += (self._put(draft_probs),)
             return self._launch(verify_step, *args), None, scored
-        if sampling.variant == sampler.Variant():  # plain greedy: sampled in the step program
+        # A plain greedy batch (None: nothing built for it) is sampled in the step program.
+        if sampling is None or sampling.variant == sampler.Variant():
             return outs["packed"], outs["tokens"], scored
         packed_sampling, sampling_layout = step_program.pack_sampling(sampling)
         args = (outs["logits"], self._put(packed_sampling), sampling_layout, self.fill_width)
