@@ -332,3 +332,21 @@ def test_stop_reason_streamed_equals_not_streamed(server, path):
         assert streamed["finish_reason"] == choice["finish_reason"]
         assert streamed["stop_reason"] == expect, fields
     assert wait_idle(server.base, key=KEY)["pagedjax_kv_blocks_used"] == 0
+
+
+# ---- non-finite numbers name their field (found by test_server_field_fuzz) -------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        (b'"logit_bias": Infinity', "logit_bias"),
+        (b'"logit_bias": {"5": NaN}', "logit_bias.5"),
+        (b'"temperature": -Infinity', "temperature"),
+        (b'"stop": [NaN]', "stop.0"),
+    ],
+)
+def test_nan_and_infinity_are_400s_naming_their_field(server, fields, param):
+    body = b'{"model": "%s", "prompt": "Hi", %s}' % (MODEL.encode(), fields)
+    status, reply = raw(server.base, "POST", "/v1/completions", body, key=KEY)
+    assert_openai_error(status, reply, 400, param=param, contains="finite")
