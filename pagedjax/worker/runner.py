@@ -40,7 +40,6 @@ from pagedjax.models.llama import forward
 from pagedjax.models.quant import compute_dtype
 from pagedjax.models.sharding import pool_sharding, shard_params
 from pagedjax.models.step_input import StepInput
-from pagedjax.pallas_kernels import native_attention
 from pagedjax.pallas_kernels.layer_matmul import CpuLinearMethods
 from pagedjax.spec_decode.rejection import verify_step
 from pagedjax.step_profile import StepProfile
@@ -118,7 +117,7 @@ class Runner:
         block_size: int,
         max_model_len: int,
         num_host_blocks: int = 0,
-        backend: str = "auto",
+        backend: str | pallas_kernels.AttentionBackend | None = None,
         mesh: Mesh | None = None,
         channel: Channel | None = None,
         profile: StepProfile | None = None,
@@ -134,13 +133,16 @@ class Runner:
         compilation.enable_persistent_cache()
         self.config = config
         self.params = params
-        self.backend = backend
+        # The attention backend, chosen once: by name (None: the PAGEDJAX_ATTENTION_BACKEND
+        # setting, else the platform's), passed to the model as the object.
+        self.backend = pallas_kernels.select_backend(
+            backend, block_size=block_size, head_dim=config.head_dim
+        )
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_speculative_tokens = num_speculative_tokens
         self.batcher = InputBatcher(block_size, max_model_len, 1 + num_speculative_tokens)
-        on_reference = pallas_kernels.resolve_backend(backend) == "reference"
-        self.batcher.query_buckets = not on_reference
+        self.batcher.query_buckets = not self.backend.follows_rows
         self.max_blocks_per_seq = self.batcher.max_blocks_per_seq
         self.dtype = compute_dtype(params)  # linear kernels may be 8-bit (models/quant.py)
         # With a mesh (tensor parallelism), weights and pool are split by heads across devices
@@ -183,7 +185,7 @@ class Runner:
         self.channel = channel  # set in a multi-process run
         self.profile = profile or StepProfile()
         # The profile's attention work: the native CPU kernel reads each row's own keys only.
-        self._attention_rows_only = on_reference and native_attention.available()
+        self._attention_rows_only = self.backend.reads_rows_only
 
     def build_step_input(self, seqs: list[ScheduledSeq]) -> StepInput:
         return self.batcher.build(seqs)
