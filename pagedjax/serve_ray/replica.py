@@ -80,15 +80,21 @@ class EngineReplica:
         }
 
     def engine_info(self, *, routing: str = "random") -> dict:
-        """This replica's process id, Ray Serve id and prefix-cache counts (operators, tests).
+        """This replica's process id, Ray Serve id, prefix-cache counts and aborted requests
+        (operators, tests).
         ``routing`` is read by the request router: random, so that repeated calls reach every
         replica."""
-        s = self._app.state.engine_loop.metrics.engine_stats
+        metrics = self._app.state.engine_loop.metrics
+        s = metrics.engine_stats
         return {
             "pid": os.getpid(),
             "replica_id": serve.get_replica_context().replica_id.unique_id,
             "prefix_cache_queries": s.prefix_cache_queries if s else 0,
             "prefix_cache_hits": s.prefix_cache_hits if s else 0,
+            "aborted": metrics.registry.get_sample_value(
+                "pagedjax_request_success_total", {"finished_reason": "abort"}
+            )
+            or 0,
         }
 
     async def check_health(self) -> None:

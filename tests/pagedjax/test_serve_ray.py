@@ -159,6 +159,20 @@ def test_greedy_tokens_match_the_plain_server(two, model_dir):
     llm.close()
 
 
+@pytest.mark.slow
+def test_a_client_that_leaves_mid_stream_aborts_its_request_on_the_replica(two):
+    def aborted():
+        return sum(r["aborted"] for r in _replicas(two.engine, 2).values())
+
+    before = aborted()
+    kw = {"model": "tiny", "prompt": "w9 w10", "max_tokens": 120, "temperature": 0}
+    for _ in range(2):
+        stream = two.client.completions.create(**kw, stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        stream.close()
+    _wait_for(lambda: aborted() == before + 2, 60, "the replicas to abort both requests")
+
+
 def _hit_rate(engine, workload, routing) -> float:
     before = _replicas(engine, 2)
     for prompt in workload:
