@@ -1,0 +1,84 @@
+"""Code shape: no module over 500 lines, no function over 80 (DESIGN.md's style).
+
+Pallas kernel bodies (functions named ``*_kernel`` or ``_kernel*`` under pallas_kernels/) are
+excepted: a kernel reads best as one body. Tests are not walked.
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WALKED = ("pagedjax", "models", "pallas_kernels", "benchmarks")
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+# Offenders whose split is pending, each with its reason; the test fails on any other.
+ALLOWED: dict[str, str] = {}
+
+
+def _python_files():
+    for top in WALKED:
+        yield from sorted((ROOT / top).rglob("*.py"))
+
+
+def _is_kernel_body(path: Path, name: str) -> bool:
+    """A Pallas kernel body: named *_kernel or _kernel* and under pallas_kernels/."""
+    in_kernels = path.relative_to(ROOT).parts[0] == "pallas_kernels"
+    return in_kernels and (name.endswith("_kernel") or name.startswith("_kernel"))
+
+
+def _long_functions(path: Path, tree: ast.AST):
+    """Yields (qualified name, length) for each function over the limit, nested ones included."""
+
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    length = child.end_lineno - child.lineno + 1
+                    if length > MAX_FUNCTION_LINES and not _is_kernel_body(path, child.name):
+                        yield name, length
+                yield from walk(child, name + ".")
+            else:
+                yield from walk(child, prefix)
+
+    yield from walk(tree, "")
+
+
+def code_shape_offenders() -> dict[str, str]:
+    """Maps 'path' or 'path::function' to what is too long about it."""
+    found = {}
+    for path in _python_files():
+        rel = path.relative_to(ROOT).as_posix()
+        text = path.read_text()
+        lines = len(text.splitlines())
+        if lines > MAX_MODULE_LINES:
+            found[rel] = f"module of {lines} lines"
+        for name, length in _long_functions(path, ast.parse(text)):
+            found[f"{rel}::{name}"] = f"function of {length} lines"
+    return found
+
+
+def test_no_module_or_function_over_the_limits():
+    offenders = code_shape_offenders()
+    unexpected = {k: v for k, v in offenders.items() if k not in ALLOWED}
+    assert not unexpected, "too long:\n" + "\n".join(f"{k}: {v}" for k, v in unexpected.items())
+
+
+def test_allowlist_names_only_current_offenders():
+    stale = sorted(set(ALLOWED) - set(code_shape_offenders()))
+    assert not stale, f"no longer too long, drop from ALLOWED: {stale}"
+
+
+def test_the_walk_finds_a_long_function():
+    body = "\n".join(f"        x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    tree = ast.parse(f"class A:\n    def f(self):\n{body}\n")
+    found = dict(_long_functions(ROOT / "pagedjax" / "m.py", tree))
+    assert found == {"A.f": MAX_FUNCTION_LINES + 1}
+
+
+def test_kernel_bodies_are_excepted_only_under_pallas_kernels():
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    tree = ast.parse(f"def _attention_kernel():\n{body}\n")
+    assert not dict(_long_functions(ROOT / "pallas_kernels" / "m.py", tree))
+    assert dict(_long_functions(ROOT / "models" / "m.py", tree)) == {"_attention_kernel": 81}
