@@ -120,6 +120,16 @@ def main(argv=None) -> int:
         proc.terminate()
         proc.wait(timeout=60)
         log.close()
+    ref, ref_s = _evaluate_transformers(lm_eval, tasks, gguf, tok_dir, args.batch_size)
+    summary = _summary(ours, ref, {"pagedjax": ours_s, "transformers": ref_s}, load)
+    print(json.dumps(summary, indent=1), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+def _evaluate_transformers(lm_eval, tasks, gguf: Path, tok_dir: Path, batch_size: int):
+    """The reference run: transformers on the CPU from the same GGUF. Returns (results, seconds)."""
     start = time.perf_counter()
     ref = lm_eval.simple_evaluate(
         model="hf",
@@ -129,13 +139,16 @@ def main(argv=None) -> int:
         ),
         tasks=[TASK],
         task_manager=tasks,
-        batch_size=args.batch_size,
+        batch_size=batch_size,
         log_samples=True,
     )
-    ref_s = time.perf_counter() - start
+    return ref, time.perf_counter() - start
+
+
+def _summary(ours, ref, wall_s: dict, load) -> dict:
     a, b = _lls(ours), _lls(ref)
     diffs = [abs(x - y) for x, y in zip(a, b, strict=True)]
-    summary = {
+    return {
         "task": TASK,
         "num_docs": len(ours["samples"][TASK]),
         "pagedjax": {k: ours["results"][TASK][k] for k in ("acc,none", "acc_norm,none")},
@@ -143,13 +156,9 @@ def main(argv=None) -> int:
         "max_abs_loglikelihood_diff": max(diffs),
         "mean_abs_loglikelihood_diff": sum(diffs) / len(diffs),
         "same_choice_picked": _agree(ours, ref),
-        "wall_s": {"pagedjax": ours_s, "transformers": ref_s},
+        "wall_s": wall_s,
         "loadavg": load,
     }
-    print(json.dumps(summary, indent=1), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1))
-    return 0
 
 
 def _argmax_per_doc(results) -> list[int]:

@@ -63,6 +63,37 @@ def run(llm, prompts, params, repeats: int):
     return outs, times
 
 
+def _compare_batch(plain, fast, prompts, params, batch: int, repeats: int) -> dict:
+    """Times the plain and the ngram engine on one batch size and checks their outputs agree."""
+    batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+    result = {"batch": batch}
+    outputs = {}
+    for name, llm in (("plain", plain), ("ngram", fast)):
+        outs, times = run(llm, batch_prompts, params, repeats)
+        outputs[name] = [o.outputs[0].token_ids for o in outs]
+        tokens = sum(len(t) for t in outputs[name])
+        result[name] = {
+            "output_tokens": tokens,
+            "seconds_min": min(times),
+            "seconds_median": statistics.median(times),
+            "tok_per_s_best": tokens / min(times),
+        }
+    result["identical_outputs"] = outputs["plain"] == outputs["ngram"]
+    stats = fast.get_stats().spec_decoding  # over every run of this engine so far
+    result["acceptance_rate"] = stats.acceptance_rate
+    result["mean_acceptance_length"] = stats.mean_acceptance_length
+    result["speedup_best"] = result["plain"]["seconds_min"] / result["ngram"]["seconds_min"]
+    print(
+        f"batch {batch}: plain {result['plain']['tok_per_s_best']:.1f} tok/s, ngram "
+        f"{result['ngram']['tok_per_s_best']:.1f} tok/s (x{result['speedup_best']:.2f}); "
+        f"acceptance {stats.acceptance_rate:.1%}, mean acceptance length "
+        f"{stats.mean_acceptance_length:.2f}; identical outputs: "
+        f"{result['identical_outputs']}",
+        flush=True,
+    )
+    return result
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
@@ -97,35 +128,9 @@ def main(argv=None) -> int:
         for m in messages
     ]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
-    rows = []
-    for batch in args.batches:
-        batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
-        result = {"batch": batch}
-        outputs = {}
-        for name, llm in (("plain", plain), ("ngram", fast)):
-            outs, times = run(llm, batch_prompts, params, args.repeats)
-            outputs[name] = [o.outputs[0].token_ids for o in outs]
-            tokens = sum(len(t) for t in outputs[name])
-            result[name] = {
-                "output_tokens": tokens,
-                "seconds_min": min(times),
-                "seconds_median": statistics.median(times),
-                "tok_per_s_best": tokens / min(times),
-            }
-        result["identical_outputs"] = outputs["plain"] == outputs["ngram"]
-        stats = fast.get_stats().spec_decoding  # over every run of this engine so far
-        result["acceptance_rate"] = stats.acceptance_rate
-        result["mean_acceptance_length"] = stats.mean_acceptance_length
-        result["speedup_best"] = result["plain"]["seconds_min"] / result["ngram"]["seconds_min"]
-        rows.append(result)
-        print(
-            f"batch {batch}: plain {result['plain']['tok_per_s_best']:.1f} tok/s, ngram "
-            f"{result['ngram']['tok_per_s_best']:.1f} tok/s (x{result['speedup_best']:.2f}); "
-            f"acceptance {stats.acceptance_rate:.1%}, mean acceptance length "
-            f"{stats.mean_acceptance_length:.2f}; identical outputs: "
-            f"{result['identical_outputs']}",
-            flush=True,
-        )
+    rows = [
+        _compare_batch(plain, fast, prompts, params, batch, args.repeats) for batch in args.batches
+    ]
     load_after = load_average()
     quiet = max(load_before, load_after) <= 2
     print(
