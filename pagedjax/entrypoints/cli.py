@@ -215,9 +215,7 @@ def _add_bench_parser(sub) -> None:
         p.set_defaults(func=module.run)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagedjax", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_generate_parser(sub) -> None:
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     _add_engine_args(gen)
     gen.add_argument("--prompt", required=True)
@@ -228,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     # One prompt, one sequence: the engine (and, on a CPU, its pool) is sized for one.
     gen.set_defaults(func=_generate, max_num_seqs=1)
+
+
+def _add_serve_parser(sub) -> None:
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     _add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
@@ -253,6 +254,24 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME",
         help="the model id clients use, and any aliases (default: --model as given)",
     )
+    _add_compile_args(srv)
+    _add_limit_args(srv)
+    srv.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto": the model\'s calls are read by --tool-call-parser',
+    )
+    srv.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how the model writes tool calls: hermes (Qwen 2.5/3), llama3_json, pythonic",
+    )
+    add_ray_args(srv)
+    srv.set_defaults(func=_serve)
+
+
+def _add_compile_args(srv: argparse.ArgumentParser) -> None:
+    """When `serve` compiles its step programs: before answering, or in the background."""
     srv.add_argument(
         "--warmup",
         action=argparse.BooleanOptionalAction,
@@ -272,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         help="after the server answers, compile the remaining programs on a background thread "
         "(else each compiles on first use; default: on)",
     )
+
+
+def _add_limit_args(srv: argparse.ArgumentParser) -> None:
+    """The server's limits on one request and on the queue (ServerLimits)."""
     srv.add_argument(
         "--max-queue",
         type=int,
@@ -305,18 +328,13 @@ def main(argv: list[str] | None = None) -> int:
         help="logprob entries one response may carry, counted up front from echo, logprobs, n "
         "and max_tokens; a request over it is a 400 (default 1048576)",
     )
-    srv.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='serve tool_choice "auto": the model\'s calls are read by --tool-call-parser',
-    )
-    srv.add_argument(
-        "--tool-call-parser",
-        default=None,
-        help="how the model writes tool calls: hermes (Qwen 2.5/3), llama3_json, pythonic",
-    )
-    add_ray_args(srv)
-    srv.set_defaults(func=_serve)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedjax", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate_parser(sub)
+    _add_serve_parser(sub)
     _add_bench_parser(sub)
     args = parser.parse_args(argv)
     try:
