@@ -35,7 +35,7 @@ from pagedjax.request_table import RequestTable
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 from pagedjax.spec_decode.draft import with_draft_model
 from pagedjax.spec_decode.speculator import make_speculator, stop_checker
-from pagedjax.step_profile import StepProfile
+from pagedjax.step_profile import StepProfile, model_read_bytes
 from pagedjax.worker import kv_cache
 from pagedjax.worker.runner import Runner
 
@@ -107,6 +107,7 @@ class LLMEngine:
             kv_cache_dtype=cache.kv_cache_dtype,
             max_num_seqs=sched.max_num_seqs,
         )
+        self.profile.set_model_bytes(*model_read_bytes(self.runner))  # the target model's (MBU)
         self.runner = with_draft_model(config, self.runner)  # as is, unless a draft model proposes
         self.processes = DriverOrFollower(self.runner)
         self._rng = np.random.default_rng(config.seed)

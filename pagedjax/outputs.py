@@ -75,6 +75,13 @@ class EngineStats:
     attention_padding_ratio: float = 1.0
     spec_decoding: SpecDecodingStats | None = None  # all requests' counts, when it speculates
     num_overlapped_steps: int = 0  # dispatched while the step before ran (async scheduling)
+    # With the step profile's timing on (engine.profile.enabled): per step kind ("prefill",
+    # "mixed", "decode") its steps, host_ms and device_ms per step, bytes_per_step (weights once +
+    # the KV pages read) and mbu (bytes / device time / copy bandwidth); mbu over every step, and
+    # the copy bandwidth measured when timing was switched on. Empty / None while it is off.
+    step_kinds: dict = dataclasses.field(default_factory=dict)
+    mbu: float | None = None
+    copy_gbps: float | None = None
 
     @classmethod
     def of(cls, bm, scheduler, runner, profile, num_overlapped_steps: int = 0) -> EngineStats:
@@ -104,6 +111,9 @@ class EngineStats:
             attention_padding_ratio=profile.attention_padding_ratio,
             spec_decoding=spec.stats.copy() if (spec := scheduler.speculator) else None,
             num_overlapped_steps=num_overlapped_steps,
+            step_kinds=profile.per_kind() if profile.copy_bytes_per_s else {},
+            mbu=profile.mbu(),
+            copy_gbps=profile.copy_bytes_per_s / 1e9 if profile.copy_bytes_per_s else None,
         )
 
 

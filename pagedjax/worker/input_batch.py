@@ -236,10 +236,11 @@ def count_padding(
     decode step, and the CPU reference, whose query bound is the token bucket), or, for the
     kernels, every sequence slot x its query bucket over the table width."""
     q_lens = [len(s.token_ids) for s in seqs]
-    real_attn = 0
+    real_attn = kv_pages = 0  # kv_pages: each sequence's whole pages up to its context
     for s, q in zip(seqs, q_lens, strict=True):
         ctx = s.start_pos + q
         real_attn += q * ctx - q * (q - 1) // 2
+        kv_pages += cdiv(ctx, block_size)
     num_slots, width = step_input.block_tables.shape
     max_q = step_input.max_query_len
     kind = "decode" if max_q == 1 else "prefill" if min(q_lens) > 1 else "mixed"
@@ -248,7 +249,7 @@ def count_padding(
     else:
         rows = num_slots * max_q if max_q < len(step_input.token_ids) else len(step_input.token_ids)
         padded_attn = rows * width * block_size
-    profile.count(kind, sum(q_lens), len(step_input.token_ids), real_attn, padded_attn)
+    profile.count(kind, sum(q_lens), len(step_input.token_ids), real_attn, padded_attn, kv_pages)
     return kind
 
 

@@ -75,6 +75,7 @@ class _EngineCollector:
             )
             info.add_metric([stats.kv_cache_dtype], 1)
             yield info
+        yield from _step_profile_metrics(stats)
         spec = stats.spec_decoding  # only when the engine speculates (vLLM's spec_decode_*)
         for name, help_, value in _spec_decode_metrics(spec) if spec is not None else ():
             family = CounterMetricFamily if isinstance(value, int) else GaugeMetricFamily
@@ -88,6 +89,35 @@ class _EngineCollector:
             for i, n in enumerate(spec.num_accepted_tokens_per_pos):
                 per_pos.add_metric([str(i)], n)
             yield per_pos
+
+
+# The step profile's figures per step kind, while its timing is on: field, metric, help
+_STEP_KIND_GAUGES = (
+    ("host_ms", "step_host_milliseconds", "Host milliseconds per step (profiled steps)."),
+    ("device_ms", "step_device_milliseconds", "Device milliseconds per step (profiled steps)."),
+    (
+        "mbu",
+        "step_mbu",
+        "Memory-bandwidth utilization: bytes a step reads / its device time / copy bandwidth.",
+    ),
+)
+
+
+def _step_profile_metrics(stats: EngineStats):
+    if not stats.step_kinds:
+        return
+    for field, name, help_ in _STEP_KIND_GAUGES:
+        family = GaugeMetricFamily(f"pagedjax_{name}", help_, labels=["step_kind"])
+        for kind, row in stats.step_kinds.items():
+            if row.get(field) is not None:
+                family.add_metric([kind], row[field])
+        yield family
+    if stats.copy_gbps is not None:
+        yield GaugeMetricFamily(
+            "pagedjax_copy_bandwidth_gbps",
+            "Copy bandwidth MBU divides by, measured when the profile's timing was switched on.",
+            value=stats.copy_gbps,
+        )
 
 
 def _spec_decode_metrics(s):
