@@ -62,7 +62,7 @@ class Dispatched:
 
     chunks: list[SeqChunk]
     num_rows: list[int]  # sampler rows per chunk
-    handle: object  # the runner's StepHandle (dispatch), or its host output (execute)
+    handle: object  # the runner's StepHandle (dispatch), or its StepOutput (execute)
     on_device: bool  # handle is a StepHandle, to fetch
     start: float  # perf_counter at dispatch
     prefill: bool  # every chunk a prompt chunk (timed for the preemption cost model)
@@ -71,8 +71,9 @@ class Dispatched:
 
 class StepLoop:
     """``step()`` over its collaborators: the scheduler (with its block manager), the runner,
-    the request table (``fail`` / ``emit``), the step history and profile, and the output
-    processor's ``check_stop``. ``enabled``: overlap host and device where it is safe."""
+    the request table (``fail``, ``store_prompt_logprobs``, ``emit``), the step history and
+    profile, and the output processor's ``check_stop``. ``enabled``: overlap host and device
+    where it is safe."""
 
     def __init__(
         self,
@@ -204,7 +205,10 @@ class StepLoop:
         """Fetch a step's tokens and post-process them: appends, stops, frees (its outputs are
         made by the step() that calls this)."""
         sched, requests = self.scheduler, self.requests
-        result = self.runner.fetch(d.handle) if d.on_device else d.handle
+        output = self.runner.fetch(d.handle) if d.on_device else d.handle
+        for scores in output.prompt_scores:
+            requests.store_prompt_logprobs(d.chunks[scores.seq_index].group.request_id, scores)
+        result = output.sampled
         if d.prefill:
             tokens = sum(c.num_tokens for c in d.chunks)
             sched.cost_model.observe_prefill(time.perf_counter() - d.start, tokens)

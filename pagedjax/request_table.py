@@ -1,7 +1,8 @@
-"""The engine's requests by id, with what is done to one request alone: fail it, emit its output.
+"""The engine's requests by id, with what is done to one request alone: fail it, store its
+prompt logprobs, emit its output.
 
 The table is the engine's one dict of requests (kept by identity across ``load_state``: the
-speculator's stop checker holds it too); this object adds the two operations the step loop needs
+speculator's stop checker holds it too); this object adds the operations the step loop needs
 without reaching into the engine.
 """
 
@@ -11,13 +12,15 @@ import logging
 
 from pagedjax.outputs import RequestOutput
 from pagedjax.request import Request
+from pagedjax.worker.prompt_logprobs import PromptScores
 
 logger = logging.getLogger("pagedjax.engine")
 
 
 class RequestTable:
-    """``requests`` (request id -> Request) with ``fail`` and ``emit``. ``scheduler``: the one
-    that aborts a failed request and counts it (rebound when the engine loads a state)."""
+    """``requests`` (request id -> Request) with ``fail``, ``store_prompt_logprobs`` and
+    ``emit``. ``scheduler``: the one that aborts a failed request and counts it (rebound when
+    the engine loads a state)."""
 
     def __init__(self, requests: dict[str, Request], output_processor, scheduler, speculator=None):
         self.requests = requests
@@ -38,6 +41,12 @@ class RequestTable:
             logger.error("request %r: %s", req.request_id, req.error, exc_info=error)
             self.scheduler.num_aborted += 1
         self.scheduler.abort(req.request_id)  # its unfinished seqs end with "abort"
+
+    def store_prompt_logprobs(self, request_id: str, scores: PromptScores) -> None:
+        """Keep a step's scores of the request's prompt rows (None if it is gone)."""
+        req = self.requests.get(request_id)
+        if req is not None and req.prompt_logprobs is not None:
+            req.prompt_logprobs.store(scores.first_target, scores.scores)
 
     def emit(self, request_id: str) -> RequestOutput | None:
         """The request's output now (None if it is gone); a finished request leaves the table."""

@@ -41,12 +41,21 @@ class PromptLogprobsOutput:
 @dataclasses.dataclass
 class PromptRows:
     """One chunk's rows to score: chunk rows ``first_row ..`` predict ``targets`` (the prompt
-    tokens at positions ``first_target ..``); results go to ``state``."""
+    tokens at positions ``first_target ..``)."""
 
     first_row: int
     first_target: int
     targets: list[int]
-    state: PromptLogprobs
+
+
+@dataclasses.dataclass
+class PromptScores:
+    """A step's scores of one scheduled sequence's prompt rows (the runner's output, stored
+    into its request by the step loop with ``PromptLogprobs.store``)."""
+
+    seq_index: int  # the sequence's index in the step's scheduled sequences
+    first_target: int  # the prompt position the first row scores
+    scores: PromptLogprobsOutput  # host arrays, one row per target
 
 
 class PromptLogprobs:
@@ -74,7 +83,7 @@ class PromptLogprobs:
         end = min(start + num_tokens, len(self.prompt) - 1)
         if first >= end:
             return None
-        return PromptRows(first - start, first + 1, self.prompt[first + 1 : end + 1], self)
+        return PromptRows(first - start, first + 1, self.prompt[first + 1 : end + 1])
 
     def store(self, first_target: int, out: PromptLogprobsOutput) -> None:
         """Keep the scores of targets ``first_target ..`` (host arrays, one row each)."""
@@ -105,15 +114,18 @@ def extend_logits_rows(step_input, seqs) -> tuple[object, np.ndarray | None]:
     return step_input.replace(logits_indices=indices), padded[1]
 
 
-def deliver(seqs, out: PromptLogprobsOutput) -> None:
-    """Hand each chunk its rows of ``out`` (host arrays, rows in ``extend_logits_rows`` order)."""
-    i = 0
-    for s in seqs:
+def split_scores(seqs, out: PromptLogprobsOutput) -> list[PromptScores]:
+    """Each scheduled sequence's rows of ``out`` (host arrays, rows in ``extend_logits_rows``
+    order), for the sequences that have rows to score."""
+    scores, i = [], 0
+    for index, s in enumerate(seqs):
         p = s.prompt_rows
         if p is not None:
             n = len(p.targets)
-            p.state.store(p.first_target, jax.tree.map(lambda x, i=i, n=n: x[i : i + n], out))
+            rows = jax.tree.map(lambda x, i=i, n=n: x[i : i + n], out)
+            scores.append(PromptScores(index, p.first_target, rows))
             i += n
+    return scores
 
 
 @jax.jit

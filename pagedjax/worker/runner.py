@@ -53,11 +53,11 @@ from pagedjax.worker.input_batch import (
     padded_ids,
 )
 from pagedjax.worker.kv_cache import KVCache, pool_dtype
-from pagedjax.worker.prompt_logprobs import PromptLogprobsOutput
+from pagedjax.worker.prompt_logprobs import PromptLogprobsOutput, PromptScores
 from pagedjax.worker.sampler import SamplerOutput, SamplingInput, SamplingRow
 from pagedjax.worker.warmup import Job, WarmupReport, common_shapes, compile_jobs
 
-__all__ = ["Runner", "ScheduledSeq", "StepHandle", "StepShape", "WarmupReport"]
+__all__ = ["Runner", "ScheduledSeq", "StepHandle", "StepOutput", "StepShape", "WarmupReport"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +103,17 @@ class StepHandle:
     num_rows: int  # real sampler rows
     num_top_logprobs: int
     kind: str  # the step's kind in the profile: prefill, mixed or decode
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """A step's output on the host (``Runner.fetch`` / ``execute``)."""
+
+    # one row per requested sample, sequence by sequence (a VerifyOutput in a step that
+    # verifies proposals)
+    sampled: SamplerOutput
+    # the prompt rows the step scored, per scheduled sequence that had any (prompt logprobs)
+    prompt_scores: list[PromptScores] = dataclasses.field(default_factory=list)
 
 
 class Runner:
@@ -195,9 +206,10 @@ class Runner:
 
     def execute(
         self, seqs: list[ScheduledSeq], num_top_logprobs: int = 0, draft_probs=None
-    ) -> SamplerOutput:
+    ) -> StepOutput:
         """Run one step. Returns the sampler's output as host arrays, one row per requested sample
-        (sequence by sequence, in order); ``num_top_logprobs`` most likely tokens per row.
+        (sequence by sequence, in order; ``num_top_logprobs`` most likely tokens per row), and
+        the prompt rows it scored.
         ``draft_probs``: f32[sampler rows, vocab], the proposer's q on each proposal's row."""
         handle = self.dispatch(seqs, num_top_logprobs, draft_probs)
         if self.profile.enabled:
@@ -238,19 +250,21 @@ class Runner:
                 out.copy_to_host_async()  # the one array fetch reads, on its way already
         return StepHandle(out, tokens, scored, seqs, len(rows), num_top_logprobs, kind)
 
-    def fetch(self, handle: StepHandle) -> SamplerOutput:
-        """Wait for a dispatched step; its sampler output as host arrays (see ``execute``)."""
+    def fetch(self, handle: StepHandle) -> StepOutput:
+        """Wait for a dispatched step; its output as host arrays (see ``execute``)."""
         with self.profile.phase("fetch"):
+            scores = []
             if handle.scored is not None:
-                prompt_logprobs.deliver(handle.seqs, jax.device_get(handle.scored))
+                scores = prompt_logprobs.split_scores(handle.seqs, jax.device_get(handle.scored))
             if isinstance(handle.out, jax.Array):
                 out = step_program.unpack_output(np.asarray(handle.out)[: handle.num_rows])
             else:
                 out = jax.tree.map(lambda x: np.asarray(x)[: handle.num_rows], handle.out)
         k = min(handle.num_top_logprobs, out.top_token_ids.shape[1])
-        return out.replace(
+        out = out.replace(
             top_token_ids=out.top_token_ids[:, :k], top_logprobs=out.top_logprobs[:, :k]
         )
+        return StepOutput(out, scores)
 
     def _sampling_input(self, rows: list[SamplingRow], size: int, num_top: int) -> SamplingInput:
         return SamplingInput.build(

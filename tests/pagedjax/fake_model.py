@@ -18,6 +18,7 @@ from pagedjax.models.loader import LoadedModel
 from pagedjax.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedjax.engine import LLMEngine
 from pagedjax.outputs import EngineStats
+from pagedjax.worker.runner import StepOutput
 
 EOS = 2
 VOCAB = 32
@@ -91,12 +92,12 @@ class FakeRunner:
                 )
                 for s in seqs
             ]
-        return self.execute(seqs, num_top_logprobs)
+        return self.execute(seqs, num_top_logprobs).sampled  # its tokens: the handle's
 
-    def fetch(self, handle: Picks) -> Picks:
-        return handle
+    def fetch(self, handle: Picks) -> StepOutput:
+        return StepOutput(handle)
 
-    def execute(self, seqs, num_top_logprobs: int = 0) -> Picks:
+    def execute(self, seqs, num_top_logprobs: int = 0) -> StepOutput:
         self.num_steps += 1
         if any(t < 0 for s in seqs for t in s.token_ids):
             raise AssertionError(f"a placeholder token reached the model: {seqs}")
@@ -120,12 +121,13 @@ class FakeRunner:
                 logprobs.append(lps[ids.index(token)] if token in ids else -7.0)
                 top_ids.append(ids)
                 top_lps.append(lps)
-        return Picks(
+        picks = Picks(
             np.asarray(tokens, np.int32),
             np.asarray(logprobs, np.float32),
             np.asarray(top_ids, np.int32).reshape(len(tokens), k),
             np.asarray(top_lps, np.float32).reshape(len(tokens), k),
         )
+        return StepOutput(picks)
 
     def _move(self, src_pool, dst_pool, pairs):
         bs = self.block_size

@@ -20,6 +20,7 @@ from fake_model import VOCAB, FakeRunner, StaleSlotError, fake_engine, next_toke
 
 from pagedjax.engine import LLMEngine
 from pagedjax.utils import cdiv
+from pagedjax.worker.runner import StepOutput
 
 
 class SpecPicks(NamedTuple):
@@ -47,7 +48,7 @@ class SpecFakeRunner(FakeRunner):
         self.num_speculative_tokens = num_speculative_tokens
         self.num_proposed = 0
 
-    def execute(self, seqs, num_top_logprobs: int = 0) -> SpecPicks:
+    def execute(self, seqs, num_top_logprobs: int = 0) -> StepOutput:
         self.num_steps += 1
         k = max(num_top_logprobs, 1)
         tokens, logprobs, top_ids, top_lps, accepted = [], [], [], [], []
@@ -76,13 +77,14 @@ class SpecFakeRunner(FakeRunner):
                 top_ids.append(ids[:k])
                 top_lps.append(lps[:k])
         n = len(tokens)
-        return SpecPicks(
+        picks = SpecPicks(
             np.asarray(tokens, np.int32),
             np.asarray(logprobs, np.float32),
             np.asarray(top_ids, np.int32).reshape(n, k),
             np.asarray(top_lps, np.float32).reshape(n, k),
             np.asarray(accepted, bool),
         )
+        return StepOutput(picks)
 
 
 def spec_engine(speculative_config: dict | None, *, model: str = "hash", **kwargs) -> LLMEngine:

@@ -109,3 +109,26 @@ def test_bad_prompt_logprobs():
     for bad in (-1, 21, 1.5, True):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+
+
+def test_split_scores_hands_each_scheduled_sequence_its_rows():
+    """The runner returns a step's scores per scheduled sequence (by index), not into requests."""
+    from pagedjax.worker.input_batch import ScheduledSeq
+    from pagedjax.worker.prompt_logprobs import PromptLogprobsOutput, PromptRows, split_scores
+
+    seqs = [
+        ScheduledSeq([5, 6, 7], 0, [1], [], PromptRows(0, 1, [6, 7])),
+        ScheduledSeq([9], 4, [2], []),
+        ScheduledSeq([3, 4], 2, [3], [], PromptRows(1, 4, [4])),
+    ]
+    n = 4  # 3 rows, then padding
+    out = PromptLogprobsOutput(
+        np.arange(n, dtype=np.float32),
+        np.arange(n, dtype=np.int32) + 1,
+        np.arange(2 * n, dtype=np.int32).reshape(n, 2),
+        np.zeros((n, 2), np.float32),
+    )
+    scores = split_scores(seqs, out)
+    assert [(s.seq_index, s.first_target) for s in scores] == [(0, 1), (2, 4)]
+    assert scores[0].scores.logprobs.tolist() == [0.0, 1.0]
+    assert scores[1].scores.ranks.tolist() == [3]
