@@ -108,6 +108,29 @@ def _decode_kernel(
     l_ref[...] = den.reshape(rows)
 
 
+def _decode_specs(pool_shape: tuple, group_p: int, ppp: int, num_scales: int):
+    """BlockSpecs over the grid (seq s, kv head h, partition p): inputs (lens, window, table,
+    q group, K and V pools, scales) and outputs (partial out, running max, denominator)."""
+    _, num_blocks, block_size, head_dim = pool_shape
+    pool_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim), lambda s, h, p: (h, 0, 0, 0))
+    scales_spec = pl.BlockSpec((None, num_blocks, block_size), lambda s, h, p: (h, 0, 0))
+    in_specs = [
+        pl.BlockSpec((1,), lambda s, h, p: (s,)),
+        pl.BlockSpec((1,), lambda s, h, p: (0,)),
+        pl.BlockSpec((None, ppp), lambda s, h, p: (s, p)),
+        pl.BlockSpec((None, None, group_p, head_dim), lambda s, h, p: (s, h, 0, 0)),
+        pool_spec,
+        pool_spec,
+        *[scales_spec for _ in range(num_scales)],
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, None, group_p, head_dim), lambda s, h, p: (p, s, h, 0, 0)),
+        pl.BlockSpec((None, None, None, group_p), lambda s, h, p: (p, s, h, 0)),
+        pl.BlockSpec((None, None, None, group_p), lambda s, h, p: (p, s, h, 0)),
+    ]
+    return in_specs, out_specs
+
+
 def triton_decode(
     q: jax.Array,  # [num_seqs, num_heads, head_dim]
     kv: m.PagedKV,
@@ -160,26 +183,13 @@ def triton_decode(
         soft_cap=soft_cap,
         precision=lowering.dot_precision(q.dtype),
     )
-    pool_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim), lambda s, h, p: (h, 0, 0, 0))
-    scales_spec = pl.BlockSpec((None, num_blocks, block_size), lambda s, h, p: (h, 0, 0))
     scales = (k_scales, v_scales) if quantized else ()
+    in_specs, out_specs = _decode_specs(k_pages.shape, group_p, ppp, len(scales))
     o, m, den = pl.pallas_call(
         with_scale_refs(kernel, 6, quantized),
         grid=(num_seqs, num_kv_heads, num_splits),
-        in_specs=[
-            pl.BlockSpec((1,), lambda s, h, p: (s,)),
-            pl.BlockSpec((1,), lambda s, h, p: (0,)),
-            pl.BlockSpec((None, ppp), lambda s, h, p: (s, p)),
-            pl.BlockSpec((None, None, group_p, head_dim), lambda s, h, p: (s, h, 0, 0)),
-            pool_spec,
-            pool_spec,
-            *[scales_spec for _ in scales],
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, group_p, head_dim), lambda s, h, p: (p, s, h, 0, 0)),
-            pl.BlockSpec((None, None, None, group_p), lambda s, h, p: (p, s, h, 0)),
-            pl.BlockSpec((None, None, None, group_p), lambda s, h, p: (p, s, h, 0)),
-        ],
+        in_specs=in_specs,
+        out_specs=out_specs,
         out_shape=[
             jax.ShapeDtypeStruct((*partial_shape, head_dim), out_dtype),
             jax.ShapeDtypeStruct(partial_shape, jnp.float32),

@@ -113,6 +113,19 @@ def _ragged_kernel(
     lowering.masked_store(o_ref.at[pl.ds(row0, block_q)], out, mine)
 
 
+def _query_tile(block_q: int | None, group_p: int, max_query_len: int) -> int:
+    """Query rows per tile: a power of two whose tile of block_q * group_p rows is >= 16."""
+    if block_q is None:
+        block_q = max(1, 64 // group_p)
+        block_q = min(block_q, max(next_pow2(max_query_len), cdiv(16, group_p)))
+    if block_q < 1 or block_q & (block_q - 1) or block_q * group_p < 16:
+        raise ValueError(
+            f"block_q={block_q} must be a power of two with block_q * {group_p} (padded GQA "
+            "group) >= 16"
+        )
+    return block_q
+
+
 def triton_prefill(
     q: jax.Array,  # [num_tokens, num_heads, head_dim]
     kv: m.PagedKV,
@@ -135,14 +148,7 @@ def triton_prefill(
     num_seqs, max_blocks = block_tables.shape
     group = num_heads // num_kv_heads
     group_p = next_pow2(group)
-    if block_q is None:
-        block_q = max(1, 64 // group_p)
-        block_q = min(block_q, max(next_pow2(max_query_len), cdiv(16, group_p)))
-    if block_q < 1 or block_q & (block_q - 1) or block_q * group_p < 16:
-        raise ValueError(
-            f"block_q={block_q} must be a power of two with block_q * {group_p} (padded GQA "
-            "group) >= 16"
-        )
+    block_q = _query_tile(block_q, group_p, max_query_len)
     if pages_per_block is None:
         pages_per_block = max(1, 64 // block_size)
     block_k = pages_per_block * block_size
