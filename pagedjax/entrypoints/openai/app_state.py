@@ -1,0 +1,128 @@
+"""What the route handlers share, kept on ``app.state``: the engine loop, the serving object,
+the limits, the served names, the API key and the options that open routes. ``install`` puts
+them there once (build_app); the helpers here read them from ``request.app.state``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+
+from fastapi import FastAPI, Request
+from starlette.requests import ClientDisconnect
+
+from pagedjax.entrypoints.openai.engine_loop import EngineLoop
+from pagedjax.entrypoints.openai.offload import HEAVY_BODY_BYTES, Offload
+from pagedjax.entrypoints.openai.protocol import (
+    APIError,
+    ServerLimits,
+    bad_request,
+    parse_json,
+    parse_request,
+)
+from pagedjax.entrypoints.openai.serving_engine import OpenAIServing
+from pagedjax.entrypoints.openai.tools import ToolConfig
+
+
+def install(
+    app: FastAPI,
+    *,
+    engine_loop: EngineLoop,
+    serving: OpenAIServing,
+    offload: Offload,
+    tokenizer,
+    model_names: list[str],
+    limits: ServerLimits,
+    api_key: str | None,
+    public_metrics: bool,
+    public_docs: bool,
+    tool_config: ToolConfig,
+) -> None:
+    """Everything a handler needs, on ``app.state`` (one app, one set)."""
+    state = app.state
+    state.engine_loop = engine_loop
+    state.serving = serving
+    state.offload = offload
+    state.tokenizer = tokenizer  # the handlers' own: tokenizers aren't shareable across threads
+    state.model_names = model_names
+    state.limits = limits
+    state.api_key = api_key
+    state.public_metrics = public_metrics
+    state.public_docs = public_docs
+    state.tool_config = tool_config
+    state.created = int(time.time())
+
+
+def check_key(request: Request) -> None:
+    """401 unless the request carries the server's API key (any request when there is none)."""
+    api_key = request.app.state.api_key
+    if api_key is None:
+        return
+    auth = request.headers.get("authorization", "")
+    given = auth[7:] if auth.lower().startswith("bearer ") else ""
+    if not hmac.compare_digest(given.encode(), api_key.encode()):
+        raise APIError(
+            401, "invalid or missing API key", "invalid_request_error", "invalid_api_key"
+        )
+
+
+def model_not_found(model_id: str, model_names: list[str]) -> APIError:
+    return APIError(
+        404,
+        f"the model {model_id!r} does not exist; this server serves {model_names}",
+        "invalid_request_error",
+        "model_not_found",
+        "model",
+    )
+
+
+def parse_for_model(model_names: list[str], model_cls, data):
+    """``data`` validated as ``model_cls``, naming one of the served models (runs off the loop)."""
+    req = parse_request(model_cls, data)
+    if req.model not in model_names:
+        raise model_not_found(req.model, model_names)
+    return req
+
+
+async def read_request(request: Request, model_cls):
+    """The body parsed strictly as ``model_cls``, on the offload threads."""
+    state = request.app.state
+    data = await read_json(request)
+    return await state.offload.run(parse_for_model, state.model_names, model_cls, data)
+
+
+async def read_json(request: Request):
+    """The body, parsed strictly; it must arrive within ``limits.body_timeout_s``."""
+    limits: ServerLimits = request.app.state.limits
+    offload: Offload = request.app.state.offload
+    too_big = APIError(
+        413, f"request body over {limits.max_body_bytes} bytes", "invalid_request_error"
+    )
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
+        raise too_big
+    body = bytearray()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limits.body_timeout_s
+    chunks = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(anext(chunks), deadline - loop.time())
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise APIError(
+                408,
+                f"the request body did not arrive within {limits.body_timeout_s} s",
+                "invalid_request_error",
+                "request_timeout",
+            ) from None
+        except ClientDisconnect:
+            raise bad_request("the client left before sending the whole body") from None
+        body += chunk
+        if len(body) > limits.max_body_bytes:
+            raise too_big
+    if len(body) > HEAVY_BODY_BYTES:
+        offload.mark_heavy()  # its parsing and tokenizing never queue small requests' work
+    return await offload.run(parse_json, bytes(body))

@@ -1,0 +1,195 @@
+"""The server's routes as module-level handlers; each reads its collaborators from
+``request.app.state`` (app_state). ``ROUTERS`` lists them in the order build_app includes them.
+
+- ``health_router``: /health (open to all), /metrics, /openapi.json, /docs, /redoc
+- ``models_router``: /v1/models, /v1/models/{id}
+- ``generate_router``: /v1/completions, /v1/chat/completions
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from pagedjax.entrypoints.openai.app_state import check_key, model_not_found, read_request
+from pagedjax.entrypoints.openai.metrics import CONTENT_TYPE
+from pagedjax.entrypoints.openai.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    bad_request,
+    chat_messages,
+    check_response_logprobs,
+    error_response,
+    logit_bias,
+    sampling_params,
+    structured_outputs,
+)
+from pagedjax.entrypoints.openai.serving_engine import Echo
+from pagedjax.entrypoints.openai.tools import template_messages, tool_mode
+
+health_router = APIRouter()
+models_router = APIRouter()
+generate_router = APIRouter()
+ROUTERS = (health_router, models_router, generate_router)
+
+
+# -- health, metrics, docs --
+
+
+@health_router.head("/health", include_in_schema=False)
+@health_router.get("/health")
+async def health(request: Request):
+    if not request.app.state.engine_loop.is_running:
+        return error_response(503, "the engine thread is not running", "server_error")
+    return PlainTextResponse("ok")
+
+
+@health_router.get("/metrics")
+async def metrics(request: Request):
+    if not request.app.state.public_metrics:
+        check_key(request)
+    return Response(request.app.state.engine_loop.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _check_docs_key(request: Request) -> None:
+    if not request.app.state.public_docs:
+        check_key(request)
+
+
+@health_router.get("/openapi.json", include_in_schema=False)
+async def openapi(request: Request):
+    _check_docs_key(request)
+    return JSONResponse(request.app.openapi())
+
+
+@health_router.get("/docs", include_in_schema=False)
+async def docs(request: Request):
+    _check_docs_key(request)
+    return get_swagger_ui_html(openapi_url="/openapi.json", title="pagedjax")
+
+
+@health_router.get("/redoc", include_in_schema=False)
+async def redoc(request: Request):
+    _check_docs_key(request)
+    return get_redoc_html(openapi_url="/openapi.json", title="pagedjax")
+
+
+# -- models --
+
+
+def _model_card(request: Request, name: str) -> dict:
+    state = request.app.state
+    return {
+        "id": name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "pagedjax",
+        "max_model_len": state.serving.max_model_len,
+    }
+
+
+@models_router.get("/v1/models")
+async def models(request: Request):
+    check_key(request)
+    names = request.app.state.model_names
+    return {"object": "list", "data": [_model_card(request, name) for name in names]}
+
+
+@models_router.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str):
+    check_key(request)
+    names = request.app.state.model_names
+    if model_id not in names:
+        raise model_not_found(model_id, names)
+    return _model_card(request, model_id)
+
+
+# -- generation --
+
+
+def _split_prompt(p) -> tuple[list[str] | None, list[list[int]] | None]:
+    """A completion request's ``prompt`` as (texts, None) or (None, token id lists)."""
+    if isinstance(p, str):
+        return [p], None
+    if p and all(isinstance(x, str) for x in p):
+        return p, None
+    if p and all(isinstance(x, list) for x in p):
+        return None, [list(x) for x in p]
+    return None, [list(p)]
+
+
+@generate_router.post("/v1/completions")
+async def completions(request: Request):
+    check_key(request)
+    state = request.app.state
+    serving, limits = state.serving, state.limits
+    req = await read_request(request, CompletionRequest)
+    texts, prompts = _split_prompt(req.prompt)
+    count = len(texts or prompts)
+    if count > limits.max_queue:
+        raise bad_request(
+            f"prompt: {count} prompts in one request; this server queues at most "
+            f"{limits.max_queue}",
+            "prompt",
+        )
+    prompts = await serving.prompt_ids(texts, prompts)
+    max_tokens = req.max_tokens
+    if max_tokens is None:
+        max_tokens = max(serving.max_model_len - max(len(x) for x in prompts), 1)
+    echo_only = req.echo and max_tokens == 0  # the engine makes one token, never shown
+    constraint, constraint_field = structured_outputs(req)
+    await serving.check_constraint(constraint, constraint_field)
+    extra = {"logit_bias": logit_bias(req, serving.vocab), "structured_outputs": constraint}
+    if req.echo and req.logprobs is not None:
+        extra["prompt_logprobs"] = req.logprobs
+    params = sampling_params(
+        req, 1 if echo_only else max_tokens, "max_tokens", req.logprobs, limits, **extra
+    )
+    shown = 0 if echo_only else max_tokens
+    check_response_logprobs(
+        limits, prompts, k=req.logprobs, n=req.n, max_tokens=shown, echo=req.echo, field="logprobs"
+    )
+    await serving.admit(prompts, params, "prompt")
+    echo = None
+    if req.echo:
+        echo = Echo(texts or await serving.echo_texts(prompts), echo_only)
+    return await serving.run(
+        request, req, prompts, params, chat=False, k_logprobs=req.logprobs, echo=echo
+    )
+
+
+@generate_router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    check_key(request)
+    state = request.app.state
+    serving, limits, tokenizer = state.serving, state.limits, state.tokenizer
+    req = await read_request(request, ChatRequest)
+    if tokenizer is None or tokenizer.chat_template is None:
+        raise bad_request("this model's tokenizer has no chat template")
+    constraint, constraint_field = structured_outputs(req)
+    shown_tools, tools = tool_mode(req, state.tool_config, constraint)
+    if tools is not None and tools.constraint is not None:  # "required" or named
+        constraint, constraint_field = tools.constraint, "tools"
+    messages = template_messages(chat_messages(req))
+    ids = await serving.chat_prompt_ids(messages, shown_tools)
+    if req.max_completion_tokens is not None:
+        max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, field = req.max_tokens, "max_tokens"
+    if max_tokens is None:
+        max_tokens = max(serving.max_model_len - len(ids), 1)
+    k = None
+    if req.logprobs:
+        k = req.top_logprobs or 0
+    elif req.top_logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    await serving.check_constraint(constraint, constraint_field)
+    extra = {"logit_bias": logit_bias(req, serving.vocab), "structured_outputs": constraint}
+    params = sampling_params(req, max_tokens, field, k, limits, **extra)
+    lp_field = "top_logprobs" if req.top_logprobs else "logprobs"
+    check_response_logprobs(
+        limits, [ids], k=k, n=req.n, max_tokens=max_tokens, echo=False, field=lp_field
+    )
+    await serving.admit([ids], params, "messages")
+    return await serving.run(request, req, [ids], params, chat=True, k_logprobs=k, tools=tools)
