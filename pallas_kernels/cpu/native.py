@@ -83,6 +83,35 @@ def _target(symbol: str) -> str:
     return lib.target(symbol)
 
 
+def _attention_call(
+    target: str,
+    q: jax.Array,
+    kv: PagedKV,
+    md: AttentionMetadata,
+    opts: AttentionOptions,
+    num_threads: int | None,
+    row_operands: tuple = (),  # the ragged kernel's query_start_loc
+    **attrs,
+) -> jax.Array:
+    """One native attention call: (q, K, V, [scales], tables, lens, *row_operands, window)."""
+    _check_dtypes(q, kv.k_pages)
+    call = jax.ffi.ffi_call(
+        _target(target), jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential"
+    )
+    return call(
+        q,
+        kv.k_pages,
+        kv.v_pages,
+        *_scales(kv),
+        md.block_tables.astype(jnp.int32),
+        md.context_lens.astype(jnp.int32),
+        *row_operands,
+        window_operand(opts.sliding_window),
+        **_attrs(opts.scale, opts.soft_cap, num_threads),
+        **attrs,
+    )
+
+
 def native_decode(
     q: jax.Array,  # [num_seqs, num_heads, head_dim]
     kv: PagedKV,
@@ -92,20 +121,7 @@ def native_decode(
     num_threads: int | None = None,  # at most this many threads; None: XLA's intra-op pool
 ) -> jax.Array:  # [num_seqs, num_heads, head_dim]
     """Decode attention, the contract of ``reference_decode``, as one native call."""
-    _check_dtypes(q, kv.k_pages)
-    call = jax.ffi.ffi_call(
-        _target(DECODE), jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential"
-    )
-    return call(
-        q,
-        kv.k_pages,
-        kv.v_pages,
-        *_scales(kv),
-        md.block_tables.astype(jnp.int32),
-        md.context_lens.astype(jnp.int32),
-        window_operand(opts.sliding_window),
-        **_attrs(opts.scale, opts.soft_cap, num_threads),
-    )
+    return _attention_call(DECODE, q, kv, md, opts, num_threads)
 
 
 def native_prefill(
@@ -119,20 +135,14 @@ def native_prefill(
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]; rows of no sequence are zero
     """Packed prefill / chunked prefill / decode rows, the contract of ``reference_prefill``, as
     one native call."""
-    _check_dtypes(q, kv.k_pages)
-    call = jax.ffi.ffi_call(
-        _target(RAGGED), jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential"
-    )
-    return call(
+    return _attention_call(
+        RAGGED,
         q,
-        kv.k_pages,
-        kv.v_pages,
-        *_scales(kv),
-        md.block_tables.astype(jnp.int32),
-        md.context_lens.astype(jnp.int32),
-        md.query_start_loc.astype(jnp.int32),
-        window_operand(opts.sliding_window),
-        **_attrs(opts.scale, opts.soft_cap, num_threads),
+        kv,
+        md,
+        opts,
+        num_threads,
+        (md.query_start_loc.astype(jnp.int32),),
         max_query_len=np.int64(md.max_q(q.shape[0])),
         tile_rows=np.int64(tile_rows),
     )
