@@ -117,6 +117,39 @@ class ToolParser:
     def _step(self, final: bool) -> list[Item]:
         raise NotImplementedError
 
+    def _flush_content(self, items: list[Item]) -> None:
+        """In content mode (subclasses keep a ``mode``), everything not yet decided is content."""
+        if self.mode == "content" and self.pos < len(self.text):
+            items.append(self.text[self.pos :])
+            self.pos = len(self.text)
+
+
+class CallRunParser(ToolParser):
+    """Base of the parsers whose reply is a run of JSON call objects, maybe followed by
+    content; a reply with no call in front is content whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.mode = "start"  # start -> calls -> content
+        self.found = 0  # calls found so far
+        self.scanner: BracketScanner | None = None  # the object being read
+
+    def _take_call(self, items: list[Item], call: ParsedCall | None, end: int) -> bool:
+        """Append ``call`` (the text up to ``end``); None turns the rest to content (False)."""
+        if call is None:
+            self._to_content()
+            return False
+        items.append(call)
+        self.found += 1
+        self.pos, self.scanner = end, None
+        return True
+
+    def _to_content(self) -> None:
+        """What is left is content; with no call found yet, the reply is content whole."""
+        self.mode = "content"
+        if not self.found:
+            self.pos = 0
+
 
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pagedjax.entrypoints.openai.tool_parsers.base import (
     BracketScanner,
+    CallRunParser,
     Item,
     ToolParser,
     call_of,
@@ -39,20 +40,12 @@ class NamedCallParser(ToolParser):
             if call is not None:
                 items.append(call)
                 self.pos = end
-        if self.mode == "content" and self.pos < len(self.text):
-            items.append(self.text[self.pos :])
-            self.pos = len(self.text)
+        self._flush_content(items)
         return items
 
 
-class ArrayCallsParser(ToolParser):
+class ArrayCallsParser(CallRunParser):
     """The reply is a JSON array of calls, each sent as soon as its object closes."""
-
-    def __init__(self):
-        super().__init__()
-        self.mode = "start"  # start -> calls -> content
-        self.found = 0
-        self.scanner: BracketScanner | None = None
 
     def _step(self, final: bool) -> list[Item]:
         items: list[Item] = []
@@ -87,18 +80,7 @@ class ArrayCallsParser(ToolParser):
             call = None
             if isinstance(obj, dict) and set(obj) == {"name", "arguments"}:
                 call = call_of(obj["name"], obj["arguments"])
-            if call is None:
-                self._to_content()
+            if not self._take_call(items, call, end):
                 break
-            items.append(call)
-            self.found += 1
-            self.pos, self.scanner = end, None
-        if self.mode == "content" and self.pos < len(self.text):
-            items.append(self.text[self.pos :])
-            self.pos = len(self.text)
+        self._flush_content(items)
         return items
-
-    def _to_content(self) -> None:
-        self.mode = "content"
-        if not self.found:
-            self.pos = 0

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from pagedjax.entrypoints.openai.tool_parsers.base import (
     BracketScanner,
+    CallRunParser,
     Item,
     ParsedCall,
-    ToolParser,
     call_of,
     loads,
 )
@@ -33,13 +33,10 @@ def json_call(text: str) -> ParsedCall | None:
     return call_of(obj["name"], obj[keys.pop()])
 
 
-class Llama3JsonParser(ToolParser):
+class Llama3JsonParser(CallRunParser):
     def __init__(self):
         super().__init__()
-        self.mode = "start"  # start -> calls -> content
-        self.found = 0  # calls found so far
-        self.scanner: BracketScanner | None = None  # the object being read
-        self.scanner_at = -1
+        self.scanner_at = -1  # where the object being read starts
 
     def _step(self, final: bool) -> list[Item]:
         if self.mode == "start" and not self._start(final):
@@ -61,15 +58,9 @@ class Llama3JsonParser(ToolParser):
                 if end is None and not final:
                     break  # the object is still coming
             call = json_call(self.text[at:end]) if end is not None else None
-            if call is None:
-                self._to_content()
+            if not self._take_call(items, call, end):
                 break
-            items.append(call)
-            self.found += 1
-            self.pos, self.scanner = end, None
-        if self.mode == "content" and self.pos < len(self.text):
-            items.append(self.text[self.pos :])
-            self.pos = len(self.text)
+        self._flush_content(items)
         return items
 
     def _start(self, final: bool) -> bool:
@@ -87,9 +78,7 @@ class Llama3JsonParser(ToolParser):
         return True
 
     def _to_content(self) -> None:
-        """What is left is content; with no call found yet, the reply is content whole."""
-        self.mode = "content"
-        if not self.found:
-            self.pos = 0
-        elif self.text[self.pos :].strip(_SEPARATORS) == "":
+        """As the base, and separators alone after the calls are no content."""
+        super()._to_content()
+        if self.found and self.text[self.pos :].strip(_SEPARATORS) == "":
             self.pos = len(self.text)  # only separators after the calls
