@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from ..pallas_kernels.row_major_table import RowMajorTable
 from . import quant
 from .config import ModelConfig
 from .layer_loop import check_layer_loop, default_layer_loop, is_per_layer, split_layers
@@ -88,21 +89,9 @@ class GroupedQuantLinear(XlaLinear):
 
 
 @dataclasses.dataclass(frozen=True)
-class XlaTable:
+class XlaTable(RowMajorTable):
     """An embedding table [N, K]: ``jnp.take`` and the tied head ``x @ table.T`` by XLA's dot
     (f32 accumulation, x's dtype)."""
-
-    def table_shape(self, n: int, k: int) -> tuple[int, ...]:
-        return (n, k)
-
-    def accepts(self, table: jax.Array) -> bool:
-        return table.ndim == 2
-
-    def process_weights_after_loading(self, table: jax.Array) -> jax.Array:
-        return table
-
-    def lookup(self, table: jax.Array, ids: jax.Array) -> jax.Array:
-        return jnp.take(table, ids, axis=0)
 
     def attend(self, x: jax.Array, table: jax.Array) -> jax.Array:
         dims = (((1,), (1,)), ((), ()))

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from . import native
+from .row_major_table import RowMajorTable
 
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 SYMBOLS = ("LayerMatmul", "LayerMatmulPacked", "MatmulTransposed")  # native/matmul_cpu.cc's
@@ -246,21 +247,9 @@ class PackedLinear:
 
 
 @dataclasses.dataclass(frozen=True)
-class NativeTable:
+class NativeTable(RowMajorTable):
     """An embedding table [N, K] as it is; the tied head ``x @ table.T`` by
     ``matmul_transposed`` (native on a CPU up to its row limit)."""
-
-    def table_shape(self, n: int, k: int) -> tuple[int, ...]:
-        return (n, k)
-
-    def accepts(self, table: jax.Array) -> bool:
-        return table.ndim == 2
-
-    def process_weights_after_loading(self, table: jax.Array) -> jax.Array:
-        return table
-
-    def lookup(self, table: jax.Array, ids: jax.Array) -> jax.Array:
-        return jnp.take(table, ids, axis=0)
 
     def attend(self, x: jax.Array, table: jax.Array) -> jax.Array:
         return matmul_transposed(x, table)
