@@ -191,3 +191,38 @@ def test_the_folder_runs_as_a_command_and_every_stage_module_is_registered(dc):
 
 def test_env_stage_names_the_gpu_lowering_of_this_checkout(dc):
     assert dc.stages.env.gpu_lowering() == "triton"
+
+
+def test_toy_probe_stage_times_both_layer_loops_and_dispatch_against_ready(dc, tmp_path):
+    ctx = dc.main(["--toy", "--stages", "probe", "--out", str(tmp_path)])
+    r = ctx.results["probe"]
+    assert r.status == "PASS", f"{r.summary}\n{r.error}"
+    rows = r.data["layer_loop"]
+    assert {(x["loop"], x["rows"]) for x in rows} == {
+        (loop, m) for loop in ("scan", "unrolled") for m in (1, 8)
+    }
+    assert all(x["per_layer_weights"] == (x["loop"] == "unrolled") for x in rows)
+    assert all(x["step_ms"] > 0 and x["of_floor"] > 0 for x in rows)
+    assert r.data["copy_gbps"] > 0
+    variants = [x["variant"] for x in r.data["dispatch"]]
+    assert variants == ["greedy", "sampling top-p", "penalties", "top logprobs"]
+    assert all(0 < x["dispatch_ms"] <= x["ready_ms"] for x in r.data["dispatch"])
+    assert set(r.data["control"]) == {"plain", "cond"}
+
+
+def test_probe_verdict_fails_on_a_device_where_dispatch_waited(dc):
+    probe = dc.stages.probe
+    ctx = dc.common.Context(sizes=dc.sizes.DEVICE, platform="gpu", interpret=False, out=Path("."))
+    data = {
+        "layers": 8,
+        "layer_loop": [dict(loop="unrolled", rows=64, of_floor=0.9)],
+        "dispatch": [
+            dict(variant="greedy", dispatch_ms=0.1, ready_ms=2.0),
+            dict(variant="top logprobs", dispatch_ms=1.95, ready_ms=2.0),
+        ],
+        "control": {"cond": dict(dispatch_ms=1.4, ready_ms=1.5)},
+    }
+    ok, summary = probe.verdict(ctx, data)
+    assert not ok and data["host_waits"] == ["top logprobs"] and "top logprobs" in summary
+    data["dispatch"].pop()
+    assert probe.verdict(ctx, data)[0]

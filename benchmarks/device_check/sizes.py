@@ -157,6 +157,7 @@ DEVICE = Sizes(
         "decode": 60,
         "peer": 75,
         "serve": 150,
+        "probe": 60,
     },
 )
 
@@ -199,5 +200,6 @@ TOY = Sizes(
         "decode": 240,
         "peer": 240,
         "serve": 240,
+        "probe": 120,
     },
 )

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from . import backends, decode, engine_8b, engine_tiny, env, kernels, peer, serve
+from . import backends, decode, engine_8b, engine_tiny, env, kernels, peer, probe, serve
 
 STAGES = {
     "env": ("1", "environment", env.run),
@@ -22,4 +22,5 @@ STAGES = {
         "attention backends vs a float64 oracle; decode bandwidth per backend",
         backends.run,
     ),
+    "probe": ("8", "probes: scan vs per-layer weights; dispatch vs device time", probe.run),
 }
