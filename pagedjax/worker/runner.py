@@ -9,14 +9,15 @@ output array is copied to the host as soon as it is dispatched. A batch that nee
 after it. Only the model's work (token / sequence / context / query buckets) picks a step
 program; sampling options pick among a few small sampler programs.
 ``warmup`` compiles the whole bucket set up front; a server compiles ``startup_jobs`` (the bucket
-policy's common programs, worker/warmup.py) before it answers and the rest in the background.
+policy's common programs, worker/warmup_jobs.py) before it answers and the rest in the background.
 Block copies and swaps requested by the scheduler run before the step that needs them. An engine
 that speculates takes, in steps with queries longer than one token, the logits of 1 + k rows per
 sequence (its last token and its proposals) and samples them with the verify program
 (``pagedjax.spec_decode.rejection``), which also says which proposals were accepted; its decode
 steps are the plain engine's.
 
-Padding and buckets are input_batch's; the pool, its host mirror and block moves kv_cache's.
+Padding and buckets are input_batch's; the pool, its host mirror and block moves kv_cache's; the
+jitted programs programs'; their lowering for warm-up warmup_jobs'.
 
 In a multi-process run (``pagedjax.distributed``) every device operation goes through ``_call``:
 the driver broadcasts it with its host arrays and the followers, looping in ``follow``, replay it.
@@ -36,15 +37,13 @@ from pagedjax import compilation, pallas_kernels
 from pagedjax.distributed import Channel
 from pagedjax.models.config import ModelConfig
 from pagedjax.models.linear import process_weights_after_loading
-from pagedjax.models.llama import forward
 from pagedjax.models.quant import compute_dtype
 from pagedjax.models.sharding import pool_sharding, shard_params
 from pagedjax.models.step_input import StepInput
 from pagedjax.pallas_kernels.layer_matmul import CpuLinearMethods
 from pagedjax.spec_decode.rejection import verify_step
 from pagedjax.step_profile import StepProfile
-from pagedjax.utils import next_pow2, powers_of_two
-from pagedjax.worker import prompt_logprobs, sampler, step_program
+from pagedjax.worker import programs, prompt_logprobs, sampler, step_program, warmup_jobs
 from pagedjax.worker.input_batch import (
     InputBatcher,
     ScheduledSeq,
@@ -55,39 +54,11 @@ from pagedjax.worker.input_batch import (
 from pagedjax.worker.kv_cache import KVCache, pool_dtype
 from pagedjax.worker.prompt_logprobs import PromptLogprobsOutput, PromptScores
 from pagedjax.worker.sampler import SamplerOutput, SamplingInput, SamplingRow
-from pagedjax.worker.warmup import Job, WarmupReport, common_shapes, compile_jobs
+from pagedjax.worker.warmup import Job, WarmupReport, compile_jobs
 
 __all__ = ["Runner", "ScheduledSeq", "StepHandle", "StepOutput", "StepShape", "WarmupReport"]
 
 logger = logging.getLogger(__name__)
-
-
-def _model_step(params, kv_pool, step_input, config, backend, mesh, linear=None):
-    # linear: the WeightLayout the parameters were processed for (models/linear.py)
-    return forward(params, kv_pool, step_input, config, backend, mesh, linear)
-
-
-def _step_and_sample(params, kv_pool, packed, prev_tokens, config, backend, mesh, packed_w, layout):
-    # packed: i32[...], the step's inputs (step_program.pack_inputs); prev_tokens: i32[W], the
-    # step before's tokens on the device (placeholders -1 - r read row r)
-    step_input, logit_rows = step_program.unpack_inputs(packed, layout)
-    filled = step_program.fill_tokens(step_input.token_ids, prev_tokens)
-    step_input = step_input.replace(token_ids=filled)
-    logits, kv_pool = _model_step(params, kv_pool, step_input, config, backend, mesh, packed_w)
-    return step_program.after_model(logits, logit_rows, layout, prev_tokens), kv_pool
-
-
-# Module-level so that engines with the same model and shapes share compiled programs; static
-# arguments are hashable configuration only (stable persistent-cache keys).
-_step = jax.jit(_model_step, static_argnums=(3, 4, 5, 6), donate_argnums=(1,))
-# A step's one program: token fill, model, and a plain greedy batch's sampling.
-_step_program = jax.jit(_step_and_sample, static_argnums=(4, 5, 6, 7, 8), donate_argnums=(1,))
-# The sampler of a batch that needs more than greedy: (logits rows, packed sampling, its layout,
-# W) -> (packed output, tokens i32[W]).
-_sample = jax.jit(step_program.sample_program, static_argnums=(2, 3))
-_forward = jax.jit(_model_step, static_argnums=(3, 4, 5, 6), donate_argnums=(1,))
-
-compilation.track_compile_seconds()
 
 
 @dataclasses.dataclass
@@ -238,7 +209,7 @@ class Runner:
             # None: a plain greedy batch, sampled in the step program (nothing to build)
             sampling = None
             if drafts is not None or not sampler.plain_greedy(rows, num_top_logprobs):
-                sampling = self._sampling_input(rows, len(logit_rows), num_top_logprobs)
+                sampling = self.sampling_input(rows, len(logit_rows), num_top_logprobs)
             step_input, targets = prompt_logprobs.extend_logits_rows(step_input, seqs)
         kind = count_padding(prof, seqs, step_input, self.block_size, self._attention_rows_only)
         packed, layout = step_program.pack_inputs(step_input, logit_rows)
@@ -266,7 +237,7 @@ class Runner:
         )
         return StepOutput(out, scores)
 
-    def _sampling_input(self, rows: list[SamplingRow], size: int, num_top: int) -> SamplingInput:
+    def sampling_input(self, rows: list[SamplingRow], size: int, num_top: int) -> SamplingInput:
         return SamplingInput.build(
             rows,
             size,
@@ -291,7 +262,7 @@ class Runner:
         if prev_tokens is None:
             prev_tokens = self._no_tokens()
         outs, self.kv_cache.pages = self._launch(
-            _step_program,
+            programs.step,
             self.params,
             self.kv_cache.pages,
             self._put(packed),
@@ -319,7 +290,7 @@ class Runner:
             return outs["packed"], outs["tokens"], scored
         packed_sampling, sampling_layout = step_program.pack_sampling(sampling)
         args = (outs["logits"], self._put(packed_sampling), sampling_layout, self.fill_width)
-        return *self._launch(_sample, *args), scored
+        return *self._launch(programs.sample, *args), scored
 
     def _put(self, tree):
         """Host arrays to the device (counted: ``num_transfers``, one per array)."""
@@ -369,28 +340,9 @@ class Runner:
     def startup_jobs(
         self, max_num_seqs: int, max_num_batched_tokens: int, *, fill_tokens: bool = False
     ) -> list[Job]:
-        """The programs a server compiles before it answers (worker/warmup.py's bucket policy):
-        the step program of each common model shape (which samples a plain greedy batch and
-        fills async placeholders itself: ``fill_tokens`` adds nothing) and the sampler of a
-        default sampling request for each of their sequence buckets."""
-        shapes = self.step_shapes(max_num_seqs, max_num_batched_tokens)
-        common = common_shapes(self.batcher, shapes)
-        jobs = [(f"model {s}", lambda s=s: self._lower_step(s)) for s in common]
-        for s in sorted({shape.num_seqs for shape in common}):
-            name = f"sampler s{s} default sampling"
-            jobs.append((name, lambda s=s: self._lower_default_sample(s)))
-        return jobs
-
-    def _lower_default_sample(self, num_seqs: int):
-        """The sampler a batch of default sampling rows (temperature 1, nothing else) runs."""
-        rows = [SamplingRow(temperature=1.0)]
-        return self._lower_sampler(self._sampling_input(rows, num_seqs, 0))
-
-    def _lower_sampler(self, sampling: SamplingInput):
-        packed, layout = step_program.pack_sampling(sampling)
-        logits = self._logits_like(len(sampling.temperature))
-        packed = jax.device_put(packed, self._inputs)
-        return _sample.lower(logits, packed, layout, self.fill_width)
+        """The programs a server compiles before it answers (worker/warmup_jobs.py; the step
+        program fills async placeholders itself: ``fill_tokens`` adds nothing)."""
+        return warmup_jobs.startup_jobs(self, max_num_seqs, max_num_batched_tokens)
 
     def warmup_jobs(
         self,
@@ -400,71 +352,13 @@ class Runner:
         swap: bool | None = None,
         fill_tokens: bool = False,
     ) -> list[Job]:
-        """Every program a workload within these limits can need: each model-step shape, the
-        sampler for each sequence bucket in each of its variants (penalties, logit bias or
-        allowed-token masks, greedy or sampling), the block copy / swap programs and, with
-        ``fill_tokens`` nothing more (the fill is part of the step program); as (name, lowering
-        thunk)."""
-        jobs = []  # (name, lowering thunk)
-        shapes = self.step_shapes(max_num_seqs, max_num_batched_tokens)
-        for shape in shapes:
-            jobs.append((f"model {shape}", lambda shape=shape: self._lower_step(shape)))
-        for s in sorted({shape.num_seqs for shape in shapes}):
-            for variant in sampler.variants():  # static flags, e.g. greedy or not
-                for v in (False, True) if self.num_speculative_tokens else (False,):
-                    if variant == sampler.Variant() and not v:
-                        continue  # plain greedy: sampled in the step program
-                    name = f"sampler s{s} {variant}" + " verify" * v  # v: can verify proposals
-                    args = (s, variant, v)
-                    jobs.append((name, lambda a=args: self._lower_sample(*a)))
-        swap = self.num_host_blocks > 0 if swap is None else swap
-        max_moves = next_pow2(min(self.num_blocks, max_num_seqs * self.max_blocks_per_seq), 8)
-        lower_move = self.kv_cache.lower_block_op
-        for n in powers_of_two(8, max_moves):
-            ids = np.full(n, -1, np.int32)
-            for op in ("copy", "gather", "scatter") if swap else ("copy",):
-                name = f"{op}_blocks {n}"
-                jobs.append((name, lambda op=op, ids=ids: lower_move(op, ids)))
-        return jobs
+        """Every program a workload within these limits can need (worker/warmup_jobs.py), as
+        (name, lowering thunk); ``fill_tokens`` adds nothing (the fill is in the step program)."""
+        return warmup_jobs.warmup_jobs(self, max_num_seqs, max_num_batched_tokens, swap)
 
-    def _lower_step(self, shape: StepShape):
-        empty = self.batcher.empty(shape)
-        rows = np.zeros(len(empty.logits_indices), np.int32)
-        packed, layout = step_program.pack_inputs(empty, rows)
-        return _step_program.lower(
-            self.params,
-            self.kv_cache.pages,
-            jax.device_put(packed, self._inputs),
-            jax.device_put(np.zeros(self.fill_width, np.int32), self._inputs),
-            self.config,
-            self.backend,
-            self.mesh,
-            self.linear,
-            layout,
-        )
-
-    def _logits_like(self, num_seqs: int):
-        """An array placed like the model step's logits, so the sampler compiled here is the one
-        the steps call."""
-        return jax.device_put(
-            np.zeros((num_seqs, self.config.vocab_size), np.float32), self._inputs
-        )
-
-    def _lower_sample(self, num_seqs: int, variant: sampler.Variant, verify: bool = False):
-        size = num_seqs * self.batcher.logits_per_step(decode=not verify)  # its logits rows
-        sampling = self._sampling_input([variant.row()], size, int(variant.top_logprobs))
-        assert sampling.variant == variant, (sampling.variant, variant)
-        args = (
-            self._logits_like(size),
-            jax.device_put(np.zeros(size, np.int32), self._inputs),
-            jax.device_put(sampling, self._inputs),
-        )
-        if verify:
-            args += (jax.device_put(np.full(size, -1, np.int32), self._inputs),)
-            if self.verifies_draft_probs:
-                args += (self._logits_like(size),)  # q: placed like the logits
-            return verify_step.lower(*args)
-        return self._lower_sampler(sampling)
+    def place(self, tree):
+        """Host arrays to the device, placed as every program's inputs are (not counted)."""
+        return jax.device_put(tree, self._inputs)
 
     # ---- block moves (before the step that needs them) ------------------------------------
 
@@ -500,7 +394,7 @@ class Runner:
         if bucketed:  # the step program (warmed up), its logits rows all read
             rows = np.arange(len(step_input.logits_indices), dtype=np.int32)
             packed, layout = step_program.pack_inputs(step_input, rows)
-            outs, self.kv_cache.pages = _step_program(
+            outs, self.kv_cache.pages = programs.step(
                 self.params,
                 self.kv_cache.pages,
                 self._put(packed),
@@ -512,7 +406,7 @@ class Runner:
                 layout,
             )
             return outs["logits"]
-        logits, self.kv_cache.pages = _forward(
+        logits, self.kv_cache.pages = programs.forward(
             self.params,
             self.kv_cache.pages,
             jax.device_put(step_input, self._inputs),

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from pagedjax.spec_decode.rejection import verify_step
-from pagedjax.worker import runner as runner_mod
-from pagedjax.worker import sampler, step_program
+from pagedjax.worker import programs, sampler, step_program
 from pagedjax.worker.sampler import Filters, SamplingInput, SamplingRow
 
 V = 300  # wider than the candidates (256): the full-sort path exists
@@ -45,7 +44,7 @@ def _sampler_args(variant: sampler.Variant):
 
 @pytest.mark.parametrize("variant", sampler.variants(), ids=str)
 def test_sampler_programs_hold_no_branch(variant):
-    text = cuda_text(runner_mod._sample, *_sampler_args(variant))
+    text = cuda_text(programs.sample, *_sampler_args(variant))
     assert not branches(text), f"{variant}: {branches(text)}"
 
 
@@ -55,7 +54,7 @@ def test_verify_and_compiled_programs_hold_no_branch():
     drafts = np.full(ROWS, -1, np.int32)
     assert not branches(cuda_text(verify_step, logits, rows, s, drafts))
     assert not branches(cuda_text(verify_step, logits, rows, s, drafts, logits))
-    compiled = runner_mod._sample.lower(*_sampler_args(general)).compile().as_text()  # CPU
+    compiled = programs.sample.lower(*_sampler_args(general)).compile().as_text()  # CPU
     assert "conditional(" not in compiled
 
 

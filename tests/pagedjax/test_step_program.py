@@ -17,8 +17,7 @@ from pagedjax.models.config import ModelConfig
 from pagedjax.models.llama import param_shapes
 
 from pagedjax import LLM, SamplingParams
-from pagedjax.worker import runner as runner_mod
-from pagedjax.worker import step_program
+from pagedjax.worker import programs, step_program
 from pagedjax.worker.input_batch import InputBatcher, ScheduledSeq
 from pagedjax.worker.sampler import SamplerOutput, SamplingInput, SamplingRow
 
@@ -38,7 +37,7 @@ def _step_program_hlo(max_query_len: int) -> tuple[str, int]:
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     params = param_shapes(c)
     args = (params, (pool, pool), i32(packed.shape), i32((16,)), c, "reference", None, False)
-    hlo = runner_mod._step_program.lower(*args, layout).compile().as_text()
+    hlo = programs.step.lower(*args, layout).compile().as_text()
     return hlo, len(jax.tree.leaves(params))
 
 

@@ -1,0 +1,39 @@
+"""The runner's jitted programs, module-level so that engines with the same model and shapes share
+compiled programs; static arguments are hashable configuration only (stable persistent-cache
+keys). ``step``: a step's one program (async scheduling's token fill, the model, and a plain
+greedy batch's sampling: worker/step_program.py); ``sample``: the sampler of a batch that needs
+more than greedy; ``forward``: the model step alone (logits of the rows asked)."""
+
+from __future__ import annotations
+
+import jax
+
+from pagedjax import compilation
+from pagedjax.models.llama import forward as model_forward
+from pagedjax.worker import step_program
+
+
+def _model_step(params, kv_pool, step_input, config, backend, mesh, linear=None):
+    # linear: the WeightLayout the parameters were processed for (models/linear.py)
+    return model_forward(params, kv_pool, step_input, config, backend, mesh, linear)
+
+
+def _step_and_sample(params, kv_pool, packed, prev_tokens, config, backend, mesh, packed_w, layout):
+    # packed: i32[...], the step's inputs (step_program.pack_inputs); prev_tokens: i32[W], the
+    # step before's tokens on the device (placeholders -1 - r read row r)
+    step_input, logit_rows = step_program.unpack_inputs(packed, layout)
+    filled = step_program.fill_tokens(step_input.token_ids, prev_tokens)
+    step_input = step_input.replace(token_ids=filled)
+    logits, kv_pool = _model_step(params, kv_pool, step_input, config, backend, mesh, packed_w)
+    return step_program.after_model(logits, logit_rows, layout, prev_tokens), kv_pool
+
+
+# (params, pool, packed inputs, prev tokens, config, backend, mesh, weight layout, StepLayout)
+# -> (outputs, pool), the pool donated.
+step = jax.jit(_step_and_sample, static_argnums=(4, 5, 6, 7, 8), donate_argnums=(1,))
+# (logits rows, packed sampling, its layout, W) -> (packed output, tokens i32[W]).
+sample = jax.jit(step_program.sample_program, static_argnums=(2, 3))
+# (params, pool, StepInput, config, backend, mesh, weight layout) -> (logits, pool).
+forward = jax.jit(_model_step, static_argnums=(3, 4, 5, 6), donate_argnums=(1,))
+
+compilation.track_compile_seconds()

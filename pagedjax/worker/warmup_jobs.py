@@ -1,0 +1,114 @@
+"""The programs a runner's steps can need, as warm-up jobs (name, lowering thunk).
+
+Each program is lowered with arguments placed as the steps place theirs (``Runner.place``), so
+what warm-up compiles is what the steps call (committed and uncommitted arguments differ).
+``startup_jobs``: the bucket policy's common programs (worker/warmup.py's ``common_shapes``),
+compiled before a server answers; ``warmup_jobs``: every program within a workload's limits.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from pagedjax.spec_decode.rejection import verify_step
+from pagedjax.utils import next_pow2, powers_of_two
+from pagedjax.worker import programs, sampler, step_program
+from pagedjax.worker.input_batch import StepShape
+from pagedjax.worker.sampler import SamplingInput, SamplingRow
+from pagedjax.worker.warmup import Job, common_shapes
+
+
+def startup_jobs(runner, max_num_seqs: int, max_num_batched_tokens: int) -> list[Job]:
+    """The step program of each common model shape (which samples a plain greedy batch and fills
+    async placeholders itself) and the sampler of a default sampling request for each of their
+    sequence buckets."""
+    shapes = runner.step_shapes(max_num_seqs, max_num_batched_tokens)
+    common = common_shapes(runner.batcher, shapes)
+    jobs = [(f"model {s}", lambda s=s: lower_step(runner, s)) for s in common]
+    for s in sorted({shape.num_seqs for shape in common}):
+        name = f"sampler s{s} default sampling"
+        jobs.append((name, lambda s=s: lower_default_sample(runner, s)))
+    return jobs
+
+
+def warmup_jobs(
+    runner, max_num_seqs: int, max_num_batched_tokens: int, swap: bool | None = None
+) -> list[Job]:
+    """Each model-step shape, the sampler for each sequence bucket in each of its variants
+    (penalties, logit bias or allowed-token masks, greedy or sampling), and the block copy /
+    swap programs (``swap`` None: if the runner has host blocks)."""
+    jobs = []
+    shapes = runner.step_shapes(max_num_seqs, max_num_batched_tokens)
+    for shape in shapes:
+        jobs.append((f"model {shape}", lambda shape=shape: lower_step(runner, shape)))
+    for s in sorted({shape.num_seqs for shape in shapes}):
+        for variant in sampler.variants():  # static flags, e.g. greedy or not
+            for v in (False, True) if runner.num_speculative_tokens else (False,):
+                if variant == sampler.Variant() and not v:
+                    continue  # plain greedy: sampled in the step program
+                name = f"sampler s{s} {variant}" + " verify" * v  # v: can verify proposals
+                args = (s, variant, v)
+                jobs.append((name, lambda a=args: lower_sample(runner, *a)))
+    swap = runner.num_host_blocks > 0 if swap is None else swap
+    max_moves = next_pow2(min(runner.num_blocks, max_num_seqs * runner.max_blocks_per_seq), 8)
+    lower_move = runner.kv_cache.lower_block_op
+    for n in powers_of_two(8, max_moves):
+        ids = np.full(n, -1, np.int32)
+        for op in ("copy", "gather", "scatter") if swap else ("copy",):
+            jobs.append((f"{op}_blocks {n}", lambda op=op, ids=ids: lower_move(op, ids)))
+    return jobs
+
+
+def lower_step(runner, shape: StepShape):
+    """The step program of a model shape (its logits rows all sampled)."""
+    empty = runner.batcher.empty(shape)
+    rows = np.zeros(len(empty.logits_indices), np.int32)
+    packed, layout = step_program.pack_inputs(empty, rows)
+    return programs.step.lower(
+        runner.params,
+        runner.kv_cache.pages,
+        runner.place(packed),
+        runner.place(np.zeros(runner.fill_width, np.int32)),
+        runner.config,
+        runner.backend,
+        runner.mesh,
+        runner.linear,
+        layout,
+    )
+
+
+def lower_default_sample(runner, num_seqs: int):
+    """The sampler a batch of default sampling rows (temperature 1, nothing else) runs."""
+    rows = [SamplingRow(temperature=1.0)]
+    return _lower_sampler(runner, runner.sampling_input(rows, num_seqs, 0))
+
+
+def lower_sample(runner, num_seqs: int, variant: sampler.Variant, verify: bool = False):
+    """The sampler of a variant for ``num_seqs`` sequences (``verify``: the verify program)."""
+    size = num_seqs * runner.batcher.logits_per_step(decode=not verify)  # its logits rows
+    sampling = runner.sampling_input([variant.row()], size, int(variant.top_logprobs))
+    assert sampling.variant == variant, (sampling.variant, variant)
+    if not verify:
+        return _lower_sampler(runner, sampling)
+    args = (
+        _logits_like(runner, size),
+        runner.place(np.zeros(size, np.int32)),
+        runner.place(sampling),
+        runner.place(np.full(size, -1, np.int32)),
+    )
+    if runner.verifies_draft_probs:
+        args += (_logits_like(runner, size),)  # q: placed like the logits
+    return verify_step.lower(*args)
+
+
+def _lower_sampler(runner, sampling: SamplingInput):
+    packed, layout = step_program.pack_sampling(sampling)
+    logits = _logits_like(runner, len(sampling.temperature))
+    return programs.sample.lower(logits, runner.place(packed), layout, runner.fill_width)
+
+
+def _logits_like(runner, num_seqs: int) -> jax.Array:
+    """An array placed like the model step's logits, so the sampler compiled here is the one the
+    steps call."""
+    return runner.place(np.zeros((num_seqs, runner.config.vocab_size), np.float32))
