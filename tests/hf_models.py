@@ -204,3 +204,19 @@ def save_word_tokenizer(
     if chat_template is not None:
         fast.chat_template = chat_template
     fast.save_pretrained(directory)
+
+
+def hf_greedy(hf, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, ``max_tokens`` long: EOS may be chosen,
+    never stops (like ignore_eos; the model's generation config is changed to that)."""
+    import torch
+
+    hf.generation_config.eos_token_id = None
+    outs = []
+    for p in prompts:
+        with torch.no_grad():
+            ids = hf.generate(
+                torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+            )
+        outs.append(ids[0, len(p) :].tolist())
+    return outs

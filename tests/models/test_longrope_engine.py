@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from hf_models import make_tiny_model
+from hf_models import hf_greedy, make_tiny_model
 
 from pagedjax import LLM, SamplingParams
 
@@ -26,14 +25,7 @@ def phi3(tmp_path_factory):
     rng = np.random.default_rng(11)
     prompts = [rng.integers(3, 256, n).tolist() for n in PROMPT_LENS]
     prompts.append([17, 40, 93, 7, 250, 61] * 4)
-    hf.generation_config.eos_token_id = None  # like ignore_eos
-    want = []
-    for p in prompts:
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
-            )
-        want.append(out[0, len(p) :].tolist())
+    want = hf_greedy(hf, prompts, MAX_TOKENS)
     return str(path), prompts, want
 
 

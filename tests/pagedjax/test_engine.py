@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hf_models import make_tiny_model, save_word_tokenizer
+from hf_models import hf_greedy, make_tiny_model, save_word_tokenizer
 
 from pagedjax import LLM, BeamSearchParams, SamplingParams
 from pagedjax.engine import LLMEngine
@@ -31,28 +31,17 @@ def _prompts(n: int, seed: int, lo: int = 1, hi: int = 40, prefix: list[int] | N
     ]
 
 
-def _hf_greedy(hf, prompts, max_tokens=MAX_TOKENS):
-    outs = []
-    for p in prompts:
-        with torch.no_grad():
-            ids = hf.generate(
-                torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
-            )
-        outs.append(ids[0, len(p) :].tolist())
-    return outs
-
-
 @pytest.fixture(scope="module")
 def batch16(tiny):
     prompts = _prompts(16, seed=0)
-    return prompts, _hf_greedy(tiny[1], prompts)
+    return prompts, hf_greedy(tiny[1], prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def shared_prefix(tiny):
     prefix = np.random.default_rng(99).integers(3, 256, 37).tolist()
     prompts = _prompts(8, seed=5, lo=1, hi=12, prefix=prefix)
-    return prompts, _hf_greedy(tiny[1], prompts)
+    return prompts, hf_greedy(tiny[1], prompts, MAX_TOKENS)
 
 
 ENGINE_VARIANTS = {
