@@ -34,21 +34,20 @@ HOST_WAIT = 0.9  # dispatch returning after this share of the ready time: the ho
 
 def probe_sizes(ctx: Context) -> dict:
     if ctx.sizes.big_config is LLAMA3_8B:
-        return dict(layers=8, rows=(1, 64), context=512, control_n=8192)
-    return dict(layers=2, rows=(1, 8), context=24, control_n=256)
+        return dict(layers=8, rows=(1, 64), context=512, control_n=8192, copy_bytes=1 << 30)
+    return dict(layers=2, rows=(1, 8), context=24, control_n=256, copy_bytes=16 << 20)
 
 
 def run(ctx: Context, budget: Budget, data: dict):
+    import transformers
     from pagedjax.models.config import ModelConfig
 
     from pagedjax.step_profile import measure_copy_bandwidth
 
     p = probe_sizes(ctx)
-    import transformers
-
     hf = transformers.LlamaConfig(**dict(ctx.sizes.big_config, num_hidden_layers=p["layers"]))
     config = ModelConfig.from_hf_dict(hf.to_dict())
-    copy = measure_copy_bandwidth()
+    copy = measure_copy_bandwidth(p["copy_bytes"])
     data.update(layers=p["layers"], context=p["context"], dtype="bfloat16", copy_gbps=copy / 1e9)
     say(f"  {p['layers']} layers, context {p['context']}, copy {copy / 1e9:.1f} GB/s")
     params = random_params(config, "bfloat16")
