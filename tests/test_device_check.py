@@ -60,6 +60,9 @@ def test_toy_run_of_stages_2_to_4_passes_and_reports(dc, tmp_path, capsys):
     assert big["warm"]["output_tokens_per_s"] > 0
     assert big["cold_compiles"]["count"] >= 1 and big["warm_compiles"]["count"] == 0
     assert big["stats"]["num_blocks_peak"] > 0
+    decode_profile = big["profile"]["per_kind"]["decode"]  # the profiled run: ms and MBU per kind
+    assert decode_profile["device_ms"] > 0 and decode_profile["host_ms"] > 0
+    assert 0 < decode_profile["mbu"] <= 2.0
 
     # 4: the decode benchmark's rows and its NaN check.
     decode = results["decode"].data

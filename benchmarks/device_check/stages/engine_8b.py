@@ -13,7 +13,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..common import TOY_NOTE, Budget, Context, big_hf_config, big_workload, say, shape_name
+from ..common import (
+    TOY_NOTE,
+    Budget,
+    Context,
+    big_hf_config,
+    big_workload,
+    fmt_f,
+    say,
+    shape_name,
+)
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -98,6 +107,8 @@ def run(ctx: Context, budget: Budget, data: dict):
     llm = build_llm(ctx, config, data)
     try:
         cold, timed, stats = cold_and_warm_runs(ctx, llm, config, budget, data)
+        budget.check("the profiled run")
+        profiled_run(ctx, llm, config, data)
     finally:
         llm.close()
     peak = data["memory"].get("peak_bytes_in_use")
@@ -106,7 +117,13 @@ def run(ctx: Context, budget: Budget, data: dict):
         f"{timed.output_tokens_per_s:.0f} out tok/s warm; cold {cold.elapsed_s:.0f} s with "
         f"{data['cold_compiles']['count']} compiles ({data['cold_compiles']['total_s']:.0f} s, "
         f"max {data['cold_compiles']['max_s']:.1f}); KV blocks {stats.num_blocks_peak}/"
-        f"{stats.num_blocks_total}" + (f"; process peak {peak / 2**30:.1f} GiB" if peak else "")
+        f"{stats.num_blocks_total}"
+        + (f"; process peak {peak / 2**30:.1f} GiB" if peak else "")
+        + "".join(
+            f"; {kind} {k['device_ms']:.1f} ms/step (host {k['host_ms']:.1f}),"
+            f" MBU {fmt_f(k['mbu'])}"
+            for kind, k in data["profile"]["per_kind"].items()
+        )
     )
     return True, summary + TOY_NOTE * ctx.interpret
 
@@ -178,6 +195,34 @@ def cold_and_warm_runs(ctx: Context, llm, config, budget: Budget, data: dict):
         f"{stats.num_blocks_peak}/{stats.num_blocks_total} peak; memory {data['memory']}"
     )
     return cold, timed, stats
+
+
+def profiled_run(ctx: Context, llm, config, data: dict) -> None:
+    """The workload's lengths once more, other tokens, with the step profile's timing on (each
+    step waits for the device: no overlap, so not a throughput figure): per step kind ms on the
+    host and the device and MBU (bytes a step reads / device time / copy bandwidth)."""
+    from pagedjax.bench.throughput_sides import Request, generate_pagedjax
+
+    rng = np.random.default_rng(7)
+    requests = [
+        Request(rng.integers(3, config.vocab_size, len(r.prompt_token_ids)).tolist(), r.output_len)
+        for r in big_workload(ctx, config.vocab_size, seed=0)
+    ]
+    prof = llm.engine.profile
+    prof.reset()
+    prof.enabled = True
+    try:
+        run = generate_pagedjax(llm, requests)
+    finally:
+        prof.enabled = False
+    data["profile"] = {"elapsed_s": run.elapsed_s, **prof.report()}
+    say(f"  profiled run ({run.elapsed_s:.1f} s; copy {prof.copy_bytes_per_s / 1e9:.1f} GB/s):")
+    say(f"  {'step kind':10s} {'steps':>6s} {'host ms':>8s} {'device ms':>10s} {'GB/step':>8s} MBU")
+    for kind, k in data["profile"]["per_kind"].items():
+        say(
+            f"  {kind:10s} {k['steps']:6d} {k['host_ms']:8.2f} {k['device_ms']:10.2f}"
+            f" {k['bytes_per_step'] / 1e9:8.3f} {fmt_f(k['mbu'])}"
+        )
 
 
 def summarize_compiles(events: list[tuple[str, float]]) -> dict:
