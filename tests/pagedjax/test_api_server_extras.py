@@ -14,13 +14,13 @@ import openai
 import pytest
 from test_api_server_hardening import (
     assert_openai_error,
+    byte_llm,
     live_server,
-    make_byte_model,
     raw,
     sse_events,
 )
 
-from pagedjax import LLM, SamplingParams
+from pagedjax import SamplingParams
 from pagedjax.entrypoints.api_server import build_app
 
 KEY = "scoring-key"
@@ -31,9 +31,7 @@ K = 2
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = tmp_path_factory.mktemp("scoring_llama")
-    make_byte_model(path)
-    llm = LLM(str(path), block_size=8, num_blocks=200, max_model_len=96, seed=0)
+    llm = byte_llm(tmp_path_factory, "scoring_llama", max_model_len=96)
     ids = llm.tokenizer(PROMPT)["input_ids"]
     ref = llm.generate(ids, SamplingParams(max_tokens=1, prompt_logprobs=K), use_tqdm=False)[0]
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

@@ -60,6 +60,13 @@ def make_byte_model(directory) -> None:
     save_byte_tokenizer(directory, CHAT_TEMPLATE)
 
 
+def byte_llm(tmp_path_factory, name: str, **engine_args) -> LLM:
+    """An LLM over a fresh byte model (8-token blocks, 200 of them, seed 0 unless given)."""
+    path = tmp_path_factory.mktemp(name)
+    make_byte_model(path)
+    return LLM(str(path), **(dict(block_size=8, num_blocks=200, seed=0) | engine_args))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

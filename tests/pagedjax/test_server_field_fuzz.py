@@ -16,9 +16,8 @@ import types
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from test_api_server_hardening import live_server, make_byte_model, raw, wait_idle
+from test_api_server_hardening import byte_llm, live_server, raw, wait_idle
 
-from pagedjax import LLM
 from pagedjax.entrypoints.api_server import ServerLimits, build_app
 
 KEY = "field-fuzz-key"
@@ -28,9 +27,9 @@ EXAMPLES = 60  # make test: a few seconds of requests; the slow run draws many m
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = tmp_path_factory.mktemp("field_fuzz_llama")
-    make_byte_model(path)
-    llm = LLM(str(path), block_size=8, num_blocks=160, max_model_len=64, max_num_seqs=8, seed=0)
+    llm = byte_llm(
+        tmp_path_factory, "field_fuzz_llama", num_blocks=160, max_model_len=64, max_num_seqs=8
+    )
     limits = ServerLimits(max_queue=8, max_body_bytes=256 * 1024, body_timeout_s=10)
     app = build_app(llm.engine, MODEL, api_key=KEY, limits=limits)
     with live_server(app) as base:

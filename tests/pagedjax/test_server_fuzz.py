@@ -20,15 +20,15 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_api_server_hardening import (
+    byte_llm,
     live_server,
-    make_byte_model,
     raw,
     sse_events,
     stream_text,
     wait_idle,
 )
 
-from pagedjax import LLM, SamplingParams
+from pagedjax import SamplingParams
 from pagedjax.entrypoints.api_server import ServerLimits, build_app
 
 KEY = "fuzz-key"
@@ -41,10 +41,8 @@ EXAMPLES = 120  # make test; the slow run draws many more
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = tmp_path_factory.mktemp("fuzz_llama")
-    make_byte_model(path)
-    llm = LLM(
-        str(path), block_size=8, num_blocks=160, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, seed=0
+    llm = byte_llm(
+        tmp_path_factory, "fuzz_llama", num_blocks=160, max_model_len=MAX_MODEL_LEN, max_num_seqs=8
     )
     greedy = SamplingParams(max_tokens=GOOD_TOKENS, temperature=0, ignore_eos=True)
     refs = [o.outputs[0].text for o in llm.generate(GOOD_PROMPTS, greedy, use_tqdm=False)]

@@ -16,14 +16,13 @@ import urllib.error
 import pytest
 from test_api_server_hardening import (
     assert_openai_error,
+    byte_llm,
     live_server,
-    make_byte_model,
     raw,
     sse_events,
     wait_idle,
 )
 
-from pagedjax import LLM
 from pagedjax.entrypoints.api_server import ServerLimits, build_app
 from pagedjax.entrypoints.openai.logprobs import TokenStrings
 from pagedjax.entrypoints.openai.serving_engine import OpenAIServing
@@ -39,9 +38,7 @@ GEN_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = tmp_path_factory.mktemp("limits_llama")
-    make_byte_model(path)
-    llm = LLM(str(path), block_size=8, num_blocks=200, max_model_len=MAX_MODEL_LEN, seed=0)
+    llm = byte_llm(tmp_path_factory, "limits_llama", max_model_len=MAX_MODEL_LEN)
     limits = ServerLimits(max_response_logprobs=MAX_RESPONSE_LOGPROBS)
     app = build_app(llm.engine, MODEL, api_key=KEY, limits=limits)
     with live_server(app) as base:
