@@ -91,7 +91,9 @@ def tiny(tmp_path_factory):
 
 
 def test_a_request_needing_an_uncompiled_program_is_served_while_the_background_waits(tiny):
-    llm = LLM(tiny, block_size=8, max_model_len=64, num_blocks=48, max_num_seqs=4, seed=0)
+    # A max_model_len no other test uses: the penalties sampler (its history is max_model_len
+    # wide) cannot have been compiled earlier in the same process.
+    llm = LLM(tiny, block_size=8, max_model_len=88, num_blocks=48, max_num_seqs=4, seed=0)
     runner = llm.runner
     programs_before, counted_before = compilation.programs_compiled(), runner.num_compilations
     start = startup.prepare(llm)
