@@ -27,8 +27,8 @@ test-all: install
 	$(BIN)/python -m pytest -q
 
 # The GPU/TPU proof, one command (benchmarks/device_check/; stages 1-5 about 8 minutes on one H200,
-# stages 6-7 about 240 s more; ARGS=--budget-scale 0.8 fits the whole run in 10 minutes): JSON and
-# log under $(OUT). Needs no install: it runs on the machine's own python3 (jax with CUDA, torch,
+# stages 6-8 about 300 s more: budgets of 750 s in all, 600 s with ARGS=--budget-scale 0.8, or split
+# with ARGS=--stages ...): JSON and log under $(OUT). Needs no install: it runs on the machine's own python3 (jax with CUDA, torch,
 # transformers, flax, orbax) or this venv's, and finds the repository itself. ARGS=--toy: CPU run.
 OUT ?= device_check_out
 device-check:

@@ -1,9 +1,8 @@
 """One command that proves and times pagedjax on a GPU: run it first whenever a GPU is at hand.
 
 Stages, each guarded (a failure is recorded with its traceback and the next stage still runs) and
-each with its own time budget (stages 1-5 are sized for 8 minutes on one H200, stages 6 and 7 for
-about 240 s more; --budget-scale 0.8 fits the whole run in 10 minutes, and --stages runs a part of
-it):
+each with its own time budget (stages 1-5 are sized for 8 minutes on one H200, stages 6-8 for
+about 300 s more: 750 s in all, 600 s with --budget-scale 0.8; --stages runs a part of it):
 
   1 env       jax/jaxlib/torch/transformers versions, backend, device kind, memory, the Pallas
               GPU lowerings this JAX offers (Triton; Mosaic GPU) and the ops it ships
@@ -32,6 +31,9 @@ it):
   7 backends  every attention backend of the platform (``select_backend``) against a float64
               numpy oracle, decode and ragged, NaN in stale slots, GQA, block sizes, head dims,
               windows, soft caps, 8-bit KV; decode bandwidth per backend against a device copy
+  8 probe     the decode step through the Runner: scan vs per-layer weights at 1 and 64
+              sequences as a fraction of the memory floor, and dispatch vs device time per sampler
+              variant (a step with no host wait returns before the device finishes)
 
 Prints one summary table at the end (and each stage's lines as it goes); writes
 ``device_check.json`` (after every stage) and ``device_check.log`` under --out.
