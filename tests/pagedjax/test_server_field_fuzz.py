@@ -14,9 +14,10 @@ import json
 import types
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 from test_api_server_hardening import byte_llm, live_server, raw, wait_idle
+from test_server_fuzz import fuzz_settings
 
 from pagedjax.entrypoints.api_server import ServerLimits, build_app
 
@@ -199,13 +200,7 @@ def check_reply(field: str, sent: dict, status: int, reply: bytes) -> None:
 def fuzz(server, examples: int, derandomize: bool) -> dict[int, int]:
     statuses: dict[int, int] = {}
 
-    @settings(
-        max_examples=examples,
-        deadline=None,
-        derandomize=derandomize,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @fuzz_settings(examples, derandomize)
     @given(req=request())
     def one(req):
         path, field, fields = req

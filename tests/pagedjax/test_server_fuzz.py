@@ -287,16 +287,21 @@ def check_reply(path: str, sent, status: int, reply: bytes) -> None:
         assert "error" not in out and out["choices"], where
 
 
-def fuzz(server, examples: int, derandomize: bool) -> None:
-    statuses: dict[int, int] = {}
-
-    @settings(
+def fuzz_settings(examples: int, derandomize: bool) -> settings:
+    """Hypothesis settings for a server fuzzer: no deadline, no database, no health checks."""
+    return settings(
         max_examples=examples,
         deadline=None,
         derandomize=derandomize,
         database=None,
         suppress_health_check=list(HealthCheck),
     )
+
+
+def fuzz(server, examples: int, derandomize: bool) -> None:
+    statuses: dict[int, int] = {}
+
+    @fuzz_settings(examples, derandomize)
     @given(request=REQUEST)
     def one(request):
         path, sent = request
