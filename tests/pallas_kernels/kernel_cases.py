@@ -12,10 +12,12 @@ import dataclasses
 import itertools
 import zlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
+from pagedjax.pallas_kernels import paged_attention, ragged_paged_attention
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1.5e-2}  # max |out - ref| / max |ref|
 HEADS = {1: (2, 2), 4: (8, 2), 5: (5, 1), 8: (16, 2)}  # GQA ratio -> (num_heads, num_kv_heads)
@@ -200,3 +202,24 @@ def numpy_attention(case, *, window, soft_cap) -> np.ndarray:
             p = np.exp(s - s.max())
             out[row, h] = (p / p.sum()) @ v
     return out
+
+
+def device_lowering_case(layout: str, platform: str, pages_dtype) -> tuple:
+    """Production-like shapes (16 sequences, 515-block tables, a cap) for lowering a kernel for
+    ``platform`` on this CPU: (op, abstract args, keyword args); the caller adds the window."""
+    num_seqs, num_blocks, block_size, max_blocks = 16, 1027, 16, 515
+    num_tokens = 1 if layout == "decode" else 1021
+    sds = jax.ShapeDtypeStruct
+    pages = sds((4, num_blocks, block_size, 128), pages_dtype)
+    args = [
+        sds((num_seqs if layout == "decode" else num_tokens, 16, 128), jnp.bfloat16),
+        pages,
+        pages,
+        sds((num_seqs, max_blocks), jnp.int32),
+        sds((num_seqs,), jnp.int32),
+    ]
+    kw = dict(scale=0.1, soft_cap=50.0, backend="gpu" if platform == "cuda" else "tpu")
+    if layout == "decode":
+        return paged_attention, args, kw
+    args.append(sds((num_seqs + 1,), jnp.int32))
+    return ragged_paged_attention, args, {**kw, "max_query_len": 512}

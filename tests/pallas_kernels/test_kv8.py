@@ -24,6 +24,7 @@ from kernel_cases import (
     PAGES_PER_BLOCK,
     TOLERANCE,
     decode_case,
+    device_lowering_case,
     first_key,
     fresh_rng,
     numpy_attention,
@@ -428,24 +429,9 @@ def test_decode_only_ragged_batch_over_8bit_pool(request, backend):
 @pytest.mark.parametrize("layout", ["decode", "ragged"])
 def test_8bit_kernels_lower_for_device(platform, marker, layout, kv_dtype):
     """Production-like shapes over an 8-bit pool with a window and a cap, lowered on this CPU."""
-    num_seqs, num_blocks, block_size, max_blocks = 16, 1027, 16, 515
-    num_tokens = 1 if layout == "decode" else 1021
+    op, args, kw = device_lowering_case(layout, platform, KV8[kv_dtype])
     sds = jax.ShapeDtypeStruct
-    pages = sds((4, num_blocks, block_size, 128), KV8[kv_dtype])
-    scales = sds((4, num_blocks, block_size), jnp.float32)
-    args = [
-        sds((num_seqs if layout == "decode" else num_tokens, 16, 128), jnp.bfloat16),
-        pages,
-        pages,
-        sds((num_seqs, max_blocks), jnp.int32),
-        sds((num_seqs,), jnp.int32),
-    ]
-    kw = dict(scale=0.1, soft_cap=50.0, backend="gpu" if platform == "cuda" else "tpu")
-    if layout == "decode":
-        op = paged_attention
-    else:
-        op, kw["max_query_len"] = ragged_paged_attention, 512
-        args.append(sds((num_seqs + 1,), jnp.int32))
+    scales = sds((4, 1027, 16), jnp.float32)  # [kv_heads, num_blocks, block_size]
 
     def fn(w, ks, vs, *a):
         return op(*a, sliding_window=w, k_scales=ks, v_scales=vs, **kw)

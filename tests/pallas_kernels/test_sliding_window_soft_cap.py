@@ -22,6 +22,7 @@ import pytest
 from kernel_cases import (
     PAGES_PER_BLOCK,
     decode_case,
+    device_lowering_case,
     first_key,
     fresh_rng,
     numpy_attention,
@@ -179,23 +180,8 @@ def test_references_take_a_python_int_window(request, layout):
 @pytest.mark.parametrize("layout", ["decode", "ragged"])
 def test_windowed_capped_kernels_lower_for_device(platform, marker, layout):
     """Production-like shapes with a traced window and a cap, lowered on this CPU."""
-    num_seqs, num_blocks, block_size, max_blocks = 16, 1027, 16, 515
-    num_tokens = 1 if layout == "decode" else 1021
+    op, args, kw = device_lowering_case(layout, platform, jnp.bfloat16)
     sds = jax.ShapeDtypeStruct
-    pages = sds((4, num_blocks, block_size, 128), jnp.bfloat16)
-    args = [
-        sds((num_seqs if layout == "decode" else num_tokens, 16, 128), jnp.bfloat16),
-        pages,
-        pages,
-        sds((num_seqs, max_blocks), jnp.int32),
-        sds((num_seqs,), jnp.int32),
-    ]
-    kw = dict(scale=0.1, soft_cap=50.0, backend="gpu" if platform == "cuda" else "tpu")
-    if layout == "decode":
-        op = paged_attention
-    else:
-        op, kw["max_query_len"] = ragged_paged_attention, 512
-        args.append(sds((num_seqs + 1,), jnp.int32))
     traced = jax.jit(lambda w, *a: op(*a, sliding_window=w, **kw)).trace(sds((), jnp.int32), *args)
     assert marker in traced.lower(lowering_platforms=(platform,)).as_text()
 
