@@ -15,6 +15,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from test_block_manager import state
 
 from pagedjax.core.block_manager import AllocStatus, BlockManager, hash_block_tokens
 from pagedjax.core.block_swap import HOST_NULL, NULL_BLOCK
@@ -71,18 +72,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     # ---- helpers -------------------------------------------------------------------------------
 
     def snapshot(self):
-        bm = self.bm
-        return (
-            list(bm.free_block_ids),
-            list(bm.evictable),
-            dict(bm.hash_to_block_id),
-            {k: list(v) for k, v in bm.block_tables.items()},
-            {k: list(v) for k, v in bm.host_block_tables.items()},
-            [b.ref_count for b in bm.blocks],
-            list(bm.host_ref_counts),
-            list(bm.free_host_block_ids),
-            bm.get_stats(),
-        )
+        return state(self.bm)
 
     def groups_with(self, status):
         return [g for g in self.groups if g.num_seqs(status)]
