@@ -49,7 +49,8 @@ class OutputProcessor:
             seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
 
     def stop_string_hit(self, seq: Sequence, p: SamplingParams) -> bool:
-        """Detokenize seq's new tokens; cut its text at a stop string if one appeared."""
+        """Detokenize seq's new tokens; cut its text at a stop string if one appeared (the
+        string recorded as ``seq.stop_reason``)."""
         self.detokenize(seq, p.skip_special_tokens)
         searched, seq.stop_search_from = seq.stop_search_from, len(seq.text)
         if not p.stop or seq.finish_reason == "stop" or len(seq.text) == searched:
@@ -57,6 +58,7 @@ class OutputProcessor:
         at = find_stop_string(seq.text, searched, p.stop)
         if at < 0:
             return False
+        seq.stop_reason = next(stop for stop in p.stop if seq.text.startswith(stop, at))
         seq.text = seq.text[:at]
         return True
 
@@ -72,6 +74,14 @@ class OutputProcessor:
             req.grammar.forget(seq)
         return reason
 
+    @staticmethod
+    def stop_reason(req: Request, seq: Sequence) -> int | str | None:
+        """vLLM's stop_reason: the stop token id or stop string that finished seq, or why its
+        grammar could go no further; None otherwise (EOS, length, running)."""
+        if req.grammar is not None and (why := req.grammar.stop_reasons.get(seq.seq_id)):
+            return why
+        return seq.stop_reason if seq.finish_reason == "stop" else None
+
     def make_output(self, req: Request) -> RequestOutput:
         if req.is_beam_search:
             return self._beam_output(req)
@@ -85,7 +95,7 @@ class OutputProcessor:
                 cumulative_logprob=s.cumulative_logprob,
                 logprobs=list(s.logprobs) if want_logprobs else None,
                 finish_reason=s.finish_reason,
-                stop_reason=req.grammar.stop_reasons.get(s.seq_id) if req.grammar else None,
+                stop_reason=self.stop_reason(req, s),
             )
             for s in seqs
         ]

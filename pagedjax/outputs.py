@@ -25,8 +25,9 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None  # "stop" (EOS / stop token), "length", "abort", or None (running)
-    # Why a grammar ended it with "abort": no token of the vocabulary could continue it.
-    stop_reason: str | None = None
+    # vLLM's: the stop token id or stop string that ended it with "stop" (None for EOS), or why
+    # a grammar ended it with "abort" (no token of the vocabulary could continue it).
+    stop_reason: int | str | None = None
 
 
 @dataclasses.dataclass

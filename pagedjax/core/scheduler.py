@@ -31,10 +31,13 @@ _FINISHED_STATUS = {
 def check_stop(
     seq: Sequence, p: SamplingParams, eos_token_ids: Collection[int], max_model_len: int
 ) -> str | None:
-    """Why seq stops after its last token: "stop" (EOS, a stop token id), "length", or None.
+    """Why seq stops after its last token: "stop" (EOS, a stop token id), "length", or None. A
+    stop token id that is not an EOS it stops on is recorded as ``seq.stop_reason`` (vLLM's).
     (Stop strings need the text: the output processor checks them.)"""
     token = seq.get_last_token_id()
-    if (not p.ignore_eos and token in eos_token_ids) or token in p.stop_token_ids:
+    eos = not p.ignore_eos and token in eos_token_ids
+    if eos or token in p.stop_token_ids:
+        seq.stop_reason = None if eos else token
         return "stop"
     if seq.get_output_len() >= p.max_tokens or seq.get_len() >= max_model_len:
         return "length"

@@ -75,6 +75,8 @@ class Sequence:
         self.stop_search_from = 0  # stop strings can only start in text[stop_search_from - L:]
         self.logprobs: list[dict[int, float]] = []
         self.finish_reason: str | None = None
+        # vLLM's stop_reason: the stop token id or stop string that finished it, else None
+        self.stop_reason: int | str | None = None
 
     def __repr__(self) -> str:
         return (

@@ -210,6 +210,15 @@ def test_stop_strings_and_text(tiny):
     assert out.finish_reason == "stop"
     assert out.text == free.text[: free.text.index(stop)]  # the stop string is not included
     assert out.token_ids == free.token_ids[: first + 1]
+    # vLLM's stop_reason: the matched stop string or stop token id; None for a length stop.
+    assert out.stop_reason == stop and free.stop_reason is None
+    token = free.token_ids[3]
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, stop_token_ids=[token]
+    )
+    by_id = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert by_id.finish_reason == "stop" and by_id.stop_reason == token
+    assert by_id.token_ids == free.token_ids[: free.token_ids.index(token) + 1]
 
 
 def test_randomised_requests_and_aborts_leave_no_blocks(tiny):

@@ -54,24 +54,10 @@ class Responses:
     def stop_reason(
         self, c: CompletionOutput, params: SamplingParams, prompt_ids
     ) -> int | str | None:
-        """vLLM's stop_reason: the stop token id or stop string that ended the choice, else None
-        (EOS, length); a grammar's dead end keeps the engine's reason. The engine cuts a stop
-        string off the text without saying which one matched: replaying its detokenization
-        gives the text before the cut, where the match starts at ``len(c.text)``."""
-        if c.stop_reason is not None:
-            return c.stop_reason
-        if c.finish_reason != "stop" or not c.token_ids:
-            return None
-        last = c.token_ids[-1]
-        eos = not params.ignore_eos and last in self.eos_token_ids
-        if last in params.stop_token_ids and not eos:
-            return last
-        if not params.stop or self.tokenizer is None:
-            return None
-        replay = TextOffsets(self.tokenizer, prompt_ids)
-        replay.feed(c.token_ids)
-        full, at = replay.text, len(c.text)
-        return next((s for s in params.stop if full.startswith(s, at)), None)
+        """vLLM's stop_reason, as the engine recorded it (``CompletionOutput.stop_reason``): the
+        stop token id or stop string that ended the choice, a grammar's dead end, else None
+        (EOS, length). ``params`` and ``prompt_ids`` are not needed for it."""
+        return c.stop_reason
 
     def completion_logprobs(self, echo, i, prompt_ids, out, c, k, shown_text):
         """A completion choice's logprobs: the echoed prompt's, then its generated tokens'."""
