@@ -6,7 +6,9 @@ steps that hold such rows pay for them: there the model step also returns the lo
 rows (``logits_indices`` grows by a bucketed block of rows, so these steps run model programs of
 their own, compiled the first time a request asks), and ``prompt_logprobs`` (a small jitted
 program) scores them and hands the usual per-sequence logits on to the sampler. Steps without
-such rows run the usual programs, unchanged.
+such rows run the usual programs, unchanged. The runner returns the scores with the step's output
+(``PromptScores`` per scheduled sequence) and the step loop stores them into the request's
+``PromptLogprobs``.
 
 A cached prefix has no logits, so a request that asks for prompt logprobs does not read the shared
 prefix cache (``PromptLogprobs.cache_key``): it computes its whole prompt. After a preemption by
