@@ -24,6 +24,7 @@ test: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
 test-all: install
+	$(BIN)/python -m pip install --quiet -e '.[test,ray]'  # the Ray Serve tests (all slow)
 	$(BIN)/python -m pytest -q
 
 # The GPU/TPU proof, one command (benchmarks/device_check/; stages 1-5 about 8 minutes on one H200,
