@@ -6,13 +6,11 @@ kernels' output axis, or like the kernel when grouped."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from worker_report import run_reporting_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,21 +49,8 @@ WORKER = textwrap.dedent(
 
 
 def _report(tmp_path, runs: list[tuple[str, int]], model: str = "llama_gqa") -> dict:
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "JAX_PLATFORMS": "cpu",
-    }
-    result = subprocess.run(
-        [sys.executable, "-c", WORKER, str(tmp_path / "tiny"), str(ROOT), json.dumps(runs), model],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    line = next(x for x in result.stdout.splitlines() if x.startswith("REPORT "))
-    return json.loads(line[len("REPORT ") :])
+    argv = ["-c", WORKER, str(tmp_path / "tiny"), str(ROOT), json.dumps(runs), model]
+    return run_reporting_worker(argv, num_devices=4, timeout=900)
 
 
 def test_int8_tensor_parallel_matches_tp_1(tmp_path):

@@ -2,33 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from worker_report import run_reporting_worker
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 
 
 def run_worker(tmp: Path, flag: str) -> dict:
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "JAX_PLATFORMS": "cpu",
-    }
-    result = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp), flag],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    line = next(x for x in result.stdout.splitlines() if x.startswith("REPORT "))
-    return json.loads(line[len("REPORT ") :])
+    return run_reporting_worker([str(WORKER), str(tmp), flag], num_devices=4, timeout=1200)
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from hf_models import make_tiny_model  # noqa: E402
 from pagedjax.models.loader import default_model_path, load_model  # noqa: E402
 from pagedjax.models.sharding import make_mesh  # noqa: E402
 
-import pagedjax.worker.runner as runner_mod  # noqa: E402
 from pagedjax import LLM, SamplingParams  # noqa: E402
+from pagedjax.worker import programs  # noqa: E402
 from pagedjax.worker.runner import ScheduledSeq  # noqa: E402
 from pagedjax.worker.sampler import SamplingRow  # noqa: E402
 
@@ -37,7 +37,7 @@ def step_hlo(llm: LLM) -> str:
     r = llm.runner
     seqs = [ScheduledSeq([5, 6, 7], 0, [1], [SamplingRow()])]
     step_input = r.build_step_input(seqs)
-    lowered = runner_mod._step.lower(
+    lowered = programs.forward.lower(
         r.params,
         r.kv_cache.pages,
         jax.device_put(step_input, r._inputs),

@@ -5,10 +5,6 @@ copy-on-write): the scales travel with the pages. At a fixed memory budget it ho
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -17,6 +13,7 @@ import pytest
 from hf_models import make_tiny_model
 from pagedjax.models.config import ModelConfig
 from pagedjax.models.llama import kv_pool_bytes_per_block
+from worker_report import run_reporting_worker
 
 from pagedjax import LLM, SamplingParams
 from pagedjax.config import CacheConfig, EngineConfig
@@ -198,21 +195,8 @@ TP_WORKER = textwrap.dedent(
 
 @pytest.mark.slow
 def test_int8_kv_tensor_parallel_2_matches_tp_1(tmp_path):
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-        "JAX_PLATFORMS": "cpu",
-    }
-    result = subprocess.run(
-        [sys.executable, "-c", TP_WORKER, str(tmp_path / "tiny"), str(ROOT)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    line = next(x for x in result.stdout.splitlines() if x.startswith("REPORT "))
-    report = json.loads(line[len("REPORT ") :])
+    argv = ["-c", TP_WORKER, str(tmp_path / "tiny"), str(ROOT)]
+    report = run_reporting_worker(argv, num_devices=2, timeout=900)
     assert report["2"]["tokens"] == report["1"]["tokens"]
     # pages (2 kv heads) split by kv heads on the 2 devices, and the scales beside them
     assert report["2"]["split"] == [True] * 4 and len(report["1"]["split"]) == 4
