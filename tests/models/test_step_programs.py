@@ -16,7 +16,7 @@ from pagedjax.models.layer_loop import split_layers
 from pagedjax.models.llama import param_shapes
 from pagedjax.models.step_input import StepInput
 
-import pagedjax.worker.runner as runner_mod
+from pagedjax.worker import programs
 
 NUM_BLOCKS, BLOCK = 256, 8  # a layer's pool is larger than any weight, so sizes tell it apart
 _DEF = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]")
@@ -41,7 +41,7 @@ def step_hlo(layers: int, max_query_len: int, unroll: bool = False) -> str:
     if unroll:  # one tree per layer (models/layer_loop.py): the layers unrolled
         params = split_layers(params, c)
     args = (params, (pool, pool), step, c, "reference", None)
-    return runner_mod._step.lower(*args).compile().as_text()
+    return programs.forward.lower(*args).compile().as_text()
 
 
 def aliased_params(hlo: str) -> set[int]:
