@@ -7,7 +7,10 @@ programs dispatched and the host arrays transferred per step (the runner's count
 
     python benchmarks/engine_host_cost.py [--steps 32] [--repeats 7] [--batches 1 64] [--quick]
 
-Time it on a quiet machine: other jobs' load shows up directly in these figures.
+Time it on a quiet machine: other jobs' load shows up directly in these figures. To compare with
+an older checkout in the same sitting, run this same file from that checkout's root, with
+``pagedjax/models`` and ``pagedjax/pallas_kernels`` linked to its ``models/`` and
+``pallas_kernels/`` so that its own package is imported (its counts print as nan).
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ def measure(llm: LLM, batch: int, steps: int, repeats: int) -> dict:
     for _ in range(steps):  # prompts, then decode steps: every program compiled (discarded)
         engine.step()
     times = []
-    programs, transfers = runner.num_programs, runner.num_transfers
+    programs, transfers = _counts(runner)
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -87,12 +90,20 @@ def measure(llm: LLM, batch: int, steps: int, repeats: int) -> dict:
     n = steps * repeats
     for i in range(batch):
         engine.abort_request(f"r{i}")
+    programs_after, transfers_after = _counts(runner)
     return dict(
         min_ms=min(times) * 1e3,
         median_ms=statistics.median(times) * 1e3,
-        programs=(runner.num_programs - programs) / n,
-        transfers=(runner.num_transfers - transfers) / n,
+        programs=(programs_after - programs) / n,
+        transfers=(transfers_after - transfers) / n,
     )
+
+
+def _counts(runner) -> tuple[float, float]:
+    """The runner's program and transfer counts; NaN for a runner that does not count them (an
+    older checkout, timed side by side with this one: see the module docstring)."""
+    nan = float("nan")
+    return getattr(runner, "num_programs", nan), getattr(runner, "num_transfers", nan)
 
 
 def main(argv: list[str] | None = None) -> int:
