@@ -3,6 +3,7 @@ file's linear kernels kept in 8 bits with the file's own block scales (``Q8Block
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -69,11 +70,25 @@ def q8_0_blocks(t) -> Q8Blocks:
     return Q8Blocks(values, scales)
 
 
-def open_gguf(path: Path, keep_q8_0: bool = False):
+def gguf_reader(path: str | Path):
+    """The file's parsed reader, one per process for the last file asked for: parsing a GGUF's
+    header takes seconds (its vocabulary), and a first load asks three times (kernel types,
+    weights, tokenizer). Keyed by the file's path, modification time and size."""
+    stat = os.stat(path)
+    return _reader(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=1)
+def _reader(path: str, mtime_ns: int, size: int):
     from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def open_gguf(path: Path, keep_q8_0: bool = False):
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
+    reader = gguf_reader(path)
     fields = {
         k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")
     }
@@ -153,9 +168,7 @@ def cached_gguf_kernel_types(path: Path, cache_root: Path) -> set[str]:
         return set(json.loads(saved.read_text()))
     except (OSError, ValueError):
         pass
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
+    reader = gguf_reader(path)
     arch = reader.fields["general.architecture"].contents()
     types = gguf_kernel_types(reader, GGUF_ARCHS[arch][1]) if arch in GGUF_ARCHS else set()
     try:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .cache import cache_key, cache_root
+from .gguf import gguf_reader
 
 if TYPE_CHECKING:
     from ..loader import LoadedModel
@@ -62,7 +63,6 @@ def cached_gguf_tokenizer(path: Path):
 def gguf_tokenizer(path: str):
     """A fast tokenizer from a GGUF file's tokenizer metadata: transformers' own conversion
     (``convert_gguf_tokenizer``) fed with fields read by the gguf package."""
-    import gguf
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
         _SPECIAL_TOKENS,
@@ -70,7 +70,7 @@ def gguf_tokenizer(path: str):
         convert_gguf_tokenizer,
     )
 
-    reader = gguf.GGUFReader(path)
+    reader = gguf_reader(path)
     meta = {
         k: f.contents()
         for k, f in reader.fields.items()

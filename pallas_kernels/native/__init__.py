@@ -14,6 +14,7 @@ take their plain XLA path. ``PAGEDJAX_NATIVE=0`` turns the kernels off.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -87,30 +88,59 @@ def _key(source: bytes, cxx: str) -> str:
     return h.hexdigest()[:16]
 
 
+def _output(name: str, cxx: str) -> tuple[Path, str]:
+    """Where NAME.cc's build lives in the cache, and its key."""
+    key = _key((SOURCE_DIR / f"{name}.cc").read_bytes(), cxx)
+    return _cache_dir() / f"{name}-{key}.so", key
+
+
+def _start_compile(name: str, cxx: str, out: Path) -> tuple[subprocess.Popen, list[str], str]:
+    """Start compiling NAME.cc into a file of its own (renamed into place by ``_finish``: another
+    process building the same library at the same time never loads a half-written file)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{name}-", suffix=".so")
+    os.close(fd)
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE_DIR / f"{name}.cc"), "-o", tmp]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, cmd, tmp
+
+
+def _finish(job: tuple[subprocess.Popen, list[str], str], out: Path) -> None:
+    proc, cmd, tmp = job
+    try:
+        _, stderr = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{stderr[-4000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _build_missing() -> None:
+    """Compile every source beside this file that the cache lacks, all at once: a process's
+    first kernel would otherwise wait for one build, and the next kernel for another (each
+    about 5 s on 2 cores). A failure here is left for that kernel's own ``load`` to report."""
+    cxx = compiler()
+    if cxx is None:
+        return
+    jobs = []
+    for source in sorted(SOURCE_DIR.glob("*.cc")):
+        out, _ = _output(source.stem, cxx)
+        if not out.exists():
+            jobs.append((_start_compile(source.stem, cxx, out), out))
+    for job, out in jobs:
+        with contextlib.suppress(OSError, RuntimeError):
+            _finish(job, out)
+
+
 def _build(name: str, symbols: tuple[str, ...]) -> Library:
-    source_path = SOURCE_DIR / f"{name}.cc"
-    source = source_path.read_bytes()
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-    key = _key(source, cxx)
-    out_dir = _cache_dir()
-    out = out_dir / f"{name}-{key}.so"
+    out, key = _output(name, cxx)
     if not out.exists():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        # Written under a name of its own, then renamed into place: another process building
-        # the same library at the same time never loads a half-written file.
-        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}-", suffix=".so")
-        os.close(fd)
-        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source_path), "-o", tmp]
-        try:
-            run = subprocess.run(cmd, capture_output=True, text=True)
-            if run.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{run.stderr[-4000:]}")
-            os.replace(tmp, out)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        _finish(_start_compile(name, cxx, out), out)
     lib = ctypes.cdll.LoadLibrary(str(out))
     targets = {}
     for symbol in symbols:
@@ -130,6 +160,8 @@ def load(name: str, symbols: tuple[str, ...]) -> Library | None:
     if not enabled():
         return None
     with _lock:
+        if not _loaded:  # the process's first kernel: every missing build at once
+            _build_missing()
         if name not in _loaded:
             try:
                 _loaded[name] = _build(name, symbols)
