@@ -100,8 +100,7 @@ class LLM:
         if warmup:
             sched = config.scheduler  # groups of several sequences swap in any mode
             swap = self.engine.block_manager.num_host_blocks > 0
-            fill = self.engine.steps.enabled  # the async steps' placeholder fill
-            self.runner.warmup(sched.max_num_seqs, sched.token_budget, swap=swap, fill_tokens=fill)
+            self.runner.warmup(sched.max_num_seqs, sched.token_budget, swap=swap)
         self._request_ids = itertools.count()
         self._driver_stats: EngineStats | None = None  # a follower's copy of the driver's
 

@@ -108,15 +108,14 @@ def prepare(
     sched = engine.config.scheduler
     limits = (sched.max_num_seqs, sched.token_budget)
     swap = engine.block_manager.num_host_blocks > 0
-    fill = engine.steps.enabled  # async steps fill placeholder tokens on the device
     if warmup_all or not hasattr(runner, "startup_jobs"):  # a draft model's: everything
-        return Startup(runner.warmup(*limits, swap=swap, fill_tokens=fill))
-    first = runner.startup_jobs(*limits, fill_tokens=fill)
+        return Startup(runner.warmup(*limits, swap=swap))
+    first = runner.startup_jobs(*limits)
     report = runner.compile(first, progress=True)
     if not background or not engine.is_driver:  # a follower compiles on the driver's first use
         return Startup(report)
     done = {name for name, _ in first}
-    rest = _rarest_last(runner.warmup_jobs(*limits, swap=swap, fill_tokens=fill), done)
+    rest = _rarest_last(runner.warmup_jobs(*limits, swap=swap), done)
     return Startup(report, BackgroundCompile(runner.compile, rest))
 
 

@@ -319,13 +319,12 @@ class Runner:
         *,
         swap: bool | None = None,
         progress: bool = True,
-        fill_tokens: bool = False,
     ) -> WarmupReport:
         """Compile every program a workload within these limits can need (``warmup_jobs``) on a
         thread pool (XLA compiles outside the GIL); returns the seconds each program took
         (compiled, or loaded from the persistent cache)."""
         limits = (max_num_seqs, max_num_batched_tokens)
-        jobs = self.warmup_jobs(*limits, swap=swap, fill_tokens=fill_tokens)
+        jobs = self.warmup_jobs(*limits, swap=swap)
         return self.compile(jobs, progress=progress)
 
     def compile(self, jobs: list[Job], **kwargs) -> WarmupReport:
@@ -337,11 +336,9 @@ class Runner:
             self.compile_seconds += report.compile_seconds
         return report
 
-    def startup_jobs(
-        self, max_num_seqs: int, max_num_batched_tokens: int, *, fill_tokens: bool = False
-    ) -> list[Job]:
+    def startup_jobs(self, max_num_seqs: int, max_num_batched_tokens: int) -> list[Job]:
         """The programs a server compiles before it answers (worker/warmup_jobs.py; the step
-        program fills async placeholders itself: ``fill_tokens`` adds nothing)."""
+        program fills async placeholders itself)."""
         return warmup_jobs.startup_jobs(self, max_num_seqs, max_num_batched_tokens)
 
     def warmup_jobs(
@@ -350,10 +347,9 @@ class Runner:
         max_num_batched_tokens: int,
         *,
         swap: bool | None = None,
-        fill_tokens: bool = False,
     ) -> list[Job]:
         """Every program a workload within these limits can need (worker/warmup_jobs.py), as
-        (name, lowering thunk); ``fill_tokens`` adds nothing (the fill is in the step program)."""
+        (name, lowering thunk); the async placeholders' fill is in the step program."""
         return warmup_jobs.warmup_jobs(self, max_num_seqs, max_num_batched_tokens, swap)
 
     def place(self, tree):

@@ -45,7 +45,7 @@ def test_a_dozen_model_programs_before_health_and_the_rest_in_the_background(que
     runner = _runner()
     runner.batcher.query_buckets = query_buckets
     shapes = runner.step_shapes(*DEFAULT_LIMITS)
-    first = _names(runner.startup_jobs(*DEFAULT_LIMITS, fill_tokens=True))
+    first = _names(runner.startup_jobs(*DEFAULT_LIMITS))
     models = [n for n in first if n.startswith("model ")]
     assert 8 <= len(models) <= 16, models
     assert len(shapes) > 10 * len(models)  # the full set is an order of magnitude more
@@ -60,8 +60,8 @@ def test_a_dozen_model_programs_before_health_and_the_rest_in_the_background(que
     rare = re.compile(r"penalt|constrain|logprob|verify|blocks|b(64|128|256|512)\b")
     assert not [n for n in first if rare.search(n)]
 
-    everything = _names(runner.warmup_jobs(*DEFAULT_LIMITS, swap=True, fill_tokens=True))
-    full = runner.warmup_jobs(*DEFAULT_LIMITS, swap=True, fill_tokens=True)
+    everything = _names(runner.warmup_jobs(*DEFAULT_LIMITS, swap=True))
+    full = runner.warmup_jobs(*DEFAULT_LIMITS, swap=True)
     background = _names(startup._rarest_last(full, set(first)))
     assert len(background) == len(set(background))
     assert not set(background) & set(first)

@@ -17,7 +17,7 @@ from pagedjax.entrypoints.openai.logprobs import (
     prompt_completion_logprobs,
 )
 from pagedjax.entrypoints.openai.offload import dumps
-from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import SamplingParams
 
 
@@ -50,14 +50,6 @@ class Responses:
         self.strings = TokenStrings(tokenizer)
         self.eos_token_ids = eos_token_ids
         self.model_name = model_name
-
-    def stop_reason(
-        self, c: CompletionOutput, params: SamplingParams, prompt_ids
-    ) -> int | str | None:
-        """vLLM's stop_reason, as the engine recorded it (``CompletionOutput.stop_reason``): the
-        stop token id or stop string that ended the choice, a grammar's dead end, else None
-        (EOS, length). ``params`` and ``prompt_ids`` are not needed for it."""
-        return c.stop_reason
 
     def completion_logprobs(self, echo, i, prompt_ids, out, c, k, shown_text):
         """A completion choice's logprobs: the echoed prompt's, then its generated tokens'."""
@@ -99,7 +91,7 @@ class Responses:
             for rank, c in enumerate(outs):
                 index = i * n + (rank if params.n > n else c.index)
                 lp, finish = None, c.finish_reason
-                reason = self.stop_reason(c, params, prompts[i])
+                reason = c.stop_reason
                 if chat:
                     if k_logprobs is not None and c.logprobs is not None:
                         lp = chat_logprobs(self.strings, c.token_ids, c.logprobs, k_logprobs)
@@ -257,7 +249,7 @@ class StreamEvents:
         reason = None
         if finish:
             self.done.add(index)
-            reason = self.r.stop_reason(c, self.params, self.prompts[p])
+            reason = c.stop_reason
         if text or lp or finish:
             return [self.chunk(index, text, finish, lp, stop_reason=reason)]
         return []
