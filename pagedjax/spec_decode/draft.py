@@ -36,8 +36,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import dispatch
 
+from pagedjax import compilation
 from pagedjax.models.loader import load_model
 from pagedjax.worker.input_batch import ScheduledSeq
 from pagedjax.worker.runner import Runner, WarmupReport
@@ -50,17 +50,6 @@ from pagedjax.worker.sampler import (
 )
 
 DRAFT_KEY = 3  # folded into a row's key for the draft's own draws
-
-_compiles = 0
-
-
-def _count_compiles(event: str, duration_secs: float, **kwargs) -> None:
-    global _compiles
-    if event == dispatch.BACKEND_COMPILE_EVENT:
-        _compiles += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 
 
 @jax.jit
@@ -164,10 +153,10 @@ class DraftModelRunner:
             self.target.config.vocab_size,
             history_width=self.target.max_model_len,
         ).without_flags()
-        before = _compiles
-        tokens, q = draft_sample(logits, jax.device_put(sampling, self.target._inputs))
+        before = compilation.this_thread()[0]
+        tokens, q = draft_sample(logits, self.target.place(sampling))
         tokens, q = np.asarray(tokens), np.asarray(q)
-        self.num_own_compilations += _compiles - before
+        self.num_own_compilations += compilation.this_thread()[0] - before
         return tokens, q
 
     # ---- block moves: both pools ---------------------------------------------------------
@@ -205,7 +194,7 @@ class DraftModelRunner:
         draft = self.draft.warmup(max_num_seqs, max_num_batched_tokens, **kwargs)
         programs = target.programs + draft.programs
         shapes = self.draft.step_shapes(max_num_seqs, max_num_batched_tokens)
-        vocab, before = self.target.config.vocab_size, _compiles
+        vocab, before = self.target.config.vocab_size, compilation.this_thread()[0]
         for s in sorted({shape.num_seqs for shape in shapes if shape.max_query_len == 1}):
             for penalties in (False, True):
                 for constrained in (False, True):
@@ -214,15 +203,15 @@ class DraftModelRunner:
                         logit_bias=((0, 1.0),) if constrained else (),
                     )
                     t0 = time.perf_counter()
-                    logits = jax.device_put(np.zeros((s, vocab), np.float32), self.target._inputs)
+                    logits = self.target.place(np.zeros((s, vocab), np.float32))
                     sampling = SamplingInput.build(
                         [row], s, vocab, history_width=self.target.max_model_len
                     ).without_flags()
-                    sampling = jax.device_put(sampling, self.target._inputs)
+                    sampling = self.target.place(sampling)
                     draft_sample.lower(logits, sampling).compile()
                     name = f"draft_sample s{s}" + " penalties" * penalties
                     programs.append((name + " constrained" * constrained, time.perf_counter() - t0))
-        self.num_own_compilations += _compiles - before
+        self.num_own_compilations += compilation.this_thread()[0] - before
         return WarmupReport(programs, time.perf_counter() - start)
 
 
