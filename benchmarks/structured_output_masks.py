@@ -128,7 +128,7 @@ class LLGuidance:
     def compile(self, kind, spec):
         M = self.llg.LLMatcher
         if kind == "json":
-            from pagedjax.structured_output import JSON_STYLE  # the engine's JSON style
+            from pagedjax.structured_output.grammar import JSON_STYLE  # the engine's JSON style
 
             g = M.grammar_from_json_schema(json.dumps(spec), overrides=JSON_STYLE)
         elif kind == "regex":

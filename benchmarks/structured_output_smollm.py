@@ -146,8 +146,8 @@ class GrammarTimer:
     """Host seconds spent in RequestGrammar.mask / after_token, and engine step seconds."""
 
     def __init__(self):
-        from pagedjax.engine import LLMEngine
-        from pagedjax.structured_output import RequestGrammar
+        from pagedjax.engine.llm_engine import LLMEngine
+        from pagedjax.structured_output.grammar import RequestGrammar
 
         self.grammar_s = 0.0
         self.step_s: list[float] = []

@@ -1,7 +1,7 @@
 """pagedjax: vLLM's PagedAttention serving engine in JAX and Pallas."""
 
-from pagedjax.engine import LLMEngine
-from pagedjax.llm import LLM
+from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.entrypoints.llm import LLM
 from pagedjax.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 

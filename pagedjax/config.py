@@ -100,7 +100,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     # vLLM's dict ({"method": "ngram", "num_speculative_tokens": k, ...}) or SpeculativeConfig
     speculative_config: SpeculativeConfig | None = None
-    # Schedule and dispatch step N+1 while step N runs (pagedjax/async_step.py), where it is safe
+    # Schedule and dispatch step N+1 while step N runs (engine/step_loop.py), where it is safe
     async_scheduling: bool = True
 
     def __post_init__(self):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from pagedjax.structured_output import StructuredOutputsParams
+from pagedjax.structured_output.grammar import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (the sampler's fixed-width bias input)

@@ -130,7 +130,7 @@ def test_toy_serve_stage_measures_pagedjax_serve_and_a_peer_side_by_side(dc, tmp
     """Stage 6 on CPU: the tiny random model served by ``pagedjax serve`` and by a stub
     OpenAI-like peer (started with --peer), one after the other; an uninstalled peer is skipped
     with its reason. Both servers' rows, the ratios and the plot land in the JSON and the log."""
-    monkeypatch.syspath_prepend(str(ROOT / "tests" / "pagedjax"))
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "pagedjax" / "bench"))
     from test_bench_serve import STUB
 
     stub = tmp_path / "stub_server.py"

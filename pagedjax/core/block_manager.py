@@ -6,7 +6,7 @@ Pure Python; imports no jax. The device pool holds num_blocks blocks; block 0 is
 Swapping lives in block_swap.py, prefix matching and hashing in prefix_cache.py, the
 sliding-window arithmetic in window.py.
 
-Invariants (tests/pagedjax/test_block_manager_state_machine.py checks them after every step):
+Invariants (tests/pagedjax/core/test_block_manager_state_machine.py checks them after every step):
 - every device block but the null block is free xor referenced, and its ref count equals the
   number of block tables holding it; likewise for host blocks;
 - a block is written only while it has one reference (append_slots copies shared ones first);

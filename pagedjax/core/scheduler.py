@@ -13,8 +13,8 @@ import dataclasses
 import itertools
 from collections.abc import Collection
 
-from pagedjax import beam_search
 from pagedjax.config import PREEMPTION_MODES
+from pagedjax.core import beam_search
 from pagedjax.core.block_manager import AllocStatus, BlockManager
 from pagedjax.core.in_flight import InFlight
 from pagedjax.core.longrope import LongRopeSwitch

@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from pagedjax import compilation, pallas_kernels
 from pagedjax.distributed import Channel
+from pagedjax.inspection.step_profile import StepProfile
 from pagedjax.models.config import ModelConfig
 from pagedjax.models.linear import process_weights_after_loading
 from pagedjax.models.quant import compute_dtype
@@ -42,7 +43,6 @@ from pagedjax.models.sharding import pool_sharding, shard_params
 from pagedjax.models.step_input import StepInput
 from pagedjax.pallas_kernels.layer_matmul import CpuLinearMethods
 from pagedjax.spec_decode.rejection import verify_step
-from pagedjax.step_profile import StepProfile
 from pagedjax.worker import programs, prompt_logprobs, sampler, step_program, warmup_jobs
 from pagedjax.worker.input_batch import (
     InputBatcher,
@@ -198,7 +198,7 @@ class Runner:
         """Start one step on the device and return without waiting for it (JAX dispatches
         asynchronously); ``fetch`` brings its output to the host. ``prev_tokens``: the device
         tokens of the step before (``StepHandle.tokens``): a token id -1 - r in ``seqs`` is
-        replaced, on the device, by row r of them (async scheduling, pagedjax/async_step.py)."""
+        replaced, on the device, by row r of them (async scheduling, engine/step_loop.py)."""
         if prev_tokens is not None and self.channel is not None:
             raise ValueError("prev_tokens: followers cannot replay a device array (one process)")
         prof = self.profile

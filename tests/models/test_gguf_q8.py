@@ -16,8 +16,8 @@ from flax.traverse_util import flatten_dict
 from gguf import GGMLQuantizationType as QT
 from pagedjax.models import quant
 
-import pagedjax.engine
-import pagedjax.llm
+import pagedjax.engine.llm_engine
+import pagedjax.entrypoints.llm
 from pagedjax import LLM, SamplingParams
 from pagedjax.worker.runner import ScheduledSeq
 
@@ -131,13 +131,15 @@ def test_dequantize_bit_for_bit_like_the_dequantizing_path(q8_file, kept, dequan
 
 
 def test_greedy_tokens_and_logits_as_the_dequantizing_path(q8_file, monkeypatch):
-    monkeypatch.setattr(pagedjax.engine, "load_tokenizer", lambda loaded: None)  # ids only
+    monkeypatch.setattr(
+        pagedjax.engine.llm_engine, "load_tokenizer", lambda loaded: None
+    )  # ids only
     prompts = [[5, 9, 33, 2, 71, 8], [100, 4, 7]]
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     results = {}
     for keep in (True, False):
         load = functools.partial(loader.load_model, dequantize_gguf=not keep, use_cache=False)
-        monkeypatch.setattr(pagedjax.llm, "load_model", load)
+        monkeypatch.setattr(pagedjax.entrypoints.llm, "load_model", load)
         llm = LLM(q8_file, num_blocks=32, block_size=8, max_model_len=64)
         kernel = llm.runner.params["layers"]["mlp"]["up_proj"]["kernel"]
         assert kernel.dtype == (jnp.int8 if keep else jnp.float32)

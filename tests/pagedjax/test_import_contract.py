@@ -1,6 +1,6 @@
 """The package's arrows, read from the source (no import runs): no import cycle inside pagedjax/
-(imports for type checking and inside functions count too), and no module but pagedjax/engine.py
-reads the engine's private attributes (``engine._x``)."""
+(imports for type checking and inside functions count too), and no module but
+pagedjax/engine/llm_engine.py reads the engine's private attributes (``engine._x``)."""
 
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ def _private_readers(skip: set[str]) -> dict[str, list[str]]:
 
 
 def test_only_the_engine_reads_its_private_attributes():
-    assert _private_readers({"pagedjax.engine"}) == {}
+    assert _private_readers({"pagedjax.engine.llm_engine"}) == {}
 
 
 def test_the_checks_can_fail():
@@ -130,3 +130,90 @@ def test_the_checks_can_fail():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     code = "def f(self):\n    e = self.engine\n    e._fail(1)\n    engine._rng\n"
     assert len(_engine_private_reads(ast.parse(code))) == 2
+
+
+# Which packages each layer may not import (DESIGN.md: entrypoints -> engine -> {core, worker} ->
+# models -> pallas_kernels; inspection beside worker, read by the engine). models/ and
+# pallas_kernels/ live at the repository's top level and install as pagedjax.models and
+# pagedjax.pallas_kernels. Imports under ``if TYPE_CHECKING:`` name types for annotations only and
+# are not arrows here (the cycle check above still counts them).
+FORBIDDEN = {
+    "pagedjax.core": ("pagedjax.engine", "pagedjax.worker", "pagedjax.entrypoints", "jax"),
+    "pagedjax.worker": ("pagedjax.engine", "pagedjax.entrypoints"),
+    "pagedjax.inspection": ("pagedjax.engine", "pagedjax.entrypoints", "pagedjax.worker"),
+    "pagedjax.models": ("pagedjax.engine", "pagedjax.worker", "pagedjax.entrypoints"),
+    "pagedjax.pallas_kernels": ("pagedjax",),
+}
+
+
+def _layer_files() -> dict[str, Path]:
+    """module name -> file, for pagedjax/ and the two top-level packages installed under it."""
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    for top in ("models", "pallas_kernels"):
+        for p in (ROOT / top).rglob("*.py"):
+            files["pagedjax." + _module_name(p)] = p
+    return files
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node, skipping the bodies of ``if TYPE_CHECKING:``."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from (n for child in node.orelse for n in [child, *_runtime_nodes(child)])
+            continue
+        yield node
+        yield from _runtime_nodes(node)
+
+
+def _absolute_imports(name: str, path: Path) -> set[str]:
+    """Every module named by a run-time import in the file, relative imports made absolute."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    out = set()
+    for node in _runtime_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package[: len(package) - node.level + 1]
+                base = ".".join([*parent, *([base] if base else [])])
+            out |= {base} | {f"{base}.{a.name}" for a in node.names}
+    return out
+
+
+def _within(target: str, package: str) -> bool:
+    return target == package or target.startswith(package + ".")
+
+
+def _arrow_violations(files: dict[str, Path]) -> list[str]:
+    found = []
+    for name, path in sorted(files.items()):
+        for layer, banned in FORBIDDEN.items():
+            if not _within(name, layer):
+                continue
+            for target in sorted(_absolute_imports(name, path)):
+                if not _within(target, layer) and any(_within(target, b) for b in banned):
+                    found.append(f"{name} imports {target}")
+    return found
+
+
+def test_layers_import_only_downward():
+    assert _arrow_violations(_layer_files()) == []
+
+
+def test_the_arrow_check_can_fail(tmp_path):
+    bad = tmp_path / "scheduler.py"
+    bad.write_text(
+        "import jax.numpy as jnp\nfrom pagedjax.worker import runner\n"
+        "if TYPE_CHECKING:\n    from pagedjax.engine import request\n"
+    )
+    kernel = tmp_path / "kernel.py"
+    kernel.write_text("from pagedjax.core import sequence\n")
+    found = _arrow_violations({"pagedjax.core.scheduler": bad, "pagedjax.pallas_kernels.k": kernel})
+    assert found == [
+        "pagedjax.core.scheduler imports jax.numpy",
+        "pagedjax.core.scheduler imports pagedjax.worker",
+        "pagedjax.core.scheduler imports pagedjax.worker.runner",
+        "pagedjax.pallas_kernels.k imports pagedjax.core",
+        "pagedjax.pallas_kernels.k imports pagedjax.core.sequence",
+    ]

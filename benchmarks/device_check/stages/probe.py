@@ -4,7 +4,7 @@ shaped bfloat16 model of a few layers (toy: the toy Llama).
 (a) Layer loop: the same weights run under ``lax.scan`` over stacked layers and unrolled over one
     array per layer (``PAGEDJAX_LAYER_LOOP``, models/layer_loop.py), M = 1 and 64 sequences of one
     context: each step's time as a fraction of its memory floor, the bytes it must read (weights
-    once + whole KV pages up to each context: pagedjax/step_profile.py) over a device copy's
+    once + whole KV pages up to each context: inspection/step_profile.py) over a device copy's
     bandwidth measured in the same run. A loop that copies each layer's weights shows far below 1.
 (b) Dispatch vs device time: for the step program with each sampler variant (greedy, sampling,
     sampling with penalties, top logprobs), the host time until the jitted call returns against
@@ -42,7 +42,7 @@ def run(ctx: Context, budget: Budget, data: dict):
     import transformers
     from pagedjax.models.config import ModelConfig
 
-    from pagedjax.step_profile import measure_copy_bandwidth
+    from pagedjax.inspection.step_profile import measure_copy_bandwidth
 
     p = probe_sizes(ctx)
     hf = transformers.LlamaConfig(**dict(ctx.sizes.big_config, num_hidden_layers=p["layers"]))
@@ -156,7 +156,7 @@ def loop_row(runner, config, loop: str, m: int, context: int, copy: float) -> di
     as a fraction of the memory floor."""
     from pagedjax.models.layer_loop import is_per_layer
 
-    from pagedjax.step_profile import model_read_bytes
+    from pagedjax.inspection.step_profile import model_read_bytes
 
     seqs = decode_batch(config, m, context)
     timed_dispatch(runner, seqs)  # compiled; the timer holds the step's arguments

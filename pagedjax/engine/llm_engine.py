@@ -1,0 +1,245 @@
+"""LLMEngine: add_request / step / abort_request, a thin loop over the rooms that do the work.
+
+One step: the scheduler decides (host, plain Python), the runner moves blocks and runs one jitted
+step, the scheduler takes the sampled tokens (append, fork, stop, free), and the output processor
+turns them into text and RequestOutputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import jax
+import numpy as np
+
+from pagedjax.config import EngineConfig
+from pagedjax.core.block_manager import BlockManager
+from pagedjax.core.scheduler import Scheduler
+from pagedjax.core.sequence import Sequence, SequenceGroup
+from pagedjax.distributed import Channel, DriverOrFollower
+from pagedjax.engine.input_processor import Capacity, InputProcessor, check_capacity, eos_token_ids
+from pagedjax.engine.output_processor import OutputProcessor
+from pagedjax.engine.request import Request
+from pagedjax.engine.request_table import RequestTable
+from pagedjax.engine.step_loop import StepLoop
+from pagedjax.inspection import state as inspection
+from pagedjax.inspection.step_profile import StepProfile, model_read_bytes
+from pagedjax.models.loader import LoadedModel, load_model, load_tokenizer
+from pagedjax.models.sharding import (
+    replicate_kv_heads,
+    sharded_config,
+    tensor_parallel_mesh,
+)
+from pagedjax.outputs import EngineStats, RequestOutput
+from pagedjax.sampling_params import BeamSearchParams, SamplingParams
+from pagedjax.spec_decode.draft import with_draft_model
+from pagedjax.spec_decode.speculator import make_speculator, stop_checker
+from pagedjax.worker import kv_cache
+from pagedjax.worker.runner import Runner
+
+Prompt = str | list[int]
+Params = SamplingParams | BeamSearchParams
+logger = logging.getLogger("pagedjax.engine.llm_engine")
+
+
+class LLMEngine:
+    """The serving engine: requests in, one step at a time, RequestOutputs out.
+
+    In a multi-process run every process builds one; process 0's (the driver) takes requests
+    and steps, the others (followers) replay its device operations in ``follow``
+    (``self.processes``, a DriverOrFollower).
+    ``runner_factory(**kwargs)`` stands in for ``Runner(**kwargs)`` (tests use a fake model).
+    """
+
+    def __init__(
+        self, config: EngineConfig, loaded: LoadedModel | None = None, runner_factory=None
+    ):
+        self.config = config
+        cache, sched, tp = config.cache, config.scheduler, config.tensor_parallel_size
+        mesh = tensor_parallel_mesh(tp)
+        loaded = loaded or load_model(
+            config.model, dtype=config.dtype, mesh=mesh, quantization=config.quantization
+        )
+        if loaded.quantization is not None:  # e.g. a Q8_0 GGUF's kernels, kept in 8 bits
+            config = self.config = dataclasses.replace(config, quantization=loaded.quantization)
+        self.model_config = mc = loaded.config
+        if sched.max_model_len > mc.max_context_len:
+            raise ValueError(
+                f"max_model_len={sched.max_model_len} exceeds the model's limit of "
+                f"{mc.max_context_len} tokens"
+            )
+        self.tokenizer = load_tokenizer(loaded)
+        device_config = sharded_config(mc, tp)  # KV heads replicated when tp > num_kv_heads
+        num_blocks, num_host_blocks = kv_cache.pool_size(config, device_config, tp)
+        self.block_manager = bm = BlockManager.for_model(num_blocks, num_host_blocks, cache, mc)
+        capacity = Capacity.of(config, num_blocks, bm.watermark_blocks, num_host_blocks, mc)
+        check_capacity(capacity)
+        self.input_processor = InputProcessor(capacity, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(mc, loaded.source, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self.requests: dict[str, Request] = {}  # kept as one dict: load_state refills it
+        stops = stop_checker(self.output_processor, self.requests)
+        self.speculator = make_speculator(config.speculative_config, stops)
+        self.scheduler = Scheduler(
+            bm,
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.token_budget,
+            enable_chunked_prefill=sched.enable_chunked_prefill,
+            preemption_mode=sched.preemption_mode,
+            max_model_len=sched.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            speculator=self.speculator,
+        )
+        self.profile = StepProfile()  # padding counts; phase times while profile.enabled
+        self.runner = (runner_factory or Runner)(
+            config=device_config,
+            params=replicate_kv_heads(loaded.params, mc, tp),
+            num_blocks=num_blocks,
+            block_size=cache.block_size,
+            max_model_len=sched.max_model_len,
+            num_host_blocks=num_host_blocks,
+            mesh=mesh,
+            channel=Channel() if jax.process_count() > 1 else None,
+            profile=self.profile,
+            num_speculative_tokens=self.speculator.k if self.speculator else 0,
+            kv_cache_dtype=cache.kv_cache_dtype,
+            max_num_seqs=sched.max_num_seqs,
+        )
+        self.profile.set_model_bytes(*model_read_bytes(self.runner))  # the target model's (MBU)
+        self.runner = with_draft_model(config, self.runner)  # as is, unless a draft model proposes
+        self.processes = DriverOrFollower(self.runner)
+        self._rng = np.random.default_rng(config.seed)
+        self.history = inspection.History()  # recent steps and finished requests (inspect())
+        self.request_table = RequestTable(
+            self.requests, self.output_processor, self.scheduler, self.speculator
+        )
+        self.steps = StepLoop(  # step(), overlapped where safe
+            self.scheduler,
+            self.runner,
+            self.request_table,
+            history=self.history,
+            profile=self.profile,
+            vocab_size=mc.vocab_size,
+            check_stop=self.output_processor.check_stop,
+            speculating=self.speculator is not None,
+            enabled=config.async_scheduling,
+        )
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def check_request(self, prompt_token_ids: list[int], params: Params) -> None:
+        """Raise ValueError, naming the limit, if the request could never run on this engine
+        (the one admission check; add_request and the HTTP server both use it)."""
+        self.input_processor.check(prompt_token_ids, params)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: Params) -> None:
+        """Queue a request. Bad input, or a request that could never run, raises ValueError here
+        and leaves the engine untouched. ``params`` is copied: later changes to it do nothing."""
+        self.enqueue(request_id, *self.prepare_request(request_id, prompt, params))
+
+    def prepare_request(self, request_id: str, prompt: Prompt, params: Params):
+        """Tokenize, copy and check a request without queueing it: (text, token ids, params)."""
+        self.processes.require_driver("add_request")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        try:
+            params = self.input_processor.copy_params(params)
+            text, ids = self.input_processor.tokenize(prompt)
+            self.check_request(ids, params)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
+        return text, ids, params
+
+    def enqueue(self, request_id: str, text: str | None, ids: list[int], params: Params) -> None:
+        """Queue what prepare_request returned."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        seed = getattr(params, "seed", None)
+        if seed is None:
+            seed = int(self._rng.integers(2**32))
+        seed = (seed ^ (seed >> 32)) & 0xFFFFFFFF  # 64-bit seeds fold into the sampler's 32
+        seq = Sequence(self.scheduler.new_seq_id(), ids, self.config.cache.block_size)
+        group = SequenceGroup(request_id, [seq], time.monotonic(), params)
+        self.requests[request_id] = Request(request_id, text, ids, group, seed)
+        self.scheduler.add(group)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its blocks; unknown or finished ids are ignored."""
+        if self.requests.pop(request_id, None) is not None:
+            self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:  # or outputs not yet returned by step()
+        return self.scheduler.has_unfinished() or self.steps.has_outputs()
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and post-process one step; outputs of the requests it advanced. With
+        async scheduling (pagedjax/engine/step_loop.py) a step's tokens come with the next call.
+
+        A request that fails on its own (sampling rows, detokenisation, stops, beams, output)
+        ends alone, with ``finish_reason="abort"`` and ``error`` set; the others go on."""
+        self.processes.require_driver("step")
+        return self.steps.step()
+
+    # ---- state ---------------------------------------------------------------------------
+
+    def state(self) -> inspection.EngineState:
+        """The host-side state (scheduler with its block manager, requests, seed generator,
+        history), as held now: between steps, or with a step in flight (placeholders)."""
+        return inspection.EngineState(self.scheduler, self.requests, self._rng, self.history)
+
+    def load_state(self, state: inspection.EngineState) -> None:
+        """Take ``state`` as this engine's (an engine of the same configuration's): the
+        request table keeps its identity (the speculator's stop checker holds it)."""
+        self.scheduler, self._rng, self.history = state.scheduler, state.rng, state.history
+        self.scheduler.speculator = self.speculator
+        self.block_manager = state.scheduler.bm
+        self.requests.clear()
+        self.requests.update(state.requests)
+        self.steps.load(self.scheduler, self.history)  # and the request table's scheduler
+
+    def inspect(self):
+        self.steps.drain()  # a step in flight shows placeholders: finish it (outputs come later)
+        return inspection.inspect(self.state())
+
+    def snapshot(self):
+        if jax.process_count() > 1:
+            raise ValueError("snapshots cover single-process engines only")
+        self.steps.drain()
+        return inspection.snapshot(self.state(), self.config, self.runner.kv_cache)
+
+    def restore(self, snap) -> None:
+        """Put the engine in the snapshot's state; its requests in flight are dropped. A
+        snapshot of another configuration raises ValueError and changes nothing."""
+        state = inspection.load(snap, self.config)  # checked before anything is touched
+        self.steps.pending = None  # its requests are dropped with the others in flight
+        self.load_state(state)
+        self.runner.kv_cache.import_blocks(
+            snap.device_blocks, snap.kv, snap.host_blocks, snap.host_kv
+        )
+
+    # ---- processes (multi-process runs; pagedjax/distributed.py) ---------------------------
+
+    @property
+    def is_driver(self) -> bool:
+        return self.processes.is_driver
+
+    def broadcast(self, op: str, payload=None) -> None:
+        self.processes.broadcast(op, payload)
+
+    def keep_alive(self) -> None:
+        self.processes.keep_alive()
+
+    def follow(self, until: frozenset[str] = frozenset({"stop"})) -> tuple[str, object]:
+        return self.processes.follow(until)
+
+    def close(self) -> None:
+        self.processes.close()
+
+    def get_stats(self) -> EngineStats:
+        bm = self.block_manager.get_stats()
+        num_overlapped = self.steps.num_overlapped
+        return EngineStats.of(bm, self.scheduler, self.runner, self.profile, num_overlapped)

@@ -1,0 +1,172 @@
+"""From tokens to what users read: incremental detokenization, stop strings, RequestOutput.
+
+Pure Python; imports no jax. The scheduler stops sequences on EOS, stop token ids and length
+(``scheduler.check_stop``); stop strings need the text, so they are checked here after
+detokenizing, and a hit finishes the sequence through the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from pagedjax.core import beam_search
+from pagedjax.core.sequence import Sequence
+from pagedjax.engine.request import Request
+from pagedjax.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedjax.sampling_params import SamplingParams
+
+
+def find_stop_string(text: str, searched: int, stops: list[str]) -> int:
+    """Start of the earliest stop string in text, or -1. text[:searched] held none, so a new
+    match ends after it: each stop is looked for in the tail where it could start."""
+    first = -1
+    for s in stops:
+        i = text.find(s, max(0, searched - len(s) + 1))
+        if i >= 0 and (first < 0 or i < first):
+            first = i
+    return first
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: Collection[int]):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def detokenize(self, seq: Sequence, skip_special_tokens: bool) -> None:
+        """Incremental detokenisation (vLLM's): decode a short window, keep only complete text."""
+        if self.tokenizer is None:
+            return
+        ids = seq.get_token_ids()
+        prefix = self.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens)
+        full = self.decode(ids[seq.prefix_offset :], skip_special_tokens)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            seq.text += full[len(prefix) :]
+            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+
+    def stop_string_hit(self, seq: Sequence, p: SamplingParams) -> bool:
+        """Detokenize seq's new tokens; cut its text at a stop string if one appeared (the
+        string recorded as ``seq.stop_reason``)."""
+        self.detokenize(seq, p.skip_special_tokens)
+        searched, seq.stop_search_from = seq.stop_search_from, len(seq.text)
+        if not p.stop or seq.finish_reason == "stop" or len(seq.text) == searched:
+            return False
+        at = find_stop_string(seq.text, searched, p.stop)
+        if at < 0:
+            return False
+        seq.stop_reason = next(stop for stop in p.stop if seq.text.startswith(stop, at))
+        seq.text = seq.text[:at]
+        return True
+
+    def check_stop(self, req: Request, seq: Sequence) -> str | None:
+        """After seq's new token: "stop" for a stop string or a complete grammar, "abort" for a
+        grammar no token can continue (structured_output.py), else None."""
+        reason = None
+        if req.grammar is not None and not seq.is_finished():
+            reason = req.grammar.after_token(seq)
+        if self.stop_string_hit(seq, req.params):
+            reason = "stop"
+        if req.grammar is not None and (reason or seq.is_finished()):
+            req.grammar.forget(seq)
+        return reason
+
+    @staticmethod
+    def stop_reason(req: Request, seq: Sequence) -> int | str | None:
+        """vLLM's stop_reason: the stop token id or stop string that finished seq, or why its
+        grammar could go no further; None otherwise (EOS, length, running)."""
+        if req.grammar is not None and (why := req.grammar.stop_reasons.get(seq.seq_id)):
+            return why
+        return seq.stop_reason if seq.finish_reason == "stop" else None
+
+    def make_output(self, req: Request) -> RequestOutput:
+        if req.is_beam_search:
+            return self._beam_output(req)
+        seqs = sorted(req.group.get_seqs(), key=lambda s: s.sample_index)
+        want_logprobs = req.params.logprobs is not None
+        completions = [
+            CompletionOutput(
+                index=s.sample_index,
+                text=s.text,
+                token_ids=list(s.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=list(s.logprobs) if want_logprobs else None,
+                finish_reason=s.finish_reason,
+                stop_reason=self.stop_reason(req, s),
+            )
+            for s in seqs
+        ]
+        finished = req.group.is_finished()  # before its first token a request has one seq
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            completions,
+            finished,
+            req.error,
+            self.prompt_logprobs(req),
+        )
+
+    def prompt_logprobs(self, req: Request) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's prompt_logprobs, built once the whole prompt is scored."""
+        state = req.prompt_logprobs
+        if state is None or not state.done:
+            return None
+        if state.output is None:
+            text = self._token_texts()
+            out: list[dict[int, Logprob] | None] = [None]
+            for j in range(1, len(state.prompt)):
+                token = state.prompt[j]
+                entry = {token: Logprob(float(state.logprobs[j]), int(state.ranks[j]), text(token))}
+                ids, lps = state.top_token_ids[j].tolist(), state.top_logprobs[j].tolist()
+                for rank, (t, lp) in enumerate(zip(ids, lps, strict=True), 1):
+                    entry.setdefault(t, Logprob(lp, rank, text(t)))
+                out.append(entry)
+            state.output = out
+        return state.output
+
+    def _token_texts(self):
+        cache: dict[int, str | None] = {}
+
+        def text(token: int) -> str | None:
+            if token not in cache:
+                cache[token] = None if self.tokenizer is None else self.decode([token], False)
+            return cache[token]
+
+        return text
+
+    def _beam_output(self, req: Request) -> RequestOutput:
+        p = req.params
+        finished = req.group.is_finished()
+        hyps = list(req.group.finished_beams)
+        if not finished or req.error is not None:  # the live beams as they stand
+            hyps += [
+                (list(s.output_token_ids), s.cumulative_logprob)
+                for s in req.group.get_seqs()
+                if s.finish_reason in (None, "abort")
+            ]
+
+        def reason(tokens: list[int]) -> str | None:
+            if not finished:
+                return None
+            if req.error is not None:
+                return "abort"
+            return beam_search.finish_reason(p, tokens, self.eos_token_ids)
+
+        completions = [
+            CompletionOutput(
+                index=i,
+                text=self.decode(tokens),
+                token_ids=tokens,
+                cumulative_logprob=cum,
+                logprobs=None,
+                finish_reason=reason(tokens),
+            )
+            for i, (tokens, cum) in enumerate(beam_search.best_hypotheses(p, hyps))
+        ]
+        return RequestOutput(
+            req.request_id, req.prompt, req.prompt_token_ids, completions, finished, req.error
+        )

@@ -1,0 +1,87 @@
+"""Request: one prompt and how to decode it, with the sequences it runs (pure Python)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pagedjax.core.scheduler import SeqChunk
+from pagedjax.core.sequence import SequenceGroup
+from pagedjax.sampling_params import BeamSearchParams, SamplingParams
+from pagedjax.structured_output.grammar import RequestGrammar
+from pagedjax.worker.prompt_logprobs import PromptLogprobs, PromptRows
+from pagedjax.worker.sampler import SamplingRow
+
+GOLDEN = 0x9E3779B9  # spreads the per-sample seeds of one request
+SAMPLING_EPS = 1e-5  # a temperature below this samples greedily (as vLLM)
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt: str | None  # the text, when the prompt came as one
+    prompt_token_ids: list[int]
+    group: SequenceGroup  # its sequences: one, then n samples or beam_width beams
+    seed: int  # 32-bit; sample i draws with (seed + i * golden) mod 2**32
+    error: str | None = None  # why the engine ended it, if it did (its output carries this)
+    prompt_logprobs: PromptLogprobs | None = None  # set when its params ask for them
+    grammar: RequestGrammar | None = None  # its structured output's state, if it has one
+
+    def __post_init__(self):
+        so = getattr(self.params, "structured_outputs", None)
+        if so is not None and self.grammar is None:
+            if so.compiled is None:
+                raise ValueError("structured_outputs was not compiled (InputProcessor.check)")
+            self.grammar = RequestGrammar(so.compiled)
+        k = getattr(self.params, "prompt_logprobs", None)
+        if k is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = PromptLogprobs(self.prompt_token_ids, k)
+            # A cached prefix has no logits: read no block but its own (see prompt_logprobs.py).
+            for seq in self.group.get_seqs():
+                seq.extra_hash_key = (seq.extra_hash_key, self.prompt_logprobs.cache_key)
+
+    @property
+    def params(self) -> SamplingParams | BeamSearchParams:
+        """The request's own copy, stored once: in its group (the scheduler reads it there)."""
+        return self.group.sampling_params
+
+    @property
+    def is_beam_search(self) -> bool:
+        return isinstance(self.params, BeamSearchParams)
+
+    @property
+    def num_top_logprobs(self) -> int:
+        """Most likely tokens its sampled rows need: its logprobs, or 2 * beam_width."""
+        p = self.params
+        return 2 * p.beam_width if self.is_beam_search else p.logprobs or 0
+
+    def prompt_rows(self, chunk: SeqChunk) -> PromptRows | None:
+        """The chunk's rows whose prompt logprobs are still to compute (None: none)."""
+        if self.prompt_logprobs is None or self.prompt_logprobs.done:
+            return None
+        return self.prompt_logprobs.rows(chunk.seq.num_computed_tokens, chunk.num_tokens)
+
+    def sampling_rows(self, chunk: SeqChunk, vocab_size: int) -> list[SamplingRow]:
+        """The chunk's rows for the on-device sampler (one per token it samples)."""
+        p, seq = self.params, chunk.seq
+        if self.is_beam_search:
+            return [SamplingRow(position=seq.get_len())] * chunk.num_samples
+        indices = range(chunk.num_samples) if chunk.num_samples > 1 else [seq.sample_index]
+        penalties = p.uses_penalties
+        return [
+            SamplingRow(
+                temperature=float(p.temperature) if p.temperature >= SAMPLING_EPS else 0.0,
+                top_k=min(max(p.top_k, 0), vocab_size),
+                top_p=float(p.top_p),
+                min_p=float(p.min_p),
+                seed=(self.seed + i * GOLDEN) % 2**32,
+                position=seq.get_len(),
+                presence_penalty=float(p.presence_penalty),
+                frequency_penalty=float(p.frequency_penalty),
+                repetition_penalty=float(p.repetition_penalty),
+                prompt_token_ids=seq.prompt_token_ids if penalties else (),
+                output_token_ids=seq.output_token_ids if penalties else (),
+                logit_bias=tuple((p.logit_bias or {}).items()),
+                token_bitmask=self.grammar.mask(seq) if self.grammar is not None else None,
+            )
+            for i in (indices if chunk.num_samples else ())
+        ]

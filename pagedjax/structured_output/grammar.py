@@ -1,0 +1,440 @@
+"""Structured output: sampling constrained to a JSON schema, a regex, a choice or a grammar.
+
+The library is llguidance (docs/STRUCTURED_OUTPUT.md says why), imported only when a request asks.
+Host side, pure Python and numpy; no jax.
+
+- Admission (``InputProcessor.check``) compiles the constraint once per spec (cached) with the
+  model's tokenizer: an invalid schema, regex or grammar, one over the bounds llguidance can build
+  safely (structured_limits.py, checked first), or one that allows no first token of this
+  vocabulary, is a ``ValueError`` naming what is wrong (a 400 on the server). Compiling runs in a
+  worker thread with a stack and a time budget of its own (structured_worker.py).
+- Each request keeps one matcher per sequence (``RequestGrammar``), a copy of the grammar's start
+  matcher, advanced on the host as tokens are accepted (after each step) and rebuilt (copied
+  again) from the sequence's tokens whenever it is missing or behind (the n samples' forks, a
+  restored snapshot); recompute after preemption keeps the tokens, so the state follows. The
+  first mask is computed once per grammar, at admission.
+- Before each step every constrained row carries its packed int32 bitmask [ceil(vocab / 32)] of
+  allowed tokens, which the sampler applies on device as a fixed-shape input (sampler.py).
+- Ending: once the grammar is complete and takes nothing more, the sequence finishes "stop" (no EOS
+  token needed); if no token can continue it (a grammar this vocabulary cannot spell), it finishes
+  "abort" with the reason in ``CompletionOutput.stop_reason``. Never an endless loop: ``max_tokens``
+  still bounds a grammar that could go on ("length").
+
+JSON is generated in one style: ", " and ": " between items, no other whitespace (free whitespace
+lets small models loop on newlines).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import json
+import threading
+from typing import Any
+
+import numpy as np
+
+from pagedjax.structured_output import limits as structured_limits
+from pagedjax.structured_output import worker as structured_worker
+
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_CACHE_SIZE = 128
+
+
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """vLLM's: exactly one of ``json`` (a JSON schema, as a dict or its text), ``regex``,
+    ``choice`` (the output is one of these strings), ``grammar`` (Lark, or GBNF / EBNF as
+    llama.cpp writes it) or ``json_object=True`` (any JSON object)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # Set at admission: the compiled constraint, shared by every copy of these params.
+    compiled: CompiledGrammar | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs: give exactly one of {', '.join(_KINDS)}, got "
+                f"{given or 'none'}"
+            )
+        if isinstance(self.json, str):
+            structured_limits.check_json_text(self.json)
+            try:
+                self.json = json.loads(self.json)
+            except (ValueError, RecursionError) as e:
+                raise ValueError(f"structured_outputs: json is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, dict | bool):
+            raise ValueError("structured_outputs: json must be a JSON schema (an object)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs: {name} must be a non-empty string")
+        if self.choice is not None:
+            ok = isinstance(self.choice, list | tuple) and self.choice
+            if not ok or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured_outputs: choice must be a list of non-empty strings")
+            self.choice = list(self.choice)
+        if self.json_object not in (None, True, False):
+            raise ValueError("structured_outputs: json_object must be a boolean")
+        self.check_limits()
+
+    def check_limits(self) -> None:
+        """Refuse (ValueError naming the limit and the value) a constraint llguidance could not
+        build safely (structured_limits.py)."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json":
+            structured_limits.check_schema(value)
+        elif kind == "regex":
+            structured_limits.check_regex(value)
+        elif kind == "grammar":
+            structured_limits.check_grammar(value)
+        elif kind == "choice":
+            structured_limits.check_choice(value)
+        text = self.key()[1]
+        if kind == "json" and len(text) > structured_limits.MAX_SCHEMA_CHARS:
+            raise ValueError(
+                f"structured_outputs.json: the schema's length in characters is {len(text)}, over "
+                f"the limit of {structured_limits.MAX_SCHEMA_CHARS}"
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """A hashable, canonical form of the constraint (the compile cache's key)."""
+        kind = self.kind
+        try:
+            return kind, json.dumps(getattr(self, kind), sort_keys=True, allow_nan=False)
+        except RecursionError:
+            raise ValueError(
+                f"structured_outputs.{kind}: nested more than the limit of "
+                f"{structured_limits.MAX_SCHEMA_DEPTH} levels"
+            ) from None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"structured_outputs.{kind}: not JSON-serializable: {e}") from None
+
+
+class TokenizerSpec:
+    """What llguidance's tokenizer is built from (the HF fast tokenizer as JSON, the vocabulary
+    size and EOS); it pickles, and the built tokenizer is shared by every equal spec."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int | None):
+        self.tokenizer_json, self.vocab_size, self.eos_token_id = (
+            tokenizer_json,
+            vocab_size,
+            eos_token_id,
+        )
+        self.key = (hash(tokenizer_json), vocab_size, eos_token_id)
+
+    @classmethod
+    def of(cls, tokenizer, vocab_size: int) -> TokenizerSpec:
+        backend = copy.copy(tokenizer.backend_tokenizer)  # as llguidance.hf.from_tokenizer
+        backend.no_padding()
+        backend.no_truncation()
+        return cls(backend.to_str(), vocab_size, tokenizer.eos_token_id)
+
+    def build(self):
+        with _BUILT_LOCK:
+            built = _BUILT.get(self.key)
+            if built is None:
+                import llguidance
+
+                built = _BUILT[self.key] = llguidance.LLTokenizer(
+                    self.tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_token_id
+                )
+            return built
+
+    def __getstate__(self):
+        return (self.tokenizer_json, self.vocab_size, self.eos_token_id)
+
+    def __setstate__(self, state):
+        self.__init__(*state)
+
+
+_BUILT: dict[tuple, Any] = {}  # TokenizerSpec.key -> llguidance.LLTokenizer
+_BUILT_LOCK = threading.Lock()
+
+
+class CompiledGrammar:
+    """A checked llguidance grammar with its tokenizer; immutable and shared (copies are it).
+    It keeps one matcher at the start (its lexer built, its first mask computed) that every
+    sequence's matcher is copied from: building a matcher and its first mask can take a second
+    for a large grammar, a copy takes microseconds. It pickles (engine snapshots) by its grammar
+    and tokenizer spec; the start matcher is rebuilt on first use."""
+
+    def __init__(self, grammar: str, tokenizer: TokenizerSpec, description: str):
+        self.grammar = grammar
+        self.tokenizer = tokenizer
+        self.ll_tokenizer = tokenizer.build()
+        self.vocab_size = tokenizer.vocab_size
+        self.description = description
+        self.key: tuple[str, str] | None = None  # the constraint's key (set by its compiler)
+        self._start = None  # the matcher before any token; never advanced
+        self._first_mask: np.ndarray | None = None  # i32[ceil(vocab / 32)], read-only
+        self._start_lock = threading.Lock()
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return CompiledGrammar, (self.grammar, self.tokenizer, self.description)
+
+    def _started(self):
+        with self._start_lock:
+            if self._start is None:
+                import llguidance
+
+                start = llguidance.LLMatcher(self.ll_tokenizer, self.grammar, log_level=0)
+                mask = np.zeros((1, mask_width(self.vocab_size)), np.int32)
+                if not start.is_error():
+                    self.fill_mask(start, mask)
+                if start.is_error():
+                    mask[:] = 0
+                mask.flags.writeable = False
+                self._start, self._first_mask = start, mask[0]
+            return self._start
+
+    def new_matcher(self):
+        """A matcher before any token: a copy of the start matcher."""
+        return self._started().deep_copy()
+
+    def first_mask(self) -> np.ndarray:
+        """i32[ceil(vocab / 32)] (read-only): the tokens allowed first."""
+        self._started()
+        return self._first_mask
+
+    def fill_mask(self, matcher, out: np.ndarray) -> None:
+        """Write matcher's allowed tokens into out (i32[1, ceil(vocab / 32)])."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        fill_next_token_bitmask(matcher, out, 0)
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputsParams for one tokenizer and vocabulary (one per engine); safe
+    to call from several threads (the server checks requests on its own thread)."""
+
+    def __init__(self, tokenizer, vocab_size: int, budget_s: float = structured_worker.BUDGET_S):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.budget_s = budget_s  # the most seconds one constraint may take to compile
+        self._spec: TokenizerSpec | None = None
+        self._lock = threading.Lock()
+        self._cache: collections.OrderedDict[tuple, CompiledGrammar] = collections.OrderedDict()
+
+    def tokenizer_spec(self) -> TokenizerSpec:
+        """The tokenizer's spec, its llguidance tokenizer built (once, about 1 s for 49k
+        tokens); ValueError if there is none or llguidance cannot read it."""
+        with self._lock:
+            if self._spec is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured_outputs: this model has no tokenizer")
+                try:
+                    import llguidance  # noqa: F401
+                except ImportError as e:
+                    raise ValueError(
+                        f"structured_outputs needs llguidance (pip install llguidance): {e}"
+                    ) from None
+                try:
+                    spec = TokenizerSpec.of(self.tokenizer, self.vocab_size)
+                    spec.build()
+                except Exception as e:
+                    raise ValueError(
+                        f"structured_outputs: this model's tokenizer is not supported "
+                        f"({type(e).__name__}: {e})"
+                    ) from None
+                self._spec = spec
+            return self._spec
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """The compiled constraint (also kept on ``params.compiled``); ValueError naming what is
+        wrong with it."""
+        if not isinstance(params, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {params!r}")
+        key = params.key()
+        if self._compiled_before(params, key):  # kept even if the cache let it go
+            return params.compiled
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+        if compiled is None:
+            params.check_limits()  # the fields may have changed since construction
+            spec = self.tokenizer_spec()  # built once, outside the compile budget
+            what = f"structured_outputs.{params.kind}"
+            compiled = structured_worker.run_bounded(
+                lambda: self._compile(params, spec), what, self.budget_s
+            )
+            with self._lock:
+                self._cache[key] = compiled
+                while len(self._cache) > _CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        params.compiled = compiled
+        return compiled
+
+    def _compiled_before(self, params: StructuredOutputsParams, key: tuple[str, str]) -> bool:
+        """Whether params carry this constraint compiled for this tokenizer (the server compiles
+        it off the engine thread; copies of the params keep it)."""
+        compiled = params.compiled
+        if compiled is None or compiled.key != key:
+            return False
+        return compiled.tokenizer.key == self.tokenizer_spec().key
+
+    def _compile(self, params: StructuredOutputsParams, spec: TokenizerSpec) -> CompiledGrammar:
+        """Runs in a worker thread (structured_worker.py): llguidance recurses natively."""
+        import llguidance
+
+        kind, what = params.kind, _DESCRIPTIONS[params.kind]
+        grammar = _grammar_text(params)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, spec.build()
+        )
+        if is_error:
+            raise ValueError(f"structured_outputs.{kind}: invalid {what}: {messages[0]}")
+        compiled = CompiledGrammar(grammar, spec, what)
+        compiled.key = params.key()
+        matcher = compiled.new_matcher()
+        dead = _first_line(matcher).startswith("NoExtension") if matcher.is_error() else False
+        if matcher.is_error() and not dead:
+            raise ValueError(f"structured_outputs.{kind}: invalid {what}: {_first_line(matcher)}")
+        if dead or not compiled.first_mask().any():
+            raise ValueError(
+                f"structured_outputs.{kind}: the {what} allows no first token of this model's "
+                "vocabulary"
+            )
+        _probe_one_token(compiled, matcher, f"structured_outputs.{kind}")
+        return compiled
+
+
+def _grammar_text(params: StructuredOutputsParams) -> str:
+    """llguidance's grammar for params. A choice is one lexeme (a terminal of alternatives, as a
+    JSON enum is), so any number of choices fits; as parser alternatives llguidance takes at
+    most 2,000."""
+    import llguidance
+
+    kind, what = params.kind, _DESCRIPTIONS[params.kind]
+    try:
+        if kind in ("json", "json_object"):
+            schema = params.json if kind == "json" else {"type": "object"}
+            if schema is True:  # any JSON value: the empty schema
+                schema = {}
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps(schema), overrides=JSON_STYLE
+            )
+        if kind == "choice":
+            words = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
+            return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {words}")
+        return llguidance.grammar_from(kind, getattr(params, kind))
+    except ValueError as e:
+        raise ValueError(f"structured_outputs.{kind}: invalid {what}: {e}") from None
+
+
+def _probe_one_token(compiled: CompiledGrammar, start, name: str) -> None:
+    """Take the first allowed token on a copy of the start matcher and compute the next mask: a
+    grammar over llguidance's limits (lexer states, items per row) fails here, at admission,
+    instead of ending every sequence "abort" after one token."""
+    matcher = start.deep_copy()
+    token = int(
+        np.flatnonzero(np.unpackbits(compiled.first_mask().view(np.uint8), bitorder="little"))[0]
+    )
+    matcher.consume_token(token)
+    if not matcher.is_error() and not matcher.is_stopped():
+        compiled.fill_mask(matcher, np.zeros((1, mask_width(compiled.vocab_size)), np.int32))
+    if matcher.is_error() and not _first_line(matcher).startswith("NoExtension"):
+        raise ValueError(
+            f"{name}: the {compiled.description} is beyond the grammar library's limits: "
+            f"{_first_line(matcher)}"
+        )
+
+
+_DESCRIPTIONS = {
+    "json": "JSON schema",
+    "json_object": "JSON object",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+}
+
+
+def _first_line(matcher) -> str:
+    return matcher.get_error().strip().split("\n", 1)[0]
+
+
+def mask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class RequestGrammar:
+    """One request's grammar state: a matcher per sequence, kept in step with its tokens."""
+
+    def __init__(self, compiled: CompiledGrammar):
+        self.compiled = compiled
+        self._matchers: dict[int, Any] = {}  # seq_id -> matcher
+        self._consumed: dict[int, int] = {}  # seq_id -> output tokens the matcher has taken
+        self._masks: dict[int, tuple[int, np.ndarray]] = {}  # seq_id -> (consumed, mask)
+        self.stop_reasons: dict[int, str] = {}  # seq_id -> why its grammar could go no further
+
+    def __getstate__(self):  # matchers are rebuilt from the tokens (snapshots, copies)
+        state = dict(self.__dict__)
+        state.update(_matchers={}, _consumed={}, _masks={})
+        return state
+
+    def _synced(self, seq):
+        """seq's matcher after all its output tokens (built anew if missing or out of step)."""
+        sid, tokens = seq.seq_id, seq.output_token_ids
+        matcher, done = self._matchers.get(sid), self._consumed.get(sid, 0)
+        if matcher is None or done > len(tokens):
+            matcher, done = self.compiled.new_matcher(), 0  # a copy: nothing is rebuilt
+            self._matchers[sid] = matcher
+        for t in tokens[done:]:
+            matcher.consume_token(t)
+        self._consumed[sid] = len(tokens)
+        return matcher
+
+    def mask(self, seq) -> np.ndarray:
+        """i32[ceil(vocab / 32)]: the tokens seq may sample next."""
+        if not seq.output_token_ids:  # computed once per grammar, at admission
+            return self.compiled.first_mask()
+        matcher = self._synced(seq)
+        cached = self._masks.get(seq.seq_id)
+        if cached is not None and cached[0] == len(seq.output_token_ids):
+            return cached[1]
+        mask = np.zeros((1, mask_width(self.compiled.vocab_size)), np.int32)
+        if not matcher.is_error():
+            self.compiled.fill_mask(matcher, mask)
+        if matcher.is_error():  # e.g. no token can extend it: nothing is allowed
+            mask[:] = 0
+        self._masks[seq.seq_id] = (len(seq.output_token_ids), mask[0])
+        return mask[0]
+
+    def after_token(self, seq) -> str | None:
+        """Take seq's new tokens; "stop" if its grammar is complete and can take nothing more,
+        "abort" (reason in stop_reasons) if no token can continue it, else None."""
+        matcher = self._synced(seq)
+        what = self.compiled.description
+        if matcher.is_error():
+            return self._dead_end(seq, f"the {what} refused a token: {_first_line(matcher)}")
+        if matcher.is_stopped():
+            if matcher.is_accepting():
+                return "stop"
+            return self._dead_end(seq, f"the {what} can go no further and is not complete")
+        if not self.mask(seq).any():
+            return self._dead_end(seq, f"no token of the vocabulary can continue the {what}")
+        return None
+
+    def _dead_end(self, seq, why: str) -> str:
+        self.stop_reasons[seq.seq_id] = why
+        return "abort"
+
+    def forget(self, seq) -> None:
+        for d in (self._matchers, self._consumed, self._masks):
+            d.pop(seq.seq_id, None)

@@ -1,0 +1,228 @@
+"""A server's start: a small set of programs before /health, the rest in the background, and
+requests served meanwhile by compiling what they need on first use."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import jax
+import jax.numpy as jnp
+import pytest
+from hf_models import make_tiny_model, save_word_tokenizer
+from pagedjax.models.config import ModelConfig
+from pagedjax.models.llama import param_shapes
+from server_helpers import free_port, live_server, raw
+
+from pagedjax import LLM, SamplingParams, compilation
+from pagedjax.entrypoints import startup
+from pagedjax.entrypoints.api_server import build_app
+from pagedjax.worker.runner import Runner
+from pagedjax.worker.warmup import BackgroundCompile, compile_jobs
+
+# The server's defaults for a model with an 8192-token context: 256 sequences, 8192 tokens.
+DEFAULT_LIMITS = (256, 8192)
+
+
+def _runner(max_model_len: int = 8192, block_size: int = 16) -> Runner:
+    config = ModelConfig("LlamaForCausalLM", 64, 32, 64, 2, 2, 1, 16)
+    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), param_shapes(config))
+    return Runner(config, params, num_blocks=8, block_size=block_size, max_model_len=max_model_len)
+
+
+def _names(jobs) -> list[str]:
+    return [name for name, _ in jobs]
+
+
+@pytest.mark.parametrize("query_buckets", [False, True], ids=["reference", "kernels"])
+def test_a_dozen_model_programs_before_health_and_the_rest_in_the_background(query_buckets):
+    runner = _runner()
+    runner.batcher.query_buckets = query_buckets
+    shapes = runner.step_shapes(*DEFAULT_LIMITS)
+    first = _names(runner.startup_jobs(*DEFAULT_LIMITS))
+    models = [n for n in first if n.startswith("model ")]
+    assert 8 <= len(models) <= 16, models
+    assert len(shapes) > 10 * len(models)  # the full set is an order of magnitude more
+    by_name = {f"model {s}": s for s in shapes}
+    assert set(models) <= set(by_name)
+    picked = [by_name[n] for n in models]
+    # Decode of a few sequences at short contexts, and one fresh prompt of each common length.
+    assert all(s.num_seqs <= 32 for s in picked)
+    assert {s.num_tokens for s in picked if s.max_query_len == 1} == {8, 16, 32}
+    assert {s.num_tokens for s in picked if s.max_query_len > 1} == {32, 64, 128, 256, 512}
+    # Nothing rare: no penalties, masks, logprobs, speculation, block moves or long contexts.
+    rare = re.compile(r"penalt|constrain|logprob|verify|blocks|b(64|128|256|512)\b")
+    assert not [n for n in first if rare.search(n)]
+
+    everything = _names(runner.warmup_jobs(*DEFAULT_LIMITS, swap=True))
+    full = runner.warmup_jobs(*DEFAULT_LIMITS, swap=True)
+    background = _names(startup._rarest_last(full, set(first)))
+    assert len(background) == len(set(background))
+    assert not set(background) & set(first)
+    assert set(background) | set(first) >= set(everything)  # what the full warm-up compiled
+    assert {f"model {s}" for s in shapes} <= set(background) | set(first)
+    assert {"copy_blocks 8", "gather_blocks 8", "scatter_blocks 8"} <= set(background)
+    assert any("penalties" in n for n in background)
+    # The background starts where requests are likeliest: few sequences, short contexts.
+    model_bg = [by_name[n] for n in background if n in by_name]
+    assert model_bg[0].num_seqs == 8 and model_bg[-1].num_seqs == 256
+    assert model_bg[0].max_blocks < model_bg[-1].max_blocks
+
+
+def test_small_limits_keep_the_policy_within_the_shapes():
+    runner = _runner(max_model_len=64, block_size=8)
+    shapes = set(runner.step_shapes(4, 64))
+    models = [n for n in _names(runner.startup_jobs(4, 64)) if n.startswith("model ")]
+    assert models and {n[len("model ") :] for n in models} <= {str(s) for s in shapes}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_startup")
+    make_tiny_model("llama_gqa", path)
+    save_word_tokenizer(path)
+    return str(path)
+
+
+def test_a_request_needing_an_uncompiled_program_is_served_while_the_background_waits(tiny):
+    # A max_model_len no other test uses: the penalties sampler (its history is max_model_len
+    # wide) cannot have been compiled earlier in the same process.
+    llm = LLM(tiny, block_size=8, max_model_len=88, num_blocks=48, max_num_seqs=4, seed=0)
+    runner = llm.runner
+    programs_before, counted_before = compilation.programs_compiled(), runner.num_compilations
+    start = startup.prepare(llm)
+    assert start.report.num_compiled > 0 and start.background is not None
+    assert runner.num_compilations - counted_before == start.report.num_compiled
+    release = threading.Event()
+
+    def blocked():  # holds the background compile until the request is served
+        release.wait(120)
+        return jax.jit(lambda x: x * 3).lower(jnp.float32(1))
+
+    jobs = [("blocked", blocked), *start.background.jobs[:4]]
+    start.background = BackgroundCompile(runner.compile, jobs)
+    app = build_app(llm.engine, "tiny")
+    app.state.engine_loop.attach_startup(start)
+    body = {
+        "model": "tiny",
+        "prompt": "w5 w6 w7 w5 w6",
+        "max_tokens": 8,
+        "temperature": 0,
+        "frequency_penalty": 0.7,  # the penalties sampler: compiled on first use
+        "presence_penalty": 0.3,
+    }
+    try:
+        with live_server(app) as base:
+            assert raw(base, "GET", "/health", key=None)[0] == 200
+            compiled = runner.num_compilations
+            status, reply = raw(base, "POST", "/v1/completions", body, key=None, timeout=300)
+            assert status == 200, reply[:500]
+            assert start.background.num_done == 0  # the background still waits
+            assert runner.num_compilations > compiled  # the request compiled what it needed
+            metrics = raw(base, "GET", "/metrics", key=None)[1].decode()
+            assert re.search(r"^pagedjax_startup_seconds [1-9]", metrics, re.M), metrics[:2000]
+            assert f"pagedjax_background_compile_pending {len(jobs)}.0" in metrics
+            release.set()
+            assert start.background.finished.wait(300)
+            assert start.background.num_done == len(jobs)
+            metrics = raw(base, "GET", "/metrics", key=None)[1].decode()
+            assert "pagedjax_background_compile_pending 0.0" in metrics
+    finally:
+        release.set()
+    text = json.loads(reply)["choices"][0]["text"]
+    params = SamplingParams(
+        max_tokens=8, temperature=0, frequency_penalty=0.7, presence_penalty=0.3
+    )
+    want = llm.generate(body["prompt"], params, use_tqdm=False)[0].outputs[0].text
+    assert text == want
+    # Every program compiled in this process meanwhile, on either thread, counted once.
+    assert runner.num_compilations - counted_before == (
+        compilation.programs_compiled() - programs_before
+    )
+    llm.close()
+
+
+@pytest.mark.slow
+def test_pagedjax_serve_answers_health_soon_with_empty_caches(tmp_path):
+    """The embedded SmolLM2 GGUF, nothing compiled before: /health answers within a bound meant
+    for a busy machine (the figure itself is a benchmark's), then a completion is served."""
+    port = free_port()
+    env = {**os.environ, "PAGEDJAX_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    cmd = [sys.executable, "-m", "pagedjax.entrypoints.cli", "serve", "--port", str(port)]
+    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    try:
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() - t0 < 600, "no /health within 600 s"
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        model = json.loads(raw(base, "GET", "/v1/models", key=None)[1])["data"][0]["id"]
+        body = {"model": model, "prompt": "The capital of France is", "max_tokens": 8}
+        status, reply = raw(base, "POST", "/v1/completions", body, key=None, timeout=300)
+        assert status == 200, reply[:500]
+        assert json.loads(reply)["choices"][0]["text"]
+        metrics = raw(base, "GET", "/metrics", key=None)[1].decode()
+        programs = re.search(r"^pagedjax_startup_programs (\S+)", metrics, re.M)
+        assert programs and 0 < float(programs.group(1)) <= 60, metrics[:2000]
+        assert re.search(r"^pagedjax_startup_seconds [1-9]", metrics, re.M), metrics[:2000]
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()
+    assert list((tmp_path / "jax").iterdir())  # compiled programs went to the empty cache
+    assert "programs compiled at start" in (tmp_path / "serve.log").read_text()  # the log line
+
+
+def test_the_jax_and_xla_autotune_caches_live_under_the_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGEDJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PAGEDJAX_COMPILATION_CACHE", raising=False)
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_enable_xla_caches")
+    saved = {name: getattr(jax.config, name) for name in names}
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)  # as in a fresh process
+        jax.config.update("jax_persistent_cache_enable_xla_caches", None)  # whatever JAX's default
+        assert compilation.enable_persistent_cache() == tmp_path / "jax"
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "jax")
+        # JAX puts the XLA caches it enables inside the compilation cache directory.
+        assert "xla_gpu_per_fusion_autotune_cache_dir" in (
+            jax.config.jax_persistent_cache_enable_xla_caches or ""
+        )
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+
+
+def test_a_stopped_background_compile_starts_no_further_program():
+    started, release, lowered = threading.Event(), threading.Event(), []
+
+    def job(i):
+        def lower():
+            lowered.append(i)
+            if i == 0:
+                started.set()
+                release.wait(60)
+            return jax.jit(lambda x: x * (i + 7)).lower(jnp.float32(1))
+
+        return (f"job {i}", lower)
+
+    bg = BackgroundCompile(compile_jobs, [job(i) for i in range(3)])
+    bg.start()
+    assert started.wait(60)
+    bg.stop(timeout=0)  # while the first job runs
+    release.set()
+    assert bg.finished.wait(60)
+    assert lowered == [0] and bg.num_done == 1 and bg.num_compiled >= 1
