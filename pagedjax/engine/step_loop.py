@@ -72,8 +72,8 @@ class Dispatched:
 class StepLoop:
     """``step()`` over its collaborators: the scheduler (with its block manager), the runner,
     the request table (``fail``, ``store_prompt_logprobs``, ``emit``), the step history and
-    profile, and the output processor's ``check_stop``. ``enabled``: overlap host and device
-    where it is safe."""
+    profile, and the output processor's ``check_stops`` (a step's sequences checked together).
+    ``enabled``: overlap host and device where it is safe."""
 
     def __init__(
         self,
@@ -84,13 +84,13 @@ class StepLoop:
         history,
         profile: StepProfile,
         vocab_size: int,
-        check_stop: Callable,
+        check_stops: Callable,
         speculating: bool = False,
         enabled: bool = False,
     ):
         self.scheduler, self.history = scheduler, history
         self.runner, self.requests, self.profile = runner, requests, profile
-        self.vocab_size, self.check_stop = vocab_size, check_stop
+        self.vocab_size, self.check_stops = vocab_size, check_stops
         self.enabled = (
             enabled
             and not speculating
@@ -184,7 +184,8 @@ class StepLoop:
             start, table = c.seq.num_computed_tokens, bm.get_block_table(c.seq)
             ids, rows = with_proposals(c, rows)
             num_spec = len(c.spec_token_ids)
-            sched.append(ScheduledSeq(ids, start, table, rows, req.prompt_rows(c), num_spec))
+            prompt_rows, seq_id = req.prompt_rows(c), c.seq.seq_id
+            sched.append(ScheduledSeq(ids, start, table, rows, prompt_rows, num_spec, seq_id))
             ran.append(c)
         keep = [i for i, c in enumerate(ran) if requests[c.group.request_id].error is None]
         if not keep:
@@ -220,13 +221,13 @@ class StepLoop:
             update = sched.update_from_output(chunks, result) if chunks else None
             for request_id, error in update.failed.items() if update else ():
                 requests.fail(requests[request_id], error)
-            for group, seq in update.new_tokens if update else ():
-                req = requests[group.request_id]
-                try:
-                    if req.error is None and (why := self.check_stop(req, seq)):
-                        sched.finish_seq(seq, why)
-                except Exception as err:
-                    requests.fail(req, err)
+            pairs = [(requests[g.request_id], s) for g, s in (update.new_tokens if update else ())]
+            pairs = [(req, seq) for req, seq in pairs if req.error is None]
+            for (req, seq), why in zip(pairs, self.check_stops(pairs), strict=True):
+                if isinstance(why, Exception):
+                    requests.fail(req, why)
+                elif why:
+                    sched.finish_seq(seq, why)
         self._touched |= {c.group.request_id for c in chunks}
 
     def _live(self, d: Dispatched, result):

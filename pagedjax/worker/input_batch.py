@@ -14,6 +14,7 @@ import numpy as np
 
 from pagedjax.models.step_input import StepInput
 from pagedjax.utils import cdiv, next_pow2, powers_of_two
+from pagedjax.worker.persistent_batch import PersistentBatch
 from pagedjax.worker.prompt_logprobs import PromptRows
 from pagedjax.worker.sampler import SamplingRow
 
@@ -38,6 +39,9 @@ class ScheduledSeq:
     # Speculation: the last num_spec_tokens of token_ids are proposals, and ``samples`` has one
     # row per proposal then one more (the target's logits at each of the last 1 + p tokens).
     num_spec_tokens: int = 0
+    # The sequence's id (core/sequence.py), when it has one: its block table then lives in a
+    # persistent row across steps (worker/persistent_batch.py) and only its changes are written.
+    seq_id: int | None = None
 
 
 def widest_seqs_bucket(max_num_seqs: int) -> int:
@@ -94,11 +98,14 @@ class InputBatcher:
         b = next_pow2(max_blocks, self.min_blocks_bucket)
         return max(min(b, self.max_blocks_per_seq), max_blocks)
 
-    def build(self, seqs: list[ScheduledSeq]) -> StepInput:
+    def build(
+        self, seqs: list[ScheduledSeq], table_rows: PersistentBatch | None = None
+    ) -> StepInput:
         """Pack the sequences' tokens (numpy), padded to buckets. Sequence i owns rows
         ``i * F .. (i + 1) * F - 1`` of ``logits_indices`` (F = ``logits_per_step(decode)``), the
         first ``1 + num_spec_tokens`` of them its last tokens; there are at least as many of these
-        rows as sample rows."""
+        rows as sample rows. ``table_rows``: block-table rows kept across steps, used when every
+        sequence has a ``seq_id`` (the result is the same either way)."""
         bs = self.block_size
         num_tokens = sum(len(s.token_ids) for s in seqs)
         max_q = max(len(s.token_ids) for s in seqs)
@@ -120,9 +127,15 @@ class InputBatcher:
         pos = starts[seq_of_row] + np.arange(num_tokens) - (ends - q_lens)[seq_of_row]
 
         tables = np.zeros((num_seqs_b, max_blocks_b), np.int32)
-        tables[:num][np.arange(max_blocks_b) < widths[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(s.block_table for s in seqs), np.int32, widths.sum()
-        )
+        keys = [s.seq_id for s in seqs] if table_rows is not None else [None]
+        persistent = None not in keys and len(set(keys)) == num
+        if persistent and max_blocks_b <= table_rows.tables.shape[1]:
+            rows = table_rows.rows_for(keys, [s.block_table for s in seqs])
+            tables[:num] = table_rows.tables[rows, :max_blocks_b]
+        else:
+            tables[:num][np.arange(max_blocks_b) < widths[:, None]] = np.fromiter(
+                itertools.chain.from_iterable(s.block_table for s in seqs), np.int32, widths.sum()
+            )
         token_ids = np.zeros(num_tokens_b, np.int32)
         token_ids[:num_tokens] = np.fromiter(
             itertools.chain.from_iterable(s.token_ids for s in seqs), np.int32, num_tokens

@@ -52,6 +52,7 @@ from pagedjax.worker.input_batch import (
     padded_ids,
 )
 from pagedjax.worker.kv_cache import KVCache, pool_dtype
+from pagedjax.worker.persistent_batch import PersistentBatch
 from pagedjax.worker.prompt_logprobs import PromptLogprobsOutput, PromptScores
 from pagedjax.worker.sampler import SamplerOutput, SamplingInput, SamplingRow
 from pagedjax.worker.warmup import Job, WarmupReport, compile_jobs
@@ -159,6 +160,9 @@ class Runner:
         # Every step's device tokens are i32[W] (worker/step_program.py); one placed zeros array
         # stands for the tokens of no step.
         self.fill_width = step_program.fill_width(max_num_seqs)
+        # Block-table rows kept across steps (worker/persistent_batch.py): room for two full
+        # steps, so that sequences missing from one step keep theirs.
+        self.table_rows = PersistentBatch(2 * self.fill_width, self.max_blocks_per_seq)
         self._zeros = None
         self.num_programs = 0  # programs the steps dispatched
         self.num_transfers = 0  # host arrays the steps sent to the device
@@ -203,7 +207,7 @@ class Runner:
             raise ValueError("prev_tokens: followers cannot replay a device array (one process)")
         prof = self.profile
         with prof.phase("build"):
-            step_input = self.build_step_input(seqs)
+            step_input = self.batcher.build(seqs, self.table_rows)
             rows = [row for s in seqs for row in s.samples]
             logit_rows, drafts = self.batcher.sample_rows(seqs, step_input)
             # None: a plain greedy batch, sampled in the step program (nothing to build)
