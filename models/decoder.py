@@ -46,6 +46,7 @@ from .layers import (
     static_window,
 )
 from .linear import WeightLayout
+from .lora_slots import LoRABatch
 from .moe import layer_mlp, mlp_stacks, own_mlp
 from .sharding import AXIS
 from .step_input import StepInput
@@ -60,18 +61,19 @@ class Attention(nn.Module):
     stacked: bool = True  # parameters stacked over the layers (the scan), taken at ``layer``
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv: KVPool, layer, window, step: StepInput, live):
+    def __call__(self, x, cos, sin, kv: KVPool, layer, window, step: StepInput, live, lora=None):
         c = self.config
         n = c.num_layers if self.stacked else None
         tokens = x.shape[0]
 
         def linear(features, bias, name):
             method = self.layout.linear(f"self_attn/{name}")
-            return dense(features, bias, self.dtype, name, n, method)
+            module = dense(features, bias, self.dtype, name, n, method)
+            return lambda h: module(h, layer, live, _module_lora(lora, name))
 
-        q = linear(c.num_heads * c.head_dim, c.qkv_bias, "q_proj")(x, layer, live)
-        k = linear(c.num_kv_heads * c.head_dim, c.qkv_bias, "k_proj")(x, layer, live)
-        v = linear(c.num_kv_heads * c.head_dim, c.qkv_bias, "v_proj")(x, layer, live)
+        q = linear(c.num_heads * c.head_dim, c.qkv_bias, "q_proj")(x)
+        k = linear(c.num_kv_heads * c.head_dim, c.qkv_bias, "k_proj")(x)
+        v = linear(c.num_kv_heads * c.head_dim, c.qkv_bias, "v_proj")(x)
         q = q.reshape(tokens, c.num_heads, c.head_dim)
         k = k.reshape(tokens, c.num_kv_heads, c.head_dim)
         v = v.reshape(tokens, c.num_kv_heads, c.head_dim)
@@ -82,7 +84,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, kv = paged_attention(q, k, v, kv, layer, window, step, c, self.backend, self.mesh)
         out = out.reshape(tokens, c.num_heads * c.head_dim)
-        return linear(c.hidden_size, c.o_bias, "o_proj")(out, layer, live), kv
+        return linear(c.hidden_size, c.o_bias, "o_proj")(out), kv
 
 
 class MLP(nn.Module):
@@ -94,29 +96,37 @@ class MLP(nn.Module):
     stacked: bool = True  # parameters stacked over the layers, taken at ``layer``
 
     @nn.compact
-    def __call__(self, x, layer, live=None):
+    def __call__(self, x, layer, live=None, lora=None):
         c = self.config
         act = activation(c)
         n = c.num_layers if self.stacked else None
 
         def linear(features, name):
             method = self.layout.linear(f"mlp/{name}")
-            return dense(features, c.mlp_bias, self.dtype, name, n, method)
+            module = dense(features, c.mlp_bias, self.dtype, name, n, method)
+            return lambda h: module(h, layer, live, _module_lora(lora, name))
 
-        up = linear(c.intermediate_size, "up_proj")(x, layer, live)
+        up = linear(c.intermediate_size, "up_proj")(x)
         if c.gated_mlp:
-            gate = linear(c.intermediate_size, "gate_proj")(x, layer, live)
+            gate = linear(c.intermediate_size, "gate_proj")(x)
             up = act(gate) * up
         else:
             up = act(up)
-        return linear(c.hidden_size, "down_proj")(up, layer, live)
+        return linear(c.hidden_size, "down_proj")(up)
+
+
+def _module_lora(lora: LoRABatch | None, name: str):
+    """Projection ``name``'s adapter slots and the rows' slots, or None (no LoRA op at all)."""
+    return None if lora is None else lora.module(name)
 
 
 class DecoderLayer(nn.Module):
     """One layer: carry ``(x, kv_pool)`` -> ``((x, kv_pool), None)``. Under the scan its
     parameters are stacked over the layers (broadcast into the scan), ``per_layer`` is the
     scanned data and ``per_layer["layer"]`` picks their row; unrolled (``stacked`` off) the
-    layer holds its own parameters and ``per_layer`` is ``layer_data``'s Python values."""
+    layer holds its own parameters and ``per_layer`` is ``layer_data``'s Python values.
+    ``lora``: a LoRABatch (models/lora_slots.py) whose slots, stacked over the layers, are read
+    at ``layer`` too; None adds nothing to the program."""
 
     config: ModelConfig
     dtype: jnp.dtype
@@ -126,7 +136,7 @@ class DecoderLayer(nn.Module):
     stacked: bool = True
 
     @nn.compact
-    def __call__(self, carry, per_layer, cos, sin, step: StepInput, stacks):
+    def __call__(self, carry, per_layer, cos, sin, step: StepInput, stacks, lora=None):
         x, kv = carry  # x: [num_tokens, hidden]
         c, dt = self.config, self.dtype
         if cos is not None:  # [num_tables, num_tokens, rotary_dims] -> this layer's table
@@ -151,15 +161,15 @@ class DecoderLayer(nn.Module):
                 return layer_mlp(h, stacks, row, is_moe, c, self.mesh, experts)
             if c.num_experts:  # this layer's own MoE block or dense MLP (Python-known kind)
                 return own_mlp(h, per_layer["is_moe"], c, dt, self.mesh, self.layout.experts)
-            return MLP(c, dt, self.layout, self.stacked, name="mlp")(h, layer, live)
+            return MLP(c, dt, self.layout, self.stacked, name="mlp")(h, layer, live, lora)
 
         if not c.norm_before:  # post-norm (OPT-350m)
-            h, kv = attn(x, cos, sin, kv, layer, window, step, live)
+            h, kv = attn(x, cos, sin, kv, layer, window, step, live, lora)
             x = layer_norm("input_layernorm")(x + h)
             x = layer_norm("post_attention_layernorm")(x + mlp(x))
             return (x, kv), None
         h = layer_norm("input_layernorm")(x)
-        h, kv = attn(h, cos, sin, kv, layer, window, step, live)
+        h, kv = attn(h, cos, sin, kv, layer, window, step, live, lora)
         if c.sandwich_norms:  # Gemma: the attention output is normed before the residual
             h = layer_norm("post_attention_layernorm")(h)
         x = x + h
@@ -208,7 +218,7 @@ class DecoderModel(nn.Module):
     layout: WeightLayout = WeightLayout()
 
     @nn.compact
-    def __call__(self, kv_pool: KVPool, step: StepInput):
+    def __call__(self, kv_pool: KVPool, step: StepInput, lora: LoRABatch | None = None):
         c, dt = self.config, self.dtype
         embed = Embed(c.vocab_size, c.embed_dim, dt, self.layout.table, name="embed_tokens")
         x = embed(step.token_ids)  # [num_tokens, embed_dim]
@@ -229,7 +239,7 @@ class DecoderModel(nn.Module):
         else:
             cos, sin = rope_tables(c, step, dt)
         run = _unrolled_layers if self.layer_loop == "unrolled" else _scanned_layers
-        x, kv_pool = run(self, x, tuple(kv_pool), cos, sin, step)
+        x, kv_pool = run(self, x, tuple(kv_pool), cos, sin, step, lora)
         x = x[step.logits_indices]
         if c.final_norm:
             x = norm(c, dt, "norm")(x)
@@ -254,7 +264,7 @@ class DecoderModel(nn.Module):
         return dense(features, False, self.dtype, name, method=self.layout.linear(name))
 
 
-def _scanned_layers(model: DecoderModel, x, kv_pool, cos, sin, step: StepInput):
+def _scanned_layers(model: DecoderModel, x, kv_pool, cos, sin, step: StepInput, lora=None):
     """The layers under ``nn.scan``. Their parameters are created stacked ([num_layers, ...],
     as nn.scan's variable_axes would stack them) and broadcast into the scan, each layer reading
     its row: a sliced scan input would be copied out of the stack before every dot on a CPU."""
@@ -264,15 +274,15 @@ def _scanned_layers(model: DecoderModel, x, kv_pool, cos, sin, step: StepInput):
         DecoderLayer,
         variable_broadcast="params",
         split_rngs={"params": False},
-        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
         length=c.num_layers,
     )(c, dt, model.backend, model.mesh, model.layout, name="layers")
     data = jax.tree.map(jnp.asarray, per_layer_data(c))
-    (x, kv_pool), _ = layers((x, kv_pool), data, cos, sin, step, stacks)
+    (x, kv_pool), _ = layers((x, kv_pool), data, cos, sin, step, stacks, lora)
     return x, kv_pool
 
 
-def _unrolled_layers(model: DecoderModel, x, kv_pool, cos, sin, step: StepInput):
+def _unrolled_layers(model: DecoderModel, x, kv_pool, cos, sin, step: StepInput, lora=None):
     """The layers one after another, each over its own parameters (``layers_{i}``): every
     kernel is a whole array the dot reads where it lies, with no slice of a stack to copy."""
     c = model.config
@@ -280,7 +290,7 @@ def _unrolled_layers(model: DecoderModel, x, kv_pool, cos, sin, step: StepInput)
         layer = DecoderLayer(
             c, model.dtype, model.backend, model.mesh, model.layout, False, name=f"layers_{i}"
         )
-        (x, kv_pool), _ = layer((x, kv_pool), layer_data(c, i), cos, sin, step, None)
+        (x, kv_pool), _ = layer((x, kv_pool), layer_data(c, i), cos, sin, step, None, lora)
     return x, kv_pool
 
 

@@ -46,7 +46,8 @@ class Dense(nn.Module):
     kernels with their ``kernel_scale``, or a platform's own, such as the CPU's native kernels
     reading a stacked kernel in place). ``layers``: stacked over that many layers (the scan's
     parameters), the call taking the scan's ``layer``. ``live_rows``: x's rows past it are
-    padding (a method may leave them zero)."""
+    padding (a method may leave them zero). ``lora``: a ModuleLoRA (models/lora_slots.py),
+    whose per-row adapter product is added to whatever the method computed."""
 
     features: int
     use_bias: bool
@@ -55,16 +56,18 @@ class Dense(nn.Module):
     method: Any = XLA_LINEAR
 
     @nn.compact
-    def __call__(self, x, layer=None, live_rows=None):
+    def __call__(self, x, layer=None, live_rows=None, lora=None):
         lead = () if self.layers is None else (self.layers,)
         shape = self.method.kernel_shape(x.shape[-1], self.features, lead)
         kernel = self.param("kernel", nn.initializers.lecun_normal(), shape, self.dtype)
         weights = {"kernel": kernel}
         if self.has_variable("params", quant.SCALE):
             weights[quant.SCALE] = self.get_variable("params", quant.SCALE)
-        layer = None if self.layers is None else layer  # an unstacked kernel is whole
-        y = self.method.apply(x.astype(self.dtype), weights, layer, live_rows)
-        return self._bias(y, lead, layer)
+        x = x.astype(self.dtype)
+        y = self.method.apply(x, weights, None if self.layers is None else layer, live_rows)
+        if lora is not None:  # the adapters' slots are stacked over the layers, unrolled or not
+            y = y + lora.delta(x, layer)
+        return self._bias(y, lead, None if self.layers is None else layer)
 
     def _bias(self, y, lead, layer):
         if not self.use_bias:

@@ -25,6 +25,7 @@ from .decoder import DecoderModel
 from .layer_loop import flax_tree, is_per_layer
 from .layers import KVPool, apply_rope, rope_inv_freq  # noqa: F401 (re-exported)
 from .linear import WeightLayout
+from .lora_slots import LoRABatch
 from .quant import compute_dtype
 from .sharding import scales_sharding
 from .step_input import StepInput
@@ -83,6 +84,7 @@ def forward(
     backend: pallas_kernels.AttentionBackend | str | None = None,
     mesh: Mesh | None = None,
     layout: WeightLayout | None = None,
+    lora: LoRABatch | None = None,
 ):
     """Pure forward: ``(params, kv_pool, step_input) -> (logits f32[num_logits, vocab], kv_pool)``.
 
@@ -93,13 +95,14 @@ def forward(
     ``params`` stacked run the layers under a scan; split per layer (``split_layers``, chosen
     at load: models/layer_loop.py) they run unrolled. ``layout``: the linear methods the
     weights were processed for (``process_weights_after_loading``, models/linear.py; default:
-    XLA's, for weights as loaded).
+    XLA's, for weights as loaded). ``lora``: per-row LoRA adapters (models/lora.py), each
+    targeted projection adding its row's adapter product; None compiles no LoRA op.
     """
     dtype = compute_dtype(params)
     backend = pallas_kernels.select_backend(backend)  # an object as is; else by name or setting
     loop = "unrolled" if is_per_layer(params) else "scan"
     model = DecoderModel(config, dtype, backend, mesh, loop, layout or WeightLayout())
-    return model.apply({"params": flax_tree(params)}, kv_pool, step_input)
+    return model.apply({"params": flax_tree(params)}, kv_pool, step_input, lora)
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,0 +1,222 @@
+"""LoRA adapters on the device: the slots every step reads, and the batched LoRA matmul.
+
+``LoRASlots`` holds, per target module, ``a`` [num_layers, num_slots, in, max_rank] and ``b``
+[num_layers, num_slots, max_rank, out] (``num_slots = max_loras + 1``): slot 0 is "no adapter"
+and stays zero; a lower rank is padded with zeros; an adapter's scaling is folded into its
+``b``. ``set_slot`` writes one slot (the slot index traced, the shapes fixed by the slots: a new
+adapter never compiles a new program). Under tensor parallelism a module's slots are split as
+its base projection is (models/sharding.py): a column-parallel projection's ``a`` replicated and
+``b`` split on out; a row-parallel one's (o_proj, down_proj) ``a`` split on in, ``b``
+replicated.
+
+``LoRABatch(slots, token_slot)`` is the model's ``lora`` argument: each token row's slot (0: the
+base model). Every targeted projection adds ``(x @ a[slot]) @ b[slot]`` to each row, computed
+for all slots at once and masked by the row's slot (``lora_delta``). Measured on a CPU against a
+gather of each row's ``a``/``b`` and against rows grouped by slot (``ragged_dot``), 4 adapters at
+rank 16: the masked product was the fastest at every size tried, by 35-40x over the gather at
+512 rows of 2048 -> 2048 (the gather copies every row's weights) and 3x over the grouped one.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .config import ModelConfig
+from .sharding import AXIS
+
+# Our projection names, by where they sit in a layer (models/decoder.py).
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
+ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # split on their input under TP
+
+
+@struct.dataclass
+class LoRASlots:
+    a: dict[str, jax.Array]  # module -> [num_layers, num_slots, in, max_rank]
+    b: dict[str, jax.Array]  # module -> [num_layers, num_slots, max_rank, out], scaling folded
+
+    @property
+    def num_slots(self) -> int:
+        return next(iter(self.a.values())).shape[1]
+
+    @property
+    def max_rank(self) -> int:
+        return next(iter(self.a.values())).shape[3]
+
+
+@struct.dataclass
+class LoRABatch:
+    slots: LoRASlots
+    token_slot: jax.Array  # i32[num_tokens], 0 = base model (padding rows: 0)
+
+    def module(self, name: str) -> ModuleLoRA | None:
+        """This module's stacks and the rows' slots, or None where no slot targets it."""
+        if name not in self.slots.a:
+            return None
+        return ModuleLoRA(self.slots.a[name], self.slots.b[name], self.token_slot)
+
+
+@struct.dataclass
+class ModuleLoRA:
+    """One projection's slots over every layer, and each token row's slot."""
+
+    a: jax.Array  # [num_layers, num_slots, in, max_rank]
+    b: jax.Array  # [num_layers, num_slots, max_rank, out]
+    token_slot: jax.Array  # i32[num_tokens]
+
+    def delta(self, x: jax.Array, layer) -> jax.Array:  # [num_tokens, out], x's dtype
+        return lora_delta(x, self.a[layer], self.b[layer], self.token_slot)
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, token_slot: jax.Array) -> jax.Array:
+    """``(x[t] @ a[s]) @ b[s]`` for each row t and its slot s = token_slot[t]: every adapter slot
+    (1..S-1; slot 0 is zero) applied to every row, then masked by the row's slot.
+    x: [T, in]; a: [S, in, r]; b: [S, r, out] -> [T, out]."""
+    num_adapters = a.shape[0] - 1
+    xa = jnp.einsum("ti,sir->tsr", x, a[1:].astype(x.dtype), preferred_element_type=jnp.float32)
+    mask = jax.nn.one_hot(token_slot - 1, num_adapters, dtype=jnp.float32)  # slot 0: all zero
+    xa = (xa * mask[:, :, None]).astype(x.dtype)  # [T, S - 1, r]
+    y = jnp.einsum("tsr,sro->to", xa, b[1:].astype(x.dtype), preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def module_dims(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """module -> (in, out) of its base projection."""
+    c = config
+    q, kv, h, i = (
+        c.num_heads * c.head_dim,
+        c.num_kv_heads * c.head_dim,
+        c.hidden_size,
+        c.intermediate_size,
+    )
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
+
+
+def lora_modules(config: ModelConfig) -> tuple[str, ...]:
+    """The projections an adapter may target in this model: attention everywhere; the MLP's
+    where it is one dense MLP per layer (not a MoE family's experts), gated or not."""
+    if config.num_experts:
+        return ATTENTION_MODULES
+    mlp = MLP_MODULES if config.gated_mlp else ("up_proj", "down_proj")
+    return ATTENTION_MODULES + mlp
+
+
+def slot_specs(name: str) -> tuple[P, P]:
+    """(a's spec, b's spec) of module ``name``'s slots, as its base projection is split."""
+    if name in ROW_PARALLEL:
+        return P(None, None, AXIS, None), P()
+    return P(), P(None, None, None, AXIS)
+
+
+def init_slots(
+    model_config: ModelConfig, lora_config, dtype, mesh: Mesh | None = None
+) -> LoRASlots:
+    """Zeroed slots for every module an adapter may target (``lora_config.max_loras`` slots
+    plus slot 0, rank ``lora_config.max_lora_rank``), in ``dtype``; on a ``mesh`` each device
+    holds its slice (a dimension the degree does not divide stays whole)."""
+    num_slots, rank = lora_config.max_loras + 1, lora_config.max_lora_rank
+    lead = (model_config.num_layers, num_slots)
+    a, b = {}, {}
+    for name in lora_modules(model_config):
+        n_in, n_out = module_dims(model_config)[name]
+        a_spec, b_spec = slot_specs(name) if mesh is not None else (None, None)
+        a[name] = _zeros((*lead, n_in, rank), dtype, mesh, a_spec)
+        b[name] = _zeros((*lead, rank, n_out), dtype, mesh, b_spec)
+    return LoRASlots(a, b)
+
+
+def _zeros(shape, dtype, mesh: Mesh | None, spec: P | None) -> jax.Array:
+    if mesh is None:
+        return jnp.zeros(shape, dtype)
+    tp = mesh.shape[AXIS]
+    if any(axis and dim % tp for axis, dim in zip(spec, shape, strict=False)):
+        spec = P()
+    return jnp.zeros(shape, dtype, device=NamedSharding(mesh, spec))
+
+
+def set_slot(slots: LoRASlots, slot: int, adapter) -> LoRASlots:
+    """``slots`` with slot ``slot`` holding ``adapter`` (a models/lora.py LoRAAdapter), or zeroed
+    for None. Functional: ``slots`` is donated (do not use it after). The adapter is padded to
+    the slots' rank and scaled on the host, so every call runs the same compiled program."""
+    if not 1 <= slot < slots.num_slots:
+        raise ValueError(f"slot must be in [1, {slots.num_slots - 1}], got {slot}")
+    if adapter is not None and adapter.rank > slots.max_rank:
+        raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {slots.max_rank}")
+    a, b = {}, {}
+    for name in slots.a:
+        a[name], b[name] = _slot_arrays(slots, name, adapter)
+    leaves, treedef = jax.tree.flatten(slots)
+    write = _slot_writer(treedef, tuple(x.sharding for x in leaves))
+    return write(slots, jnp.int32(slot), LoRASlots(a, b))
+
+
+def _slot_arrays(slots: LoRASlots, name: str, adapter) -> tuple[np.ndarray, np.ndarray]:
+    """Module ``name``'s (a [L, in, max_rank], b [L, max_rank, out]) for one slot, on the host:
+    the adapter's weights zero-padded to the rank, b scaled; zeros where it has none."""
+    layers, _, n_in, rank = slots.a[name].shape
+    n_out = slots.b[name].shape[3]
+    dtype = slots.a[name].dtype
+    a = np.zeros((layers, n_in, rank), np.float32)
+    b = np.zeros((layers, rank, n_out), np.float32)
+    if adapter is not None and name in adapter.weights:
+        wa, wb = adapter.weights[name]  # [L, in, r], [L, r, out'] (unscaled)
+        wb = _widen_kv_heads(wb, n_out, adapter.head_dim) if wb.shape[2] != n_out else wb
+        a[:, :, : adapter.rank] = wa
+        b[:, : adapter.rank, :] = wb * np.float32(adapter.scaling)
+    return a.astype(dtype), b.astype(dtype)
+
+
+def _widen_kv_heads(b: np.ndarray, n_out: int, head_dim: int) -> np.ndarray:
+    """A k/v projection's ``b`` [L, r, kv_heads * head_dim] with each head repeated, for slots
+    whose model replicates KV heads up to the tensor-parallel degree
+    (models/sharding.py ``replicate_kv_heads``)."""
+    heads = b.shape[2] // head_dim
+    if n_out % b.shape[2] or n_out // head_dim % heads:
+        raise ValueError(f"adapter output width {b.shape[2]} does not fit the slots' {n_out}")
+    per_head = b.reshape(*b.shape[:2], heads, head_dim)
+    return np.repeat(per_head, n_out // b.shape[2], axis=2).reshape(*b.shape[:2], n_out)
+
+
+@functools.lru_cache(maxsize=32)
+def _slot_writer(treedef, shardings: tuple):
+    """The jitted write of one slot, its outputs placed as the slots were (donated in)."""
+
+    def write(slots: LoRASlots, slot, new: LoRASlots) -> LoRASlots:
+        put = lambda whole, one: jax.lax.dynamic_update_index_in_dim(whole, one, slot, 1)  # noqa: E731
+        return jax.tree.map(put, slots, new)
+
+    out = jax.tree.unflatten(treedef, shardings)
+    return jax.jit(write, donate_argnums=(0,), out_shardings=out)
+
+
+def slots_nbytes(slots: LoRASlots) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(slots))
+
+
+__all__ = [
+    "LoRABatch",
+    "LoRASlots",
+    "ModuleLoRA",
+    "TARGET_MODULES",
+    "init_slots",
+    "lora_delta",
+    "lora_modules",
+    "module_dims",
+    "set_slot",
+]

@@ -1,0 +1,212 @@
+"""LoRA adapters in the model (models/lora.py, models/lora_slots.py): PEFT adapters loaded into
+device slots, and a batch whose rows use different adapters (and none) giving, row by row, the
+logits of transformers + PEFT with that row's adapter merged into a copy of the base model.
+
+Tiny random Llama, Qwen2, Gemma 2 and Phi-3 models (tests/hf_models.py); three adapters each, of
+different ranks, scalings and targets, their B matrices random (PEFT starts B at zero).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+from hf_models import make_tiny_model
+from pagedjax.models.config import ModelConfig
+from pagedjax.models.llama import forward
+from pagedjax.models.loader import load_model
+from pagedjax.models.lora import (
+    LoRABatch,
+    LoRAConfig,
+    init_slots,
+    load_adapter,
+    set_slot,
+)
+
+from pagedjax.worker.runner import Runner, ScheduledSeq
+
+BLOCK = 8
+RTOL = 1e-4
+MAX_RANK = 16
+PROMPT_LENS = [3, 13, 16, 23, 9]
+PROMPT_SLOTS = [1, 0, 3, 2, 1]  # every slot, the base model's (0) among them
+FAMILIES = ["llama_gqa", "qwen2_bias", "gemma2", "phi3"]
+_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+_PHI3_NAMES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
+_PHI3_NAMES |= {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+# Slots 1..3: (rank, alpha, rslora, targets, layers or None for all).
+ADAPTERS = [
+    (4, 8, False, ["q_proj", "v_proj"], None),
+    (8, 32, True, _ALL, None),
+    (16, 16, False, ["o_proj", "gate_proj", "down_proj"], [1]),
+]
+_forward = jax.jit(forward, static_argnums=(3, 4, 5, 6))
+
+
+def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def targets(name: str, modules: list[str]) -> list[str]:
+    """PEFT's target names on this model (Phi-3's fused projections)."""
+    if name != "phi3":
+        return modules
+    return sorted({_PHI3_NAMES.get(m, m) for m in modules})
+
+
+def make_adapter(hf, name: str, spec, directory, seed: int):
+    """Save a PEFT adapter with random A and B on a copy of ``hf``; returns the merged model."""
+    rank, alpha, rslora, modules, layers = spec
+    config = peft.LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        use_rslora=rslora,
+        target_modules=targets(name, modules),
+        layers_to_transform=layers,
+        lora_dropout=0.0,
+    )
+    model = peft.get_peft_model(copy.deepcopy(hf), config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if "lora_" in key:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(str(directory))
+    return model.merge_and_unload().eval()
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """name -> (base dir, HF models by slot (0: the base), adapter dirs for slots 1..3)."""
+    built = {}
+
+    def build(name: str):
+        if name not in built:
+            root = tmp_path_factory.mktemp(f"lora_{name}")
+            hf = make_tiny_model(name, root / "base")
+            models, dirs = [hf], []
+            for i, spec in enumerate(ADAPTERS, start=1):
+                dirs.append(root / f"adapter{i}")
+                models.append(make_adapter(hf, name, spec, dirs[-1], seed=i))
+            built[name] = root / "base", models, dirs
+        return built[name]
+
+    return build
+
+
+def hf_logits(hf, seq: list[int]) -> np.ndarray:  # [len(seq), vocab]
+    with torch.no_grad():
+        return hf(torch.tensor([seq])).logits[0].numpy()
+
+
+def _tables(n: int, total_len: int) -> list[list[int]]:
+    per = -(-total_len // BLOCK)
+    ids = np.random.default_rng(0).permutation(np.arange(1, 1 + per * n))
+    return [ids[i * per : (i + 1) * per].tolist() for i in range(n)]
+
+
+class LoRARunner:
+    """Our model's forward on a Runner's parameters, pool and step inputs, with adapters."""
+
+    def __init__(self, base_dir, adapter_dirs, quantization=None):
+        loaded = load_model(str(base_dir), use_cache=False, quantization=quantization)
+        self.runner = Runner(
+            loaded.config, loaded.params, num_blocks=64, block_size=BLOCK, max_model_len=64
+        )
+        self.config = loaded.config
+        lora_config = LoRAConfig(max_loras=len(adapter_dirs), max_lora_rank=MAX_RANK)
+        self.slots = init_slots(self.config, lora_config, self.runner.dtype)
+        self.adapters = [load_adapter(str(d), self.config, MAX_RANK) for d in adapter_dirs]
+        for slot, adapter in enumerate(self.adapters, start=1):
+            self.slots = set_slot(self.slots, slot, adapter)
+
+    def logits(self, seqs: list[ScheduledSeq], row_slots, pool, lora=True, all_rows=False):
+        """(logits of every scheduled row or each sequence's last, pool after the step).
+        ``row_slots``: each scheduled row's slot."""
+        r = self.runner
+        step = r.build_step_input(seqs)
+        lengths = np.asarray([len(s.token_ids) for s in seqs])
+        rows = np.arange(lengths.sum()) if all_rows else np.cumsum(lengths) - 1
+        step = step.replace(logits_indices=rows.astype(np.int32))
+        token_slot = np.zeros(step.token_ids.shape, np.int32)  # padding rows: no adapter
+        token_slot[: len(row_slots)] = row_slots
+        batch = LoRABatch(self.slots, jnp.asarray(token_slot)) if lora else None
+        logits, pool = _forward(
+            r.params, pool, step, self.config, r.backend, r.mesh, r.linear, batch
+        )
+        return np.asarray(logits), pool
+
+
+def model_config(base_dir) -> ModelConfig:
+    return ModelConfig.from_hf_dict(json.loads((base_dir / "config.json").read_text()))
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 256, n).tolist() for n in PROMPT_LENS]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_mixed_adapters_match_peft_merged(name, family):
+    """Prefill of five prompts, one ragged step whose rows use slots 1, 0, 3, 2, 1, then two
+    decode steps: each row's logits are transformers' with that row's adapter merged. The base
+    model's rows equal a step without LoRA bit for bit."""
+    base_dir, models, dirs = family(name)
+    ours = LoRARunner(base_dir, dirs)
+    prompts = _prompts(len(name))
+    tables = _tables(len(prompts), max(PROMPT_LENS) + 2)
+    seqs = [ScheduledSeq(p, 0, t) for p, t in zip(prompts, tables, strict=True)]
+    row_slots = np.repeat(PROMPT_SLOTS, PROMPT_LENS)
+    pool0 = ours.runner.kv_cache.pages
+    base, _ = ours.logits(seqs, row_slots, pool0, lora=False, all_rows=True)
+    logits, pool = ours.logits(seqs, row_slots, pool0, all_rows=True)
+    starts = np.cumsum([0, *PROMPT_LENS])
+    refs = []
+    for i, (p, slot) in enumerate(zip(prompts, PROMPT_SLOTS, strict=True)):
+        rows = slice(starts[i], starts[i + 1])
+        ref = hf_logits(models[slot], p)
+        err = rel_err(logits[rows], ref)
+        assert err < RTOL, f"{name} prompt {i} slot {slot}: rel err {err:.2e}"
+        if slot == 0:
+            np.testing.assert_array_equal(logits[rows], base[rows])
+        else:  # the adapter matters: the base model's logits are far off
+            assert rel_err(base[rows], ref) > 100 * RTOL
+        refs.append(ref[-1])
+    for step in range(2):
+        for s, ref in zip(prompts, refs, strict=True):
+            s.append(int(ref.argmax()))
+        seqs = [ScheduledSeq([s[-1]], len(s) - 1, t) for s, t in zip(prompts, tables, strict=True)]
+        logits, pool = ours.logits(seqs, PROMPT_SLOTS, pool)
+        refs = [
+            hf_logits(models[slot], s)[-1] for s, slot in zip(prompts, PROMPT_SLOTS, strict=True)
+        ]
+        for i, ref in enumerate(refs):
+            err = rel_err(logits[i], ref)
+            assert err < RTOL, f"{name} decode {step} seq {i}: rel err {err:.2e}"
+
+
+def test_adapters_as_loaded(family):
+    """Ranks, scalings (alpha / r, alpha / sqrt(r) with rslora) and our module names; Phi-3's
+    fused qkv_proj and gate_up_proj become q/k/v and gate/up, sharing A and splitting B."""
+    base_dir, _, dirs = family("phi3")
+    config = model_config(base_dir)
+    adapters = [load_adapter(str(d), config, MAX_RANK) for d in dirs]
+    assert [a.rank for a in adapters] == [4, 8, 16]
+    assert [a.scaling for a in adapters] == pytest.approx([2.0, 32 / 8**0.5, 1.0])
+    assert adapters[0].target_modules == {"q_proj", "k_proj", "v_proj"}
+    assert adapters[1].target_modules == set(_ALL)
+    assert adapters[2].target_modules == {"o_proj", "gate_proj", "up_proj", "down_proj"}
+    q_a, q_b = adapters[0].weights["q_proj"]
+    k_a, k_b = adapters[0].weights["k_proj"]
+    np.testing.assert_array_equal(q_a, k_a)
+    assert q_b.shape[2] == config.num_heads * config.head_dim
+    assert k_b.shape[2] == config.num_kv_heads * config.head_dim
+    gate_a, _ = adapters[2].weights["gate_proj"]
+    assert not gate_a[0].any() and gate_a[1].any()  # layers_to_transform=[1]
+    assert adapters[1].nbytes() > adapters[0].nbytes() > 0
