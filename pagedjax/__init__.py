@@ -2,6 +2,7 @@
 
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.entrypoints.llm import LLM
+from pagedjax.lora.request import LoRARequest
 from pagedjax.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 
@@ -11,6 +12,7 @@ __all__ = [
     "CompletionOutput",
     "EngineStats",
     "LLMEngine",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
 ]

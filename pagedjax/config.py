@@ -102,6 +102,12 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     # Schedule and dispatch step N+1 while step N runs (engine/step_loop.py), where it is safe
     async_scheduling: bool = True
+    # Multi-LoRA serving (pagedjax/lora/): adapters in a batch at once (device slots), their
+    # largest rank, and adapters kept loaded on the host (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         spec = SpeculativeConfig.of(self.speculative_config)
@@ -125,4 +131,21 @@ class EngineConfig:
             "tensor_parallel_size",
             self.tensor_parallel_size,
             "must be an integer >= 1",
+        )
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        _require(
+            isinstance(self.enable_lora, bool), "enable_lora", self.enable_lora, "must be a bool"
+        )
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            _require(ok, name, value, "must be an integer >= 1")
+        cpu = self.max_cpu_loras
+        _require(
+            cpu is None or (isinstance(cpu, int) and cpu >= self.max_loras),
+            "max_cpu_loras",
+            cpu,
+            f"must be None or an integer >= max_loras={self.max_loras}",
         )

@@ -5,7 +5,8 @@ A full block whose KV is computed is hashed over its parent's hash, its tokens a
 and stays cached (evictable) after its last holder frees it; a new prompt's leading full blocks
 are matched against those. With a sliding window, a block is hashed only under a live, hashed
 parent (entries released before the window end the chain), and a prompt holds only the hits its
-first step reads. With LongRoPE, the extra key tells short-factor KV from long-factor KV.
+first step reads. With LongRoPE, the extra key tells short-factor KV from long-factor KV; with
+LoRA, it tells one adapter's KV from another's and from the base model's.
 """
 
 from __future__ import annotations
@@ -44,11 +45,16 @@ class PrefixCacheMixin:
         return hits
 
     def _cache_key(self, seq: Sequence, context_len: int):
-        """The extra key of seq's cached blocks; with LongRoPE also whether their KV was (or will
-        be) computed with the long factors (context past rope_switch_len)."""
+        """The extra key of seq's cached blocks: its extra_hash_key, the LoRA adapter its KV is
+        computed under (if any; another adapter's KV, or the base model's, differs), and with
+        LongRoPE whether their KV was (or will be) computed with the long factors (context past
+        rope_switch_len)."""
+        key = seq.extra_hash_key
+        if seq.lora_int_id:
+            key = ("lora", seq.lora_int_id, key)
         if self.rope_switch_len is None:
-            return seq.extra_hash_key
-        return seq.extra_hash_key, context_len > self.rope_switch_len
+            return key
+        return key, context_len > self.rope_switch_len
 
     def mark_blocks_computed(self, seq: Sequence) -> None:
         """Offer seq's full blocks whose KV is written (by seq.num_computed_tokens) to the prefix

@@ -3,7 +3,8 @@
 Pure Python; imports no jax. Each step the scheduler decides, on the host, which sequences compute
 how many tokens, and which blocks the runner must swap or copy first. Order of service:
 running groups (oldest first; the latest-arrived are preempted when blocks run out), then swapped
-groups (resumed before any new request), then waiting groups, first come first served.
+groups (resumed before any new request), then waiting groups, first come first served (with
+LoRA, a group whose adapter would exceed the batch's slots waits: core/lora_admission.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pagedjax.core import beam_search
 from pagedjax.core.block_manager import AllocStatus, BlockManager
 from pagedjax.core.in_flight import InFlight
 from pagedjax.core.longrope import LongRopeSwitch
+from pagedjax.core.lora_admission import LoRAAdmission
 from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 
@@ -66,6 +68,7 @@ class SeqChunk:
     num_tokens: int
     # Proposals verified after the seq's own tokens (in num_tokens; see pagedjax.spec_decode)
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
+    lora_slot: int = 0  # the device slot of its group's LoRA adapter (0: none), set by schedule
 
     @property
     def completes(self) -> bool:
@@ -144,6 +147,7 @@ class Scheduler:
         max_model_len: int = 2**31 - 1,
         eos_token_ids: Collection[int] = (),
         speculator=None,  # proposes tokens and takes the verified ones (pagedjax.spec_decode)
+        lora: LoRAAdmission | None = None,  # admission by LoRA adapter slots
     ):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
@@ -170,6 +174,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.speculator = speculator
+        self.lora = lora or LoRAAdmission()
         self._seq_ids = itertools.count()
         self.in_flight = InFlight(self)  # async scheduling's account of a step in flight
 
@@ -210,6 +215,7 @@ class Scheduler:
             if not self.swapped:
                 self._schedule_waiting(out, budget)
         self.running.sort(key=lambda g: g.arrival_time)
+        self.lora.assign_slots(out.chunks)
         return out
 
     def _num_running_seqs(self) -> int:
@@ -267,7 +273,12 @@ class Scheduler:
                 break
             if self._num_running_seqs() + _max_seqs(group) > self.max_num_seqs:
                 break
+            if self.lora.should_wait(group, self.running, []):
+                break
             self.swapped.popleft()
+            if (why := self.lora.activate(group, self.running)) is not None:
+                self._abort(group, out, why)
+                continue
             out.blocks_to_swap_in += self.bm.swap_in(group)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
@@ -280,10 +291,14 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[SequenceGroup] = []  # waiting for an adapter slot; later ones may go
         while self.waiting and budget > 0:
             group = self.waiting[0]
             if self._num_running_seqs() + _max_seqs(group) > self.max_num_seqs:
                 break
+            if self.lora.should_wait(group, self.running, skipped):
+                skipped.append(self.waiting.popleft())
+                continue
             status = self.bm.can_allocate(group)
             if status is AllocStatus.LATER:
                 break
@@ -298,6 +313,9 @@ class Scheduler:
             ):
                 self.waiting.appendleft(group)
                 break
+            if (why := self.lora.activate(group, self.running)) is not None:
+                self._abort(group, out, why)
+                continue
             self.bm.allocate(group)
             for s in group.get_seqs(SequenceStatus.WAITING):
                 s.status = SequenceStatus.RUNNING
@@ -305,6 +323,7 @@ class Scheduler:
             out.chunks.append(SeqChunk(group, seq, n))
             budget -= n
             self.running.append(group)
+        self.waiting.extendleft(reversed(skipped))
 
     # ---- after the step -------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from pagedjax.utils import cdiv
 
 if TYPE_CHECKING:
+    from pagedjax.lora.request import LoRARequest
     from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -42,7 +43,8 @@ class Sequence:
     num_computed_tokens counts the leading tokens whose KV is in the pool; the engine advances it
     after each step (BlockManager.allocate sets it to the prefix-cache hit length).
     extra_hash_key (e.g. a per-tenant salt) is mixed into every prefix-cache block hash, so
-    sequences with different keys never share cached blocks.
+    sequences with different keys never share cached blocks; so is lora_int_id (the LoRA adapter
+    its KV is computed under, 0 for the base model).
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class Sequence:
         prompt_token_ids: Iterable[int],
         block_size: int,
         extra_hash_key: Hashable = None,
+        lora_int_id: int = 0,
     ):
         prompt_token_ids = list(prompt_token_ids)
         if not prompt_token_ids:
@@ -60,6 +63,7 @@ class Sequence:
         self.seq_id = seq_id
         self.block_size = block_size
         self.extra_hash_key = extra_hash_key
+        self.lora_int_id = lora_int_id
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
         self.token_ids = list(prompt_token_ids)  # prompt + output, kept whole for O(1) slicing
@@ -132,6 +136,7 @@ class SequenceGroup:
         seqs: Iterable[Sequence],
         arrival_time: float,
         sampling_params: SamplingParams | BeamSearchParams | None = None,
+        lora_request: LoRARequest | None = None,
     ):
         self.request_id = request_id
         self.seqs_dict: dict[int, Sequence] = {}
@@ -144,9 +149,18 @@ class SequenceGroup:
         self.sampling_params = sampling_params
         self.abort_reason: str | None = None  # why the engine gave up on it, if it did
         self.finished_beams: list[tuple[list[int], float]] = []  # beam search: (tokens, logprob)
+        self.lora_request = lora_request  # the adapter it runs under (None: the base model)
+        if lora_request is not None:  # its KV is the adapter's: so are its cached blocks
+            for seq in self.seqs_dict.values():
+                seq.lora_int_id = lora_request.lora_int_id
+        self.num_lora_skips = 0  # times admission passed it over for want of an adapter slot
 
     def __repr__(self) -> str:
         return f"SequenceGroup(request_id={self.request_id!r}, seqs={self.get_seqs()})"
+
+    @property
+    def lora_int_id(self) -> int:
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     def add(self, seq: Sequence) -> None:
         if seq.seq_id in self.seqs_dict:

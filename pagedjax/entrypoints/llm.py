@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from pagedjax import compilation
 from pagedjax.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
 from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.lora.request import LoRARequest
 from pagedjax.models.loader import default_model_path, load_model
 from pagedjax.models.sharding import tensor_parallel_mesh
 from pagedjax.outputs import EngineStats, RequestOutput
@@ -22,7 +23,26 @@ Params = SamplingParams | BeamSearchParams
 
 
 class LLM:
-    """Offline batched generation: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+    """Offline batched generation: ``LLM(model=...).generate(prompts, SamplingParams(...))``.
+
+    ``warmup=True`` compiles every program the engine's limits allow up front (see
+    ``Runner.warmup``), so that no request waits for a compilation. ``speculative_config``:
+    vLLM's dict, e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_min": 2, "prompt_lookup_max": 4}`` (pagedjax.spec_decode).
+    ``kv_cache_dtype``: "auto" (the compute dtype), or "int8" / "fp8" for a KV pool of 8-bit
+    pages with a float32 scale per token and kv head (about a quarter of float32's bytes
+    per block, so more blocks fit).
+    ``quantization``: "int8" or "fp8" weight-only quantization of the linear layers, a
+    scale per output channel; "int8-g64" / "int8-g32": per 64 / 32 inputs of each
+    (models/quant.py). A GGUF whose linear kernels are all Q8_0 keeps them in 8 bits with
+    the file's scales: "int8-g32", which ``quantization`` may name (any other method is
+    refused) and ``llm.engine.config.quantization`` reports.
+    ``async_scheduling``: schedule and dispatch each step while the one before runs on the
+    device, where that cannot change results (pagedjax/engine/step_loop.py).
+    ``enable_lora``: serve LoRA adapters (``lora_request=`` on generate, chat and
+    beam_search), at most ``max_loras`` in one batch, of rank up to ``max_lora_rank``,
+    ``max_cpu_loras`` kept loaded on the host (docs/LORA.md).
+    """
 
     def __init__(
         self,
@@ -47,21 +67,11 @@ class LLM:
         warmup: bool = False,
         speculative_config: dict | None = None,
         async_scheduling: bool = True,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ):
-        """``warmup=True`` compiles every program the engine's limits allow up front (see
-        ``Runner.warmup``), so that no request waits for a compilation. ``speculative_config``:
-        vLLM's dict, e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
-        "prompt_lookup_min": 2, "prompt_lookup_max": 4}`` (pagedjax.spec_decode).
-        ``kv_cache_dtype``: "auto" (the compute dtype), or "int8" / "fp8" for a KV pool of 8-bit
-        pages with a float32 scale per token and kv head (about a quarter of float32's bytes
-        per block, so more blocks fit).
-        ``quantization``: "int8" or "fp8" weight-only quantization of the linear layers, a
-        scale per output channel; "int8-g64" / "int8-g32": per 64 / 32 inputs of each
-        (models/quant.py). A GGUF whose linear kernels are all Q8_0 keeps them in 8 bits with
-        the file's scales: "int8-g32", which ``quantization`` may name (any other method is
-        refused) and ``llm.engine.config.quantization`` reports.
-        ``async_scheduling``: schedule and dispatch each step while the one before runs on the
-        device, where that cannot change results (pagedjax/engine/step_loop.py)."""
         compilation.enable_persistent_cache()  # before anything compiles, the loader included
         mesh = tensor_parallel_mesh(tensor_parallel_size)
         loaded = load_model(
@@ -95,6 +105,10 @@ class LLM:
             ),
             speculative_config=speculative_config,
             async_scheduling=async_scheduling,
+            enable_lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras,
         )
         self.engine = LLMEngine(config, loaded)
         if warmup:
@@ -125,8 +139,11 @@ class LLM:
         prompts: Prompt | SequenceOf[Prompt],
         sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | SequenceOf[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the order of the prompts."""
+        """Generate for every prompt; outputs come back in the order of the prompts.
+        ``lora_request``: one adapter for every prompt, or a list with one (or None) per
+        prompt."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -136,19 +153,31 @@ class LLM:
             raise ValueError(
                 f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts"
             )
-        return self._run(prompts, list(sampling_params), use_tqdm)
+        loras = _per_prompt_loras(lora_request, len(prompts))
+        return self._run(prompts, list(sampling_params), use_tqdm, loras)
 
     def beam_search(
-        self, prompts: Prompt | SequenceOf[Prompt], params: BeamSearchParams, use_tqdm: bool = False
+        self,
+        prompts: Prompt | SequenceOf[Prompt],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | SequenceOf[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Beam search inside the engine; each output's completions are its best beams, best
         first (by cumulative logprob / length ** length_penalty)."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"beam_search takes BeamSearchParams, got {params!r}")
         prompts = _as_prompt_list(prompts)
-        return self._run(prompts, [params] * len(prompts), use_tqdm)
+        loras = _per_prompt_loras(lora_request, len(prompts))
+        return self._run(prompts, [params] * len(prompts), use_tqdm, loras)
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm=True):
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | None = None,
+        use_tqdm=True,
+        lora_request: LoRARequest | SequenceOf[LoRARequest | None] | None = None,
+    ):
         """Apply the tokenizer's chat template to one conversation (or a list of them)."""
         tok = self.tokenizer
         if tok is None or tok.chat_template is None:
@@ -158,18 +187,40 @@ class LLM:
             tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in convs
         ]
         ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-        return self.generate(ids, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
-    def _run(self, prompts: list[Prompt], params: list[Params], use_tqdm: bool):
+    # ---- LoRA adapters (vLLM's) -------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        return self.engine.pin_lora(lora_int_id)
+
+    def _run(
+        self,
+        prompts: list[Prompt],
+        params: list[Params],
+        use_tqdm: bool,
+        loras: list[LoRARequest | None],
+    ):
         if not self.engine.is_driver:
             return self._follow_run()
         ids = [f"offline-{next(self._request_ids)}" for _ in prompts]
         added = []
         try:
             prepared = []  # every prompt checked before any is queued
-            for i, (request_id, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
+            for i, (request_id, prompt, p, lora) in enumerate(
+                zip(ids, prompts, params, loras, strict=True)
+            ):
                 try:
-                    prepared.append(self.engine.prepare_request(request_id, prompt, p))
+                    prepared.append(self.engine.prepare_request(request_id, prompt, p, lora))
                 except ValueError as e:
                     raise ValueError(f"prompt {i}: {e}") from None
             for request_id, request in zip(ids, prepared, strict=True):
@@ -219,3 +270,16 @@ def _as_prompt_list(prompts) -> list[Prompt]:
     ):
         return [prompts]
     return list(prompts)
+
+
+def _per_prompt_loras(lora_request, num_prompts: int) -> list[LoRARequest | None]:
+    """One LoRARequest (or None) per prompt, from one for all or a list (vLLM's)."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(f"lora_request: got {len(loras)} LoRARequests for {num_prompts} prompts")
+    for lora in loras:
+        if lora is not None and not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request must hold LoRARequests or None, got {lora!r:.200}")
+    return loras
