@@ -1,0 +1,186 @@
+"""LoRA through LLMEngine over the fake model (tests/fake_model.py): the options and their
+errors, adapters added at add_request, admission with more adapters than slots, and the prefix
+cache keyed by adapter."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+from fake_model import FAKE_CONFIG, FakeRunner
+from pagedjax.models.loader import LoadedModel
+
+from pagedjax import LoRARequest, SamplingParams
+from pagedjax.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.worker.input_batch import ScheduledSeq
+
+
+class FakeLoRARunner(FakeRunner):
+    """The fake runner with adapter slots: records what each slot was loaded with, and the
+    ``lora_slot`` of every sequence a step ran (where the step loop passes one)."""
+
+    def __init__(self, *, lora_config=None, **kwargs):
+        super().__init__(**kwargs)
+        self.lora_config = lora_config
+        self.slot_loads: list[tuple[int, str]] = []
+        self.seen_slots: list[int | None] = []
+
+    def load_lora_slot(self, slot: int, adapter) -> None:
+        assert 1 <= slot <= self.lora_config.max_loras
+        self.slot_loads.append((slot, adapter.path))
+
+    def execute(self, seqs, num_top_logprobs: int = 0):
+        self.seen_slots += [getattr(s, "lora_slot", None) for s in seqs]
+        return super().execute(seqs, num_top_logprobs)
+
+
+def fake_loader(path: str, model_config, max_rank: int):
+    """Paths ".../rank<r>" load an adapter of rank r; others have no adapter."""
+    if "rank" not in path:
+        raise ValueError(f"{path!r} holds no adapter_config.json")
+    rank = int(path.rsplit("rank", 1)[1])
+    if rank > max_rank:
+        raise ValueError(f"rank {rank} of {path!r} exceeds max_lora_rank={max_rank}")
+    return SimpleNamespace(rank=rank, path=path)
+
+
+def lora_engine(runner=FakeLoRARunner, **lora) -> LLMEngine:
+    config = EngineConfig(
+        model="fake",
+        cache=CacheConfig(8, 64, None, 0.001, True),
+        scheduler=SchedulerConfig(8, 64),
+        **({"enable_lora": True, "max_loras": 2, "max_lora_rank": 8} | lora),
+    )
+    loaded = LoadedModel(config=FAKE_CONFIG, params={}, source="fake", tokenizer_dir=None)
+    return LLMEngine(config, loaded, runner_factory=runner, lora_loader=fake_loader)
+
+
+def adapter(i: int, rank: int = 4) -> LoRARequest:
+    return LoRARequest(f"adapter{i}", i, f"/adapters/{i}/rank{rank}")
+
+
+def run(engine: LLMEngine) -> dict:
+    outs = {}
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        outs |= {o.request_id: o for o in engine.step() if o.finished}
+    assert not engine.has_unfinished_requests()
+    return outs
+
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("max_loras", 0), ("max_lora_rank", 0), ("max_cpu_loras", 1), ("enable_lora", 1)],
+)
+def test_lora_options_are_validated_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(model="fake", **({"enable_lora": True, "max_loras": 2} | {field: value}))
+
+
+def test_enable_lora_refuses_a_runner_without_adapter_slots():
+    with pytest.raises(ValueError, match="LoRA needs the runner's adapter slots"):
+        lora_engine(runner=FakeRunner)
+
+
+def test_bad_lora_requests_are_refused_before_anything_is_queued():
+    engine = lora_engine(max_lora_rank=8)
+    cases = [
+        (LoRARequest("nowhere", 1, "/adapters/none"), "/adapters/none"),
+        (adapter(2, rank=16), "rank 16"),
+        ("adapter2", "must be a LoRARequest"),
+    ]
+    for lora, message in cases:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request("r", [1, 2, 3], GREEDY, lora_request=lora)
+    assert not engine.has_unfinished_requests() and not engine.requests
+    assert engine.list_loras() == set()
+    base = lora_engine(enable_lora=False)
+    with pytest.raises(ValueError, match="enable_lora"):
+        base.add_request("r", [1, 2, 3], GREEDY, lora_request=adapter(1))
+    with pytest.raises(ValueError, match="enable_lora"):
+        base.list_loras()
+    assert not base.requests
+
+
+def test_add_remove_list_pin():
+    engine = lora_engine(max_cpu_loras=3)
+    assert engine.add_lora(adapter(1)) and not engine.add_lora(adapter(1))
+    engine.add_lora(adapter(2))
+    assert engine.pin_lora(2)
+    assert engine.list_loras() == {1, 2}
+    assert engine.remove_lora(1) and not engine.remove_lora(1)
+    assert engine.list_loras() == {2}
+
+
+def test_more_adapters_than_slots_all_finish_with_their_adapters_slots():
+    engine = lora_engine(max_loras=2)
+    runner = engine.runner
+    for i in range(10):
+        lora = None if i % 5 == 4 else adapter(1 + i % 5)
+        engine.add_request(f"r{i}", [3 + i, 4, 5, 6, 7], GREEDY, lora_request=lora)
+    outs = run(engine)
+    assert sorted(outs) == sorted(f"r{i}" for i in range(10))
+    assert all(len(o.outputs[0].token_ids) == 4 and o.error is None for o in outs.values())
+    assert {path for _, path in runner.slot_loads} == {adapter(i).lora_path for i in (1, 2, 3, 4)}
+    assert len(engine.list_loras()) == 2  # max_cpu_loras: max_loras by default
+
+
+def test_a_prefix_block_is_never_reused_across_adapters_through_the_engine():
+    engine = lora_engine()
+    prompt = list(range(3, 3 + 25))  # three full blocks of 8 and a token
+
+    def hits(name: str, lora) -> int:
+        before = engine.get_stats().prefix_cache_hits
+        engine.add_request(name, prompt, GREEDY, lora_request=lora)
+        run(engine)
+        return engine.get_stats().prefix_cache_hits - before
+
+    assert hits("a1", adapter(1)) == 0
+    assert hits("a2", adapter(2)) == 0  # same prompt, another adapter: nothing reused
+    assert hits("base", None) == 0  # nor by the base model
+    assert hits("a1 again", adapter(1)) == 3  # its own adapter's blocks are
+    assert hits("base again", None) == 3
+
+
+def test_an_id_names_one_adapter_for_the_engines_life():
+    engine = lora_engine()
+    engine.add_lora(adapter(1))
+    engine.remove_lora(1)
+    other = dataclasses.replace(adapter(1), lora_path="/adapters/other/rank4")
+    with pytest.raises(ValueError, match="lora_int_id 1 names the adapter"):
+        engine.add_request("r", [1, 2], GREEDY, lora_request=other)
+
+
+@pytest.mark.xfail(
+    "lora_slot" not in {f.name for f in dataclasses.fields(ScheduledSeq)},
+    reason="the runner wiring: ScheduledSeq.lora_slot, passed by the step loop from "
+    "SeqChunk.lora_slot",
+    strict=True,
+)
+def test_the_runner_gets_each_sequences_adapter_slot():
+    engine = lora_engine(max_loras=2)
+    engine.add_request("base", [1, 2, 3], GREEDY)
+    engine.add_request("one", [1, 2, 3], GREEDY, lora_request=adapter(1))
+    run(engine)
+    loaded = dict(engine.runner.slot_loads)
+    assert set(engine.runner.seen_slots) == {0, *loaded}
+    assert loaded[engine.lora_manager.slot_of(1)] == adapter(1).lora_path
+
+
+def test_generate_takes_one_lora_request_or_one_per_prompt():
+    from pagedjax.entrypoints.llm import _per_prompt_loras
+
+    one = adapter(1)
+    assert _per_prompt_loras(one, 3) == [one] * 3
+    assert _per_prompt_loras(None, 2) == [None, None]
+    assert _per_prompt_loras([one, None], 2) == [one, None]
+    with pytest.raises(ValueError, match="got 1 LoRARequests for 2 prompts"):
+        _per_prompt_loras([one], 2)
+    with pytest.raises(ValueError, match="lora_request must hold LoRARequests"):
+        _per_prompt_loras(["adapter1"], 1)
