@@ -44,14 +44,31 @@ class OutputProcessor:
         ids = seq.get_token_ids()
         prefix = self.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens)
         full = self.decode(ids[seq.prefix_offset :], skip_special_tokens)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            seq.text += full[len(prefix) :]
-            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+        _take_complete_text(seq, len(ids), prefix, full)
 
-    def stop_string_hit(self, seq: Sequence, p: SamplingParams) -> bool:
-        """Detokenize seq's new tokens; cut its text at a stop string if one appeared (the
-        string recorded as ``seq.stop_reason``)."""
-        self.detokenize(seq, p.skip_special_tokens)
+    def detokenize_many(self, seqs: list[tuple[Sequence, bool]]) -> None:
+        """``detokenize(seq, skip_special_tokens)`` for each pair, with every window of a step
+        decoded in two batched calls of the tokenizer's Rust backend (in parallel, off the GIL)
+        where that gives the same text as ``decode``; one by one otherwise."""
+        batch = None if self.tokenizer is None else _batch_decoder(self.tokenizer)
+        if batch is None:
+            for seq, skip in seqs:
+                self.detokenize(seq, skip)
+            return
+        for skip in (True, False):
+            group = [(seq, seq.get_token_ids()) for seq, s in seqs if s is skip]
+            if not group:
+                continue
+            prefixes = batch([ids[s.prefix_offset : s.read_offset] for s, ids in group], skip)
+            fulls = batch([ids[s.prefix_offset :] for s, ids in group], skip)
+            for (seq, ids), prefix, full in zip(group, prefixes, fulls, strict=True):
+                _take_complete_text(seq, len(ids), prefix, full)
+
+    def stop_string_hit(self, seq: Sequence, p: SamplingParams, detokenized=False) -> bool:
+        """Detokenize seq's new tokens (unless ``detokenized`` already); cut its text at a stop
+        string if one appeared (the string recorded as ``seq.stop_reason``)."""
+        if not detokenized:
+            self.detokenize(seq, p.skip_special_tokens)
         searched, seq.stop_search_from = seq.stop_search_from, len(seq.text)
         if not p.stop or seq.finish_reason == "stop" or len(seq.text) == searched:
             return False
@@ -62,17 +79,34 @@ class OutputProcessor:
         seq.text = seq.text[:at]
         return True
 
-    def check_stop(self, req: Request, seq: Sequence) -> str | None:
+    def check_stop(self, req: Request, seq: Sequence, detokenized=False) -> str | None:
         """After seq's new token: "stop" for a stop string or a complete grammar, "abort" for a
-        grammar no token can continue (structured_output.py), else None."""
+        grammar no token can continue (structured_output/grammar.py), else None."""
         reason = None
         if req.grammar is not None and not seq.is_finished():
             reason = req.grammar.after_token(seq)
-        if self.stop_string_hit(seq, req.params):
+        if self.stop_string_hit(seq, req.params, detokenized):
             reason = "stop"
         if req.grammar is not None and (reason or seq.is_finished()):
             req.grammar.forget(seq)
         return reason
+
+    def check_stops(self, pairs: list[tuple[Request, Sequence]]) -> list[str | None | Exception]:
+        """``check_stop`` for each (request, sequence) with a new token in a step, the text of all
+        of them decoded together first; a pair that raises gets its exception in its place (it
+        fails its request alone)."""
+        try:
+            self.detokenize_many([(seq, req.params.skip_special_tokens) for req, seq in pairs])
+            detokenized = True
+        except Exception:  # decoded one by one below, so that the error is the request's own
+            detokenized = False
+        out: list[str | None | Exception] = []
+        for req, seq in pairs:
+            try:
+                out.append(self.check_stop(req, seq, detokenized))
+            except Exception as err:
+                out.append(err)
+        return out
 
     @staticmethod
     def stop_reason(req: Request, seq: Sequence) -> int | str | None:
@@ -170,3 +204,32 @@ class OutputProcessor:
         return RequestOutput(
             req.request_id, req.prompt, req.prompt_token_ids, completions, finished, req.error
         )
+
+
+def _take_complete_text(seq: Sequence, num_ids: int, prefix: str, full: str) -> None:
+    """Append what the window's full text adds to its prefix's, once it ends in a whole
+    character (a byte-fallback or byte-level token may leave half of one: U+FFFD)."""
+    if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        seq.text += full[len(prefix) :]
+        seq.prefix_offset, seq.read_offset = seq.read_offset, num_ids
+
+
+def _batch_decoder(tokenizer):
+    """``(ids_lists, skip_special_tokens) -> texts`` through the Rust backend's decode_batch,
+    or None where ``tokenizer.decode`` does more than the backend's decode: a tokenizer class
+    with its own decoding, or one that cleans up tokenization spaces."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    cls = type(tokenizer)
+    if (
+        backend is None
+        or not isinstance(tokenizer, TokenizersBackend)
+        or cls._decode is not TokenizersBackend._decode
+        or cls.decode is not TokenizersBackend.decode
+        or getattr(tokenizer, "clean_up_tokenization_spaces", False)
+    ):
+        return None
+    return lambda ids, skip: backend.decode_batch(ids, skip_special_tokens=skip)
