@@ -184,7 +184,8 @@ class StepLoop:
             start, table = c.seq.num_computed_tokens, bm.get_block_table(c.seq)
             ids, rows = with_proposals(c, rows)
             num_spec = len(c.spec_token_ids)
-            sched.append(ScheduledSeq(ids, start, table, rows, req.prompt_rows(c), num_spec))
+            prompt_rows, seq_id = req.prompt_rows(c), c.seq.seq_id
+            sched.append(ScheduledSeq(ids, start, table, rows, prompt_rows, num_spec, seq_id))
             ran.append(c)
         keep = [i for i, c in enumerate(ran) if requests[c.group.request_id].error is None]
         if not keep:
