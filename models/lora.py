@@ -191,6 +191,11 @@ def _read_tensors(directory: Path) -> dict[str, np.ndarray]:
 
 def _pairs(tensors: dict[str, np.ndarray], path: str) -> dict[tuple[int, str], tuple]:
     """(layer, HF module path within the layer, e.g. "self_attn.q_proj") -> (A, B)."""
+    embedding = next((k for k in tensors if ".lora_embedding_" in k), None)
+    if embedding is not None:
+        raise ValueError(
+            f"LoRA adapter {path!r}: embedding adapters are not supported ({embedding!r})"
+        )
     found: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
         match = _KEY.search(key)

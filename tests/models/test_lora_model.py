@@ -9,7 +9,10 @@ different ranks, scalings and targets, their B matrices random (PEFT starts B at
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ import peft
 import pytest
 import torch
 from hf_models import make_tiny_model
+from jax.sharding import PartitionSpec as P
 from pagedjax.models.config import ModelConfig
 from pagedjax.models.llama import forward
 from pagedjax.models.loader import load_model
@@ -28,7 +32,9 @@ from pagedjax.models.lora import (
     load_adapter,
     set_slot,
 )
+from worker_report import run_reporting_worker
 
+from pagedjax import compilation
 from pagedjax.worker.runner import Runner, ScheduledSeq
 
 BLOCK = 8
@@ -114,10 +120,12 @@ def _tables(n: int, total_len: int) -> list[list[int]]:
 class LoRARunner:
     """Our model's forward on a Runner's parameters, pool and step inputs, with adapters."""
 
-    def __init__(self, base_dir, adapter_dirs, quantization=None):
+    def __init__(self, base_dir, adapter_dirs, quantization=None, params=None):
+        """``params``: these instead of the checkpoint's (in its config)."""
         loaded = load_model(str(base_dir), use_cache=False, quantization=quantization)
+        params = loaded.params if params is None else params
         self.runner = Runner(
-            loaded.config, loaded.params, num_blocks=64, block_size=BLOCK, max_model_len=64
+            loaded.config, params, num_blocks=64, block_size=BLOCK, max_model_len=64
         )
         self.config = loaded.config
         lora_config = LoRAConfig(max_loras=len(adapter_dirs), max_lora_rank=MAX_RANK)
@@ -210,3 +218,172 @@ def test_adapters_as_loaded(family):
     gate_a, _ = adapters[2].weights["gate_proj"]
     assert not gate_a[0].any() and gate_a[1].any()  # layers_to_transform=[1]
     assert adapters[1].nbytes() > adapters[0].nbytes() > 0
+
+
+def _copy_with_config(src, dst, **changes):
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "adapter_config.json").read_text())
+    (dst / "adapter_config.json").write_text(json.dumps({**config, **changes}))
+    return dst
+
+
+def test_bad_adapters_are_refused_naming_the_value(family, tmp_path):
+    base_dir, models, dirs = family("llama_gqa")
+    config = model_config(base_dir)
+    load = lambda d, c=config, r=MAX_RANK: load_adapter(str(d), c, r)  # noqa: E731
+    with pytest.raises(ValueError, match="nowhere"):
+        load(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="adapter_config.json"):
+        load(tmp_path / "empty")
+    (tmp_path / "no_weights").mkdir()
+    shutil.copy(dirs[0] / "adapter_config.json", tmp_path / "no_weights")
+    with pytest.raises(ValueError, match="adapter_model.safetensors"):
+        load(tmp_path / "no_weights")
+    with pytest.raises(ValueError, match="r=16 exceeds max_lora_rank=8"):
+        load(dirs[2], r=8)
+    for option, value in [
+        ("use_dora", True),
+        ("bias", "lora_only"),
+        ("modules_to_save", ["lm_head"]),
+        ("peft_type", "IA3"),
+        ("alpha_pattern", {"q_proj": 4}),
+    ]:
+        bad = _copy_with_config(dirs[0], tmp_path / option, **{option: value})
+        with pytest.raises(ValueError, match=f"{option}.*{value!r}".replace("[", r"\[")):
+            load(bad)
+    # An embedding adapter (PEFT's lora_embedding_A/B) is refused by its tensor's name.
+    embed = peft.get_peft_model(
+        copy.deepcopy(models[0]), peft.LoraConfig(r=4, target_modules=["embed_tokens"])
+    )
+    embed.save_pretrained(str(tmp_path / "embed"))
+    with pytest.raises(ValueError, match="embed_tokens.lora_embedding_A"):
+        load(tmp_path / "embed")
+    # Another model's modules, shapes or depth.
+    phi3 = dataclasses.replace(config, architecture="Phi3ForCausalLM")
+    with pytest.raises(ValueError, match="'self_attn.q_proj'.*Phi3ForCausalLM"):
+        load(dirs[0], phi3)
+    wider = dataclasses.replace(config, hidden_size=96)
+    with pytest.raises(ValueError, match=r"q_proj of layer 0 has lora_A \(4, 64\)"):
+        load(dirs[0], wider)
+    with pytest.raises(ValueError, match="layer 1; the model has 1 layers"):
+        load(dirs[0], dataclasses.replace(config, num_layers=1))
+    # A MoE family's experts are not adapted: an MLP adapter is refused, attention is fine.
+    moe = dataclasses.replace(
+        config,
+        architecture="MixtralForCausalLM",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    )
+    with pytest.raises(ValueError, match="'mlp.down_proj'"):
+        load(dirs[1], moe)
+    assert load(dirs[0], moe).target_modules == {"q_proj", "v_proj"}
+    slots = init_slots(config, LoRAConfig(max_loras=2, max_lora_rank=4), jnp.float32)
+    with pytest.raises(ValueError, match="slot must be in \\[1, 2\\], got 3"):
+        set_slot(slots, 3, None)
+    with pytest.raises(ValueError, match="rank 8 exceeds max_lora_rank 4"):
+        set_slot(slots, 1, load(dirs[1]))
+    with pytest.raises(ValueError, match="max_loras must be at least 1, got 0"):
+        LoRAConfig(max_loras=0)
+
+
+def test_changing_slots_compiles_nothing(family):
+    """set_slot writes any adapter into any slot (or clears it) with one program, and the step
+    reads the new slots without compiling: the slot is a traced index, the shapes fixed."""
+    base_dir, models, dirs = family("llama_gqa")
+    ours = LoRARunner(base_dir, dirs)  # slots 1..3 set: set_slot compiled once
+    compilation.track_compile_seconds()
+    seqs = [ScheduledSeq(p, 0, [i + 1, i + 9]) for i, p in enumerate(_prompts(0)[:2])]
+    rows = [1] * PROMPT_LENS[0] + [2] * PROMPT_LENS[1]
+    pool = ours.runner.kv_cache.pages
+    before, _ = ours.logits(seqs, rows, pool)
+    compiled = compilation.programs_compiled()
+    a = ours.adapters
+    slots = set_slot(ours.slots, 1, a[2])  # rank 16 over rank 4
+    slots = set_slot(slots, 2, None)
+    slots = set_slot(slots, 3, a[0])
+    ours.slots = slots
+    after, _ = ours.logits(seqs, [3] * PROMPT_LENS[0] + [1] * PROMPT_LENS[1], pool)
+    assert compilation.programs_compiled() == compiled
+    # Slot 3 now computes what slot 1 did; slot 1 holds the third adapter, scaled.
+    np.testing.assert_array_equal(after[0], before[0])
+    ref = hf_logits(models[3], _prompts(0)[1])[-1]
+    assert rel_err(after[1], ref) < RTOL
+    assert not np.asarray(slots.a["q_proj"][:, 2]).any()
+    wa, wb = a[2].weights["o_proj"]
+    np.testing.assert_array_equal(np.asarray(slots.a["o_proj"][:, 1]), wa)
+    np.testing.assert_allclose(np.asarray(slots.b["o_proj"][:, 1]), wb * a[2].scaling, rtol=1e-6)
+
+
+def test_unrolled_layers_and_int8_weights(family, monkeypatch):
+    """The adapters over one parameter tree per layer (every platform but a CPU), and over
+    int8 kernels (the product is added to the quantized method's)."""
+    base_dir, models, dirs = family("qwen2_bias")
+    prompt = _prompts(1)[3]
+    seqs = [ScheduledSeq(prompt, 0, [1, 2, 3])]
+    monkeypatch.setenv("PAGEDJAX_LAYER_LOOP", "unrolled")
+    ours = LoRARunner(base_dir, dirs)
+    assert isinstance(ours.runner.params["layers"], tuple)
+    for slot in (0, 2):
+        logits, _ = ours.logits(
+            seqs, [slot] * len(prompt), ours.runner.kv_cache.pages, all_rows=True
+        )
+        assert rel_err(logits, hf_logits(models[slot], prompt)) < RTOL
+    monkeypatch.delenv("PAGEDJAX_LAYER_LOOP")
+    # int8 kernels (a scale per output column) against float kernels of the same values.
+    params = load_model(str(base_dir), use_cache=False, quantization="int8").params
+    quantized = LoRARunner(base_dir, dirs, quantization="int8")
+    same_values = LoRARunner(base_dir, dirs, params=dequantized(params))
+    assert "ColumnQuantLinear" in repr(quantized.runner.linear)
+    for slot in (0, 2):
+        rows = [slot] * len(prompt)
+        ref, _ = same_values.logits(seqs, rows, same_values.runner.kv_cache.pages, all_rows=True)
+        logits, _ = quantized.logits(seqs, rows, quantized.runner.kv_cache.pages, all_rows=True)
+        assert rel_err(logits, ref) < RTOL
+    assert rel_err(ref, hf_logits(models[2], prompt)) < 0.1  # int8's own error, loosely
+
+
+def dequantized(params):
+    """Every int8 kernel with its per-column scale as a float kernel of the same values."""
+    if not isinstance(params, dict):
+        return params
+    if "kernel_scale" not in params:
+        return {k: dequantized(v) for k, v in params.items()}
+    kernel = (
+        np.asarray(params["kernel"], np.float32) * np.asarray(params["kernel_scale"])[..., None, :]
+    )
+    rest = {k: v for k, v in params.items() if k not in ("kernel", "kernel_scale")}
+    return {**rest, "kernel": jnp.asarray(kernel)}
+
+
+@pytest.mark.slow  # three runners in a subprocess: about 35 s
+def test_tensor_parallel_slots_split_as_their_projections(family):
+    """Tensor parallel degrees 2 and 4 (over 2 KV heads: replicated, k/v adapters widened with
+    them) give degree 1's logits, which are transformers + PEFT's; the slots are split as
+    their base projections are, and set_slot keeps them so."""
+    base_dir, models, dirs = family("llama_gqa")
+    worker = Path(__file__).with_name("lora_tp_worker.py")
+    argv = [str(worker), str(base_dir), ",".join(str(d) for d in dirs)]
+    report = run_reporting_worker(argv, num_devices=4, timeout=600)
+    one = np.asarray(report["1"]["logits"])
+    starts = np.cumsum([0, *(len(p) for p in report["prompts"])])
+    for i, (p, slot) in enumerate(zip(report["prompts"], report["slots"], strict=True)):
+        assert rel_err(one[starts[i] : starts[i + 1]], hf_logits(models[slot], p)) < RTOL
+    for tp in ("2", "4"):
+        assert rel_err(np.asarray(report[tp]["logits"]), one) < RTOL, f"tp={tp}"
+        assert report[tp]["kept_shardings"]
+        specs = report[tp]["specs"]
+        whole, split_in, split_out = (
+            str(P()),
+            str(P(None, None, "tp", None)),
+            str(P(*[None] * 3, "tp")),
+        )
+        assert specs["a/q_proj"] == specs["a/gate_proj"] == specs["b/o_proj"] == whole
+        assert specs["b/q_proj"] == specs["b/k_proj"] == specs["b/up_proj"] == split_out
+        assert specs["a/o_proj"] == specs["a/down_proj"] == split_in
+    # Device 0's share: q's B [layers, slots, rank, 64 / tp], o's A [layers, slots, 64 / tp, rank];
+    # at tp=4 the k projection's 4 replicated heads of 16 put one head (16 columns) on each.
+    assert report["2"]["device0_shapes"]["b/q_proj"] == [2, 4, 16, 32]
+    assert report["4"]["device0_shapes"]["a/o_proj"] == [2, 4, 16, 16]
+    assert report["4"]["device0_shapes"]["b/k_proj"] == [2, 4, 16, 16]
