@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import shutil
 from pathlib import Path
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import peft
@@ -23,7 +25,8 @@ import torch
 from hf_models import make_tiny_model
 from jax.sharding import PartitionSpec as P
 from pagedjax.models.config import ModelConfig
-from pagedjax.models.llama import forward
+from pagedjax.models.layer_loop import split_layers
+from pagedjax.models.llama import forward, param_shapes
 from pagedjax.models.loader import load_model
 from pagedjax.models.lora import (
     LoRABatch,
@@ -32,6 +35,7 @@ from pagedjax.models.lora import (
     load_adapter,
     set_slot,
 )
+from pagedjax.models.step_input import StepInput
 from worker_report import run_reporting_worker
 
 from pagedjax import compilation
@@ -387,3 +391,40 @@ def test_tensor_parallel_slots_split_as_their_projections(family):
     assert report["2"]["device0_shapes"]["b/q_proj"] == [2, 4, 16, 32]
     assert report["4"]["device0_shapes"]["a/o_proj"] == [2, 4, 16, 16]
     assert report["4"]["device0_shapes"]["b/k_proj"] == [2, 4, 16, 16]
+
+
+def _count_dots(jaxpr) -> int:
+    """dot_general equations, in sub-jaxprs (the scan's body) too."""
+    subs = [sub for eqn in jaxpr.eqns for sub in jax.extend.core.jaxprs_in_params(eqn.params)]
+    own = sum(eqn.primitive.name == "dot_general" for eqn in jaxpr.eqns)
+    return own + sum(_count_dots(sub) for sub in subs)
+
+
+@pytest.mark.parametrize("loop", ["scan", "unrolled"])
+def test_lora_ops_only_with_an_adapter_batch(loop, family):
+    """Without ``lora`` the program holds the base model's dots only; with it, two per adapted
+    projection (x @ a, then @ b) of each traced layer."""
+    base_dir, _, _ = family("llama_gqa")
+    c = model_config(base_dir)
+    params = param_shapes(c)
+    if loop == "unrolled":
+        params = split_layers(params, c)
+    pages = jax.ShapeDtypeStruct((c.num_kv_heads, 2 * c.num_layers, BLOCK, c.head_dim), np.float32)
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=np.int32)
+    step = StepInput(
+        i32((8,)), i32((8,)), i32((8,)), i32((2, 2)), i32((2,)), i32((3,)), i32((2,)),
+        max_query_len=4,
+    )  # fmt: skip
+    slots = jax.eval_shape(lambda: init_slots(c, LoRAConfig(max_loras=2), jnp.float32))
+
+    def dots(*args, **kwargs) -> int:
+        def fn(params, pool, step, lora=None):
+            return forward(params, pool, step, c, "reference", lora=lora)
+
+        return _count_dots(jax.make_jaxpr(functools.partial(fn, **kwargs))(*args).jaxpr)
+
+    base = dots(params, (pages, pages), step)
+    with_lora = dots(params, (pages, pages), step, LoRABatch(slots, i32((8,))))
+    layers = c.num_layers if loop == "unrolled" else 1
+    assert dots(params, (pages, pages), step, lora=None) == base > 0
+    assert with_lora == base + 2 * 7 * layers
