@@ -236,6 +236,16 @@ class LLMEngine:
     def pin_lora(self, lora_int_id: int) -> bool:
         return self._loras().pin_lora(lora_int_id)
 
+    def lora_requests_info(self) -> tuple[list[str], list[str]]:
+        """The adapters of the running requests and of the waiting ones, by name, sorted (vLLM's
+        lora_requests_info; the swapped count as waiting)."""
+        sched = self.scheduler
+
+        def names(groups) -> list[str]:
+            return sorted({g.lora_request.lora_name for g in groups if g.lora_request})
+
+        return names(sched.running), names([*sched.waiting, *sched.swapped])
+
     def has_unfinished_requests(self) -> bool:  # or outputs not yet returned by step()
         return self.scheduler.has_unfinished() or self.steps.has_outputs()
 

@@ -32,18 +32,22 @@ def serve(
     warmup: bool = True,
     warmup_all: bool = False,
     background_compile: bool = True,
+    lora_modules: list[tuple[str, str]] | None = None,
     **llm_kwargs,
 ) -> None:
     """Load the model and serve it until interrupted. Bad options raise ValueError before the
     model loads. Before it answers the server compiles the common programs (``warmup``), or
     every program (``warmup_all``), or nothing; with ``background_compile`` the rest compile on
-    a background thread once it answers, else each on first use."""
+    a background thread once it answers, else each on first use. ``lora_modules``: (name, path)
+    LoRA adapters served from the start (needs ``enable_lora=True``)."""
     import uvicorn
 
     from pagedjax import LLM
     from pagedjax.models.loader import default_model_path
 
     check_api_key(api_key)
+    if lora_modules and not llm_kwargs.get("enable_lora"):
+        raise ValueError("lora_modules (--lora-modules) needs enable_lora (--enable-lora)")
     limits = limits or ServerLimits()
     # The id clients use: the aliases given, else the name the user passed (not a resolved
     # cache path), else the embedded model's file name.
@@ -68,6 +72,7 @@ def serve(
             public_metrics=public_metrics,
             public_docs=public_docs,
             tool_config=tool_config,
+            lora_modules=lora_modules,
         )
         app.state.engine_loop.attach_startup(start)
         uvicorn.run(app, host=host, port=port, log_level=log_level)

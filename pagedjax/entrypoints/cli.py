@@ -174,7 +174,10 @@ def _serve(args: argparse.Namespace) -> int:
         max_stop_string_chars=args.max_stop_string_chars,
         max_response_logprobs=args.max_response_logprobs,
     )
+    lora_kwargs = _lora_kwargs(args)  # checked before anything loads
     if args.ray:
+        if args.enable_lora:
+            raise ValueError("--enable-lora is not served with --ray yet")
         from pagedjax.serve_ray.cli_args import serve_on_ray
 
         server = {"api_key": args.api_key, "limits": limits, "tool_config": tool_config}
@@ -194,9 +197,64 @@ def _serve(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         warmup_all=args.warmup_all,
         background_compile=args.background_compile,
+        lora_modules=args.lora_modules,
         **_engine_kwargs(args),
+        **lora_kwargs,
     )
     return 0
+
+
+def _lora_kwargs(args: argparse.Namespace) -> dict:
+    """LLM's LoRA keyword arguments from the serve flags (--lora-modules needs --enable-lora)."""
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    if not args.enable_lora:
+        return {}
+    return dict(
+        enable_lora=True,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+    )
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """--lora-modules: name=path."""
+    from pagedjax.entrypoints.openai.serving_models import parse_lora_module
+
+    try:
+        return parse_lora_module(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_lora_args(srv: argparse.ArgumentParser) -> None:
+    """Multi-LoRA serving: adapters requests select by their ``model`` (docs/LORA.md)."""
+    lora = srv.add_argument_group("LoRA adapters")
+    lora.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters: a request's model names one; /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter change them at run time",
+    )
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="adapters to serve from the start: a name and a PEFT adapter directory each",
+    )
+    lora.add_argument(
+        "--max-loras", type=int, default=1, help="adapters in one batch (device slots)"
+    )
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank")
+    lora.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters kept loaded on the host (default: --max-loras)",
+    )
 
 
 def _add_bench_parser(sub) -> None:
@@ -266,6 +324,7 @@ def _add_serve_parser(sub) -> None:
         default=None,
         help="how the model writes tool calls: hermes (Qwen 2.5/3), llama3_json, pythonic",
     )
+    _add_lora_args(srv)
     add_ray_args(srv)
     srv.set_defaults(func=_serve)
 

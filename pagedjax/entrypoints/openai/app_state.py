@@ -1,6 +1,7 @@
 """What the route handlers share, kept on ``app.state``: the engine loop, the serving object,
-the limits, the served names, the API key and the options that open routes. ``install`` puts
-them there once (build_app); the helpers here read them from ``request.app.state``.
+the limits, the served names and LoRA adapters (serving_models), the API key and the options
+that open routes. ``install`` puts them there once (build_app); the helpers here read them from
+``request.app.state``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pagedjax.entrypoints.openai.protocol import (
     parse_request,
 )
 from pagedjax.entrypoints.openai.serving_engine import OpenAIServing
+from pagedjax.entrypoints.openai.serving_models import ServedModels, model_not_found
 from pagedjax.entrypoints.openai.tools import ToolConfig
 
 
@@ -38,6 +40,7 @@ def install(
     public_metrics: bool,
     public_docs: bool,
     tool_config: ToolConfig,
+    models: ServedModels | None = None,
 ) -> None:
     """Everything a handler needs, on ``app.state`` (one app, one set)."""
     state = app.state
@@ -45,7 +48,8 @@ def install(
     state.serving = serving
     state.offload = offload
     state.tokenizer = tokenizer  # the handlers' own: tokenizers aren't shareable across threads
-    state.model_names = model_names
+    state.model_names = model_names  # the base model's names
+    state.models = models or ServedModels(model_names)  # and the LoRA adapters'
     state.limits = limits
     state.api_key = api_key
     state.public_metrics = public_metrics
@@ -67,21 +71,14 @@ def check_key(request: Request) -> None:
         )
 
 
-def model_not_found(model_id: str, model_names: list[str]) -> APIError:
-    return APIError(
-        404,
-        f"the model {model_id!r} does not exist; this server serves {model_names}",
-        "invalid_request_error",
-        "model_not_found",
-        "model",
-    )
+__all__ = ["check_key", "install", "model_not_found", "read_json", "read_request"]
 
 
-def parse_for_model(model_names: list[str], model_cls, data):
-    """``data`` validated as ``model_cls``, naming one of the served models (runs off the loop)."""
+def parse_for_model(models: ServedModels, model_cls, data):
+    """``data`` validated as ``model_cls``, naming one of the served models or LoRA adapters
+    (runs off the loop)."""
     req = parse_request(model_cls, data)
-    if req.model not in model_names:
-        raise model_not_found(req.model, model_names)
+    models.resolve(req.model)
     return req
 
 
@@ -89,7 +86,7 @@ async def read_request(request: Request, model_cls):
     """The body parsed strictly as ``model_cls``, on the offload threads."""
     state = request.app.state
     data = await read_json(request)
-    return await state.offload.run(parse_for_model, state.model_names, model_cls, data)
+    return await state.offload.run(parse_for_model, state.models, model_cls, data)
 
 
 async def read_json(request: Request):

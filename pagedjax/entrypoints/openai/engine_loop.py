@@ -40,9 +40,10 @@ class QueueFull(Exception):
 class _Tracked:
     """What the engine thread remembers about one engine request."""
 
-    def __init__(self, sink, arrival: float):
+    def __init__(self, sink, arrival: float, lora_name: str | None = None):
         self.sink = sink  # callable(item) that passes item to the event loop thread
         self.arrival = arrival
+        self.lora_name = lora_name  # the LoRA adapter it runs under, if any
         self.first_token: float | None = None
         self.num_tokens = 0
 
@@ -85,11 +86,18 @@ class EngineLoop:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
-    def submit(self, request_id: str, prompt_ids: list[int], params, sink):
-        """Queue an add; the returned future fails with ValueError (bad request), QueueFull, or
-        whatever else add_request raised."""
+    def submit(self, request_id: str, prompt_ids: list[int], params, sink, lora_request=None):
+        """Queue an add (under the LoRA adapter ``lora_request``, if given); the returned future
+        fails with ValueError (bad request), QueueFull, or whatever else add_request raised."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("add", request_id, prompt_ids, params, sink, fut))
+        self._commands.put(("add", request_id, prompt_ids, params, sink, fut, lora_request))
+        return fut
+
+    def call(self, fn):
+        """Run ``fn(engine)`` on the engine thread, between steps (e.g. loading a LoRA adapter);
+        the returned future holds its result or exception."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, fut))
         return fut
 
     def abort(self, request_id: str) -> None:
@@ -136,19 +144,30 @@ class EngineLoop:
                 self.engine.abort_request(cmd[1])
                 self.metrics.finished("abort")
             return
-        _, request_id, prompt_ids, params, sink, fut = cmd
+        if cmd[0] == "call":
+            _, fn, fut = cmd
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except Exception as e:
+                    fut.set_exception(e)
+            return
+        _, request_id, prompt_ids, params, sink, fut, lora = cmd
         if not fut.set_running_or_notify_cancel():
             return
         if self.engine.get_stats().num_requests_waiting >= self.max_queue:
             fut.set_exception(QueueFull(f"{self.max_queue} requests are already waiting"))
             return
         try:
-            self.engine.add_request(request_id, prompt_ids, params)
+            extra = {} if lora is None else {"lora_request": lora}
+            self.engine.add_request(request_id, prompt_ids, params, **extra)
         except Exception as e:  # add_request leaves the engine untouched when it raises
             fut.set_exception(e)
             return
-        self._tracked[request_id] = _Tracked(sink, time.monotonic())
+        name = None if lora is None else lora.lora_name
+        self._tracked[request_id] = _Tracked(sink, time.monotonic(), name)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
+        self.metrics.lora_request(name)
         fut.set_result(None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -161,6 +180,7 @@ class EngineLoop:
             num = sum(len(c.token_ids) for c in out.outputs)
             longest = max((len(c.token_ids) for c in out.outputs), default=0)
             m.generation_tokens.inc(num - t.num_tokens)
+            m.lora_generation_tokens(t.lora_name, num - t.num_tokens)
             if t.first_token is None and num:
                 t.first_token = now
                 m.ttft.observe(now - t.arrival)
@@ -198,3 +218,5 @@ class EngineLoop:
 
     def _publish(self) -> None:
         self.metrics.publish(self.engine.get_stats())
+        if getattr(self.engine, "lora_manager", None) is not None:
+            self.metrics.publish_lora(self.engine.lora_requests_info())

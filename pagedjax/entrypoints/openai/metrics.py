@@ -80,6 +80,15 @@ class _EngineCollector:
         for name, help_, value in _spec_decode_metrics(spec) if spec is not None else ():
             family = CounterMetricFamily if isinstance(value, int) else GaugeMetricFamily
             yield family(f"pagedjax_spec_decode_{name}", help_, value=value)
+        if self._metrics.lora_info is not None:  # vLLM's lora_requests_info: names as labels
+            running, waiting = self._metrics.lora_info
+            info = GaugeMetricFamily(
+                "pagedjax_lora_requests_info",
+                "The LoRA adapters of the running and the waiting requests (value 1).",
+                labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            )
+            info.add_metric([str(self._metrics.max_loras), ",".join(running), ",".join(waiting)], 1)
+            yield info
         if spec is not None:
             per_pos = CounterMetricFamily(
                 "pagedjax_spec_decode_num_accepted_tokens_per_pos",
@@ -172,8 +181,22 @@ class ServerMetrics:
             buckets=_TPOT_BUCKETS,
             registry=reg,
         )
+        self.lora_requests = Counter(
+            "pagedjax_lora_requests",
+            "Requests admitted, by LoRA adapter.",
+            ["lora_name"],
+            registry=reg,
+        )
+        self.lora_tokens = Counter(
+            "pagedjax_lora_generation_tokens",
+            "Tokens generated, by LoRA adapter.",
+            ["lora_name"],
+            registry=reg,
+        )
+        self.max_loras = 0  # set by the server when LoRA is on
         self._lock = threading.Lock()
         self._engine_stats: EngineStats | None = None
+        self._lora_info: tuple[list[str], list[str]] | None = None
         reg.register(_EngineCollector(self))
 
     @property
@@ -185,6 +208,24 @@ class ServerMetrics:
         """Called by the engine thread with a fresh ``engine.get_stats()``."""
         with self._lock:
             self._engine_stats = stats
+
+    @property
+    def lora_info(self) -> tuple[list[str], list[str]] | None:
+        with self._lock:
+            return self._lora_info
+
+    def publish_lora(self, info: tuple[list[str], list[str]]) -> None:
+        """Called by the engine thread: the running and the waiting requests' adapters."""
+        with self._lock:
+            self._lora_info = info
+
+    def lora_request(self, lora_name: str | None) -> None:
+        if lora_name is not None:
+            self.lora_requests.labels(lora_name=lora_name).inc()
+
+    def lora_generation_tokens(self, lora_name: str | None, count: int) -> None:
+        if lora_name is not None and count:
+            self.lora_tokens.labels(lora_name=lora_name).inc(count)
 
     def finished(self, reason: str, count: int = 1) -> None:
         self.requests_finished.labels(finished_reason=reason).inc(count)

@@ -205,18 +205,33 @@ _NEUTRAL: dict[str, tuple] = {
 
 def parse_request(model_cls: type[_Common], data: Any) -> _Common:
     """Validate a parsed body; unknown fields and unsupported values are 400s naming them."""
+    req = parse_body(model_cls, data)
+    _refuse_unsupported(req)
+    return req
+
+
+def parse_body(model_cls: type[BaseModel], data: Any):
+    """``data`` validated as ``model_cls``; an unknown field or a bad value is a 400 naming it."""
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object")
     try:
-        req = model_cls.model_validate(data)
+        return model_cls.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
         if err["type"] == "extra_forbidden":
             raise bad_request(f"unknown field {loc!r}", param=loc) from None
         raise bad_request(f"{loc}: {err['msg']}", param=loc) from None
-    _refuse_unsupported(req)
-    return req
+
+
+class LoadLoRAAdapterRequest(_Strict):  # /v1/load_lora_adapter (vLLM's)
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Strict):  # /v1/unload_lora_adapter
+    lora_name: str
+    lora_int_id: Int | None = None  # vLLM's, accepted; the name decides
 
 
 def _refuse_unsupported(req: _Common) -> None:

@@ -4,24 +4,30 @@
 - ``health_router``: /health (open to all), /metrics, /openapi.json, /docs, /redoc
 - ``models_router``: /v1/models, /v1/models/{id}
 - ``generate_router``: /v1/completions, /v1/chat/completions
+- ``lora_router`` (with --enable-lora only): /v1/load_lora_adapter, /v1/unload_lora_adapter
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from fastapi import APIRouter, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from pagedjax.entrypoints.openai.app_state import check_key, model_not_found, read_request
+from pagedjax.entrypoints.openai.app_state import check_key, read_json, read_request
 from pagedjax.entrypoints.openai.metrics import CONTENT_TYPE
 from pagedjax.entrypoints.openai.protocol import (
     ChatRequest,
     CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
     bad_request,
     chat_messages,
     check_response_logprobs,
     error_response,
     logit_bias,
+    parse_body,
     sampling_params,
     structured_outputs,
 )
@@ -31,7 +37,8 @@ from pagedjax.entrypoints.openai.tools import template_messages, tool_mode
 health_router = APIRouter()
 models_router = APIRouter()
 generate_router = APIRouter()
-ROUTERS = (health_router, models_router, generate_router)
+lora_router = APIRouter()
+ROUTERS = (health_router, models_router, generate_router)  # and lora_router with LoRA on
 
 
 # -- health, metrics, docs --
@@ -78,13 +85,17 @@ async def redoc(request: Request):
 # -- models --
 
 
-def _model_card(request: Request, name: str) -> dict:
+def _model_card(request: Request, name: str, lora=None) -> dict:
+    """A model's card; a LoRA adapter's names its path as ``root`` and the base model as
+    ``parent`` (vLLM's)."""
     state = request.app.state
     return {
         "id": name,
         "object": "model",
         "created": state.created,
         "owned_by": "pagedjax",
+        "root": name if lora is None else lora.lora_path,
+        "parent": None if lora is None else state.models.parent,
         "max_model_len": state.serving.max_model_len,
     }
 
@@ -92,17 +103,56 @@ def _model_card(request: Request, name: str) -> dict:
 @models_router.get("/v1/models")
 async def models(request: Request):
     check_key(request)
-    names = request.app.state.model_names
-    return {"object": "list", "data": [_model_card(request, name) for name in names]}
+    served = request.app.state.models
+    cards = [_model_card(request, name) for name in served.base_names]
+    cards += [_model_card(request, lora.lora_name, lora) for lora in served.adapters()]
+    return {"object": "list", "data": cards}
 
 
 @models_router.get("/v1/models/{model_id:path}")
 async def model(request: Request, model_id: str):
     check_key(request)
-    names = request.app.state.model_names
-    if model_id not in names:
-        raise model_not_found(model_id, names)
-    return _model_card(request, model_id)
+    lora = request.app.state.models.resolve(model_id)
+    return _model_card(request, model_id, lora)
+
+
+# -- LoRA adapters at run time (vLLM's) --
+
+
+@lora_router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: Request):
+    """Load a PEFT adapter and serve it under ``lora_name``; 400 naming a taken name, a bad
+    path or a rank above --max-lora-rank. Requests in flight go on meanwhile."""
+    check_key(request)
+    state = request.app.state
+    body = parse_body(LoadLoRAAdapterRequest, await read_json(request))
+    lora = state.models.reserve(body.lora_name, body.lora_path)
+    try:
+        await asyncio.wrap_future(state.engine_loop.call(lambda engine: engine.add_lora(lora)))
+    except ValueError as e:
+        state.models.release(lora)
+        raise bad_request(
+            f"cannot load LoRA adapter {lora.lora_name!r}: {e}", "lora_path"
+        ) from None
+    except BaseException:
+        state.models.release(lora)
+        raise
+    state.models.register(lora)
+    return PlainTextResponse(f"Success: LoRA adapter {lora.lora_name!r} added successfully.")
+
+
+@lora_router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: Request):
+    """Stop serving an adapter (404 naming an unknown one); its requests in flight finish
+    under it."""
+    check_key(request)
+    state = request.app.state
+    body = parse_body(UnloadLoRAAdapterRequest, await read_json(request))
+    lora = state.models.unregister(body.lora_name)
+    await asyncio.wrap_future(
+        state.engine_loop.call(lambda engine: engine.remove_lora(lora.lora_int_id))
+    )
+    return PlainTextResponse(f"Success: LoRA adapter {lora.lora_name!r} removed successfully.")
 
 
 # -- generation --
@@ -125,6 +175,7 @@ async def completions(request: Request):
     state = request.app.state
     serving, limits = state.serving, state.limits
     req = await read_request(request, CompletionRequest)
+    lora = state.models.resolve(req.model)  # a LoRA adapter's name runs under it
     texts, prompts = _split_prompt(req.prompt)
     count = len(texts or prompts)
     if count > limits.max_queue:
@@ -155,7 +206,7 @@ async def completions(request: Request):
     if req.echo:
         echo = Echo(texts or await serving.echo_texts(prompts), echo_only)
     return await serving.run(
-        request, req, prompts, params, chat=False, k_logprobs=req.logprobs, echo=echo
+        request, req, prompts, params, chat=False, k_logprobs=req.logprobs, echo=echo, lora=lora
     )
 
 
@@ -165,6 +216,7 @@ async def chat_completions(request: Request):
     state = request.app.state
     serving, limits, tokenizer = state.serving, state.limits, state.tokenizer
     req = await read_request(request, ChatRequest)
+    lora = state.models.resolve(req.model)  # a LoRA adapter's name runs under it
     if tokenizer is None or tokenizer.chat_template is None:
         raise bad_request("this model's tokenizer has no chat template")
     constraint, constraint_field = structured_outputs(req)
@@ -192,4 +244,6 @@ async def chat_completions(request: Request):
         limits, [ids], k=k, n=req.n, max_tokens=max_tokens, echo=False, field=lp_field
     )
     await serving.admit([ids], params, "messages")
-    return await serving.run(request, req, [ids], params, chat=True, k_logprobs=k, tools=tools)
+    return await serving.run(
+        request, req, [ids], params, chat=True, k_logprobs=k, tools=tools, lora=lora
+    )

@@ -22,8 +22,9 @@ from pagedjax.entrypoints.openai import app_state
 from pagedjax.entrypoints.openai.engine_loop import EngineLoop
 from pagedjax.entrypoints.openai.offload import Offload
 from pagedjax.entrypoints.openai.protocol import APIError, ServerLimits, error_response
-from pagedjax.entrypoints.openai.routes import ROUTERS
+from pagedjax.entrypoints.openai.routes import ROUTERS, lora_router
 from pagedjax.entrypoints.openai.serving_engine import OpenAIServing
+from pagedjax.entrypoints.openai.serving_models import ServedModels
 from pagedjax.entrypoints.openai.tools import ToolConfig
 
 logger = logging.getLogger("pagedjax.api_server")
@@ -44,6 +45,7 @@ def build_app(
     public_metrics: bool = False,
     public_docs: bool = False,
     tool_config: ToolConfig | None = None,
+    lora_modules: list[tuple[str, str]] | None = None,
 ) -> FastAPI:
     """The FastAPI app over ``engine``; the engine thread starts and stops with the app.
 
@@ -51,6 +53,9 @@ def build_app(
     /v1/models lists them all, responses carry the first. With ``api_key`` every route but
     /health needs it, /metrics and the API docs too unless ``public_metrics`` / ``public_docs``
     open them. ``tool_config``: whether tool_choice "auto" is served, with which parser.
+    With an engine of enable_lora, ``lora_modules`` ((name, path) pairs) are LoRA adapters that
+    requests name as their ``model``, and /v1/load_lora_adapter and /v1/unload_lora_adapter
+    change them at run time (serving_models).
     """
     check_api_key(api_key)
     model_names = (
@@ -59,7 +64,10 @@ def build_app(
     if not model_names or not all(isinstance(n, str) and n for n in model_names):
         raise ValueError(f"served model names must be non-empty strings, got {model_names!r}")
     limits = limits or ServerLimits()
+    models = ServedModels.for_engine(engine, model_names, lora_modules)  # before the loop runs
     engine_loop = EngineLoop(engine, max_queue=limits.max_queue)
+    if models.enable_lora:
+        engine_loop.metrics.max_loras = engine.config.max_loras
     # the handlers' own tokenizer: tokenizers aren't shareable across threads
     tokenizer = copy.deepcopy(engine.tokenizer)
     offload = Offload(tokenizer)  # tokenizing, grammars and big responses, off the event loop
@@ -79,12 +87,15 @@ def build_app(
         public_metrics=public_metrics,
         public_docs=public_docs,
         tool_config=tool_config or ToolConfig(),
+        models=models,
     )
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     for router in ROUTERS:
         app.include_router(router)
+    if models.enable_lora:
+        app.include_router(lora_router)
     return app
 
 

@@ -145,7 +145,8 @@ class OpenAIServing:
         if not self.engine_loop.is_running:
             raise APIError(500, "the engine thread has stopped", "server_error", "engine_error")
 
-    async def start(self, prompts: list[list[int]], params: SamplingParams) -> _Job:
+    async def start(self, prompts: list[list[int]], params: SamplingParams, lora=None) -> _Job:
+        """Submit one engine request per prompt (under the LoRA adapter ``lora``, if given)."""
         if params.logprobs is not None or params.prompt_logprobs is not None:
             self.offload.mark_heavy()  # its outputs are turned into events in the heavy lane
         job = _Job(asyncio.get_running_loop())
@@ -153,7 +154,8 @@ class OpenAIServing:
         try:
             for i, ids in enumerate(prompts):
                 rid = f"{base}-{i}"
-                fut = asyncio.wrap_future(self.engine_loop.submit(rid, ids, params, job.sink))
+                fut = self.engine_loop.submit(rid, ids, params, job.sink, lora)
+                fut = asyncio.wrap_future(fut)
                 job.request_ids.append(rid)
                 while not (await asyncio.wait({fut}, timeout=_POLL_S))[0]:
                     self.check_engine_thread()
@@ -207,10 +209,11 @@ class OpenAIServing:
         k_logprobs: int | None,
         echo=None,
         tools=None,
+        lora=None,
     ):
         """Answer ``req``: streamed or whole; ``tools`` (a tools.ToolMode) takes the choices'
-        tool calls out of their text."""
-        job = await self.start(prompts, params)
+        tool calls out of their text; ``lora``: the LoRA adapter its ``model`` named."""
+        job = await self.start(prompts, params, lora)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         now = int(time.time())
         if req.stream:

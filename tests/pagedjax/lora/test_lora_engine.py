@@ -5,60 +5,15 @@ cache keyed by adapter."""
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
-from fake_model import FAKE_CONFIG, FakeRunner
-from pagedjax.models.loader import LoadedModel
+from fake_model import FakeRunner
+from lora_fakes import adapter, lora_engine
 
 from pagedjax import LoRARequest, SamplingParams
-from pagedjax.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedjax.config import EngineConfig
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.worker.input_batch import ScheduledSeq
-
-
-class FakeLoRARunner(FakeRunner):
-    """The fake runner with adapter slots: records what each slot was loaded with, and the
-    ``lora_slot`` of every sequence a step ran (where the step loop passes one)."""
-
-    def __init__(self, *, lora_config=None, **kwargs):
-        super().__init__(**kwargs)
-        self.lora_config = lora_config
-        self.slot_loads: list[tuple[int, str]] = []
-        self.seen_slots: list[int | None] = []
-
-    def load_lora_slot(self, slot: int, adapter) -> None:
-        assert 1 <= slot <= self.lora_config.max_loras
-        self.slot_loads.append((slot, adapter.path))
-
-    def execute(self, seqs, num_top_logprobs: int = 0):
-        self.seen_slots += [getattr(s, "lora_slot", None) for s in seqs]
-        return super().execute(seqs, num_top_logprobs)
-
-
-def fake_loader(path: str, model_config, max_rank: int):
-    """Paths ".../rank<r>" load an adapter of rank r; others have no adapter."""
-    if "rank" not in path:
-        raise ValueError(f"{path!r} holds no adapter_config.json")
-    rank = int(path.rsplit("rank", 1)[1])
-    if rank > max_rank:
-        raise ValueError(f"rank {rank} of {path!r} exceeds max_lora_rank={max_rank}")
-    return SimpleNamespace(rank=rank, path=path)
-
-
-def lora_engine(runner=FakeLoRARunner, **lora) -> LLMEngine:
-    config = EngineConfig(
-        model="fake",
-        cache=CacheConfig(8, 64, None, 0.001, True),
-        scheduler=SchedulerConfig(8, 64),
-        **({"enable_lora": True, "max_loras": 2, "max_lora_rank": 8} | lora),
-    )
-    loaded = LoadedModel(config=FAKE_CONFIG, params={}, source="fake", tokenizer_dir=None)
-    return LLMEngine(config, loaded, runner_factory=runner, lora_loader=fake_loader)
-
-
-def adapter(i: int, rank: int = 4) -> LoRARequest:
-    return LoRARequest(f"adapter{i}", i, f"/adapters/{i}/rank{rank}")
 
 
 def run(engine: LLMEngine) -> dict:
