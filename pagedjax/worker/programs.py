@@ -1,8 +1,9 @@
 """The runner's jitted programs, module-level so that engines with the same model and shapes share
 compiled programs; static arguments are hashable configuration only (stable persistent-cache
-keys). ``step``: a step's one program (async scheduling's token fill, the model, and a plain
-greedy batch's sampling: worker/step_program.py); ``sample``: the sampler of a batch that needs
-more than greedy; ``forward``: the model step alone (logits of the rows asked)."""
+keys). ``step``: a step's one program (async scheduling's token fill, the model, and the
+sampling of a plain greedy batch or of a sampled decode step: worker/step_program.py);
+``sample``: the sampler of the other batches that need more than greedy; ``forward``: the model
+step alone (logits of the rows asked)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,11 @@ def _model_step(params, kv_pool, step_input, config, backend, mesh, linear=None)
 def _step_and_sample(params, kv_pool, packed, prev_tokens, config, backend, mesh, packed_w, layout):
     # packed: i32[...], the step's inputs (step_program.pack_inputs); prev_tokens: i32[W], the
     # step before's tokens on the device (placeholders -1 - r read row r)
-    step_input, logit_rows = step_program.unpack_inputs(packed, layout)
+    step_input, logit_rows, sampling = step_program.unpack_inputs(packed, layout)
     filled = step_program.fill_tokens(step_input.token_ids, prev_tokens)
     step_input = step_input.replace(token_ids=filled)
     logits, kv_pool = _model_step(params, kv_pool, step_input, config, backend, mesh, packed_w)
-    return step_program.after_model(logits, logit_rows, layout, prev_tokens), kv_pool
+    return step_program.after_model(logits, logit_rows, layout, prev_tokens, sampling), kv_pool
 
 
 # (params, pool, packed inputs, prev tokens, config, backend, mesh, weight layout, StepLayout)

@@ -1,13 +1,16 @@
 """The one place host lists become device arrays.
 
 Each step: build one ``StepInput`` (numpy, padded to shape buckets so a long run compiles a bounded
-set of programs), packed with the sampler's logits rows into one int32 buffer (one transfer),
-then run ONE jitted program, the step program with the KV pool donated: async scheduling's token
-fill, the model and, for a plain greedy batch, the sampling (worker/step_program.py); its one
-output array is copied to the host as soon as it is dispatched. A batch that needs more
-(penalties, bias, sampling, top logprobs) runs the sampler program on the gathered logits rows
-after it. Only the model's work (token / sequence / context / query buckets) picks a step
-program; sampling options pick among a few small sampler programs.
+set of programs; block-table rows persist across steps, worker/persistent_batch.py), packed with
+the sampler's logits rows into one int32 buffer (one transfer), then run ONE jitted program, the
+step program with the KV pool donated: async scheduling's token fill, the model and the sampling
+of a plain greedy batch or of a sampled decode step, its sampling input in the same buffer
+(worker/step_program.py); its one output array is copied to the host as soon as it is
+dispatched. A prefill step that needs more than greedy, and a batch with penalties, logit bias or
+an allowed-token mask, run the sampler program on the gathered logits rows after it. The model's
+work (token / sequence / context / query buckets) picks a step program, and in a decode step the
+sampler variant too (a handful: worker/step_program.py's ``step_variants``); otherwise sampling
+options pick among a few small sampler programs.
 ``warmup`` compiles the whole bucket set up front; a server compiles ``startup_jobs`` (the bucket
 policy's common programs, worker/warmup_jobs.py) before it answers and the rest in the background.
 Block copies and swaps requested by the scheduler run before the step that needs them. An engine
@@ -216,7 +219,11 @@ class Runner:
                 sampling = self.sampling_input(rows, len(logit_rows), num_top_logprobs)
             step_input, targets = prompt_logprobs.extend_logits_rows(step_input, seqs)
         kind = count_padding(prof, seqs, step_input, self.block_size, self._attention_rows_only)
-        packed, layout = step_program.pack_inputs(step_input, logit_rows)
+        in_step = None  # the sampling input the step program samples (a sampled decode step)
+        decode = drafts is None and step_input.max_query_len == 1
+        if decode and sampling is not None and step_program.samples_in_step(sampling.variant):
+            in_step, sampling = sampling, None
+        packed, layout = step_program.pack_inputs(step_input, logit_rows, in_step)
         with prof.phase("device", kind):
             args = (packed, layout, sampling, targets, drafts, draft_probs)
             args += () if prev_tokens is None else (prev_tokens,)
@@ -260,9 +267,11 @@ class Runner:
         draft_probs: np.ndarray | None = None,
         prev_tokens: jax.Array | None = None,
     ):
-        """One step's programs: the step program (fill, model, greedy sampling); the sampler
-        program unless the batch is plain greedy; the verify program in a step that verifies;
-        prompt scoring when asked. Returns (output, tokens i32[W] or None, scored)."""
+        """One step's programs: the step program (fill, model, and the sampling of a plain
+        greedy batch or, its input packed in ``packed``, of a sampled decode step); else the
+        sampler program (``sampling``) unless the batch is plain greedy; the verify program in a
+        step that verifies; prompt scoring when asked. Returns (output, tokens i32[W] or None,
+        scored)."""
         if prev_tokens is None:
             prev_tokens = self._no_tokens()
         outs, self.kv_cache.pages = self._launch(
@@ -289,7 +298,8 @@ class Runner:
             if draft_probs is not None:
                 args += (self._put(draft_probs),)
             return self._launch(verify_step, *args), None, scored
-        # A plain greedy batch (None: nothing built for it) is sampled in the step program.
+        # A plain greedy batch (None: nothing built for it) or a sampled decode step (its
+        # sampling input in the layout) is sampled in the step program.
         if sampling is None or sampling.variant == sampler.Variant():
             return outs["packed"], outs["tokens"], scored
         packed_sampling, sampling_layout = step_program.pack_sampling(sampling)

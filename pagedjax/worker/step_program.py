@@ -1,16 +1,19 @@
 """One program per step: what the runner's step program does around the model, and its packing.
 
-A step's host inputs (the ``StepInput`` arrays and the sampler's logits rows, all int32) travel
-as ONE buffer, one transfer (``pack_inputs``); the program slices them back out at offsets its
-static ``StepLayout`` fixes. Inside the same program, before the model, placeholder tokens take
-the previous step's sampled tokens (async scheduling: id ``-1 - r``, core/in_flight.py's
-``placeholder(r)``, is row r of ``prev_tokens``, an i32[W] array still on the device; W =
-``fill_width``, every step's tokens are widened or cut to it, so there is no program per pair of
-widths); after the model, the sampler's logits rows
-are gathered and a plain greedy batch is sampled there too (``sampler.greedy``: argmax and
-logprobs, no sampling input). A batch that needs more (penalties, bias, sampling, top logprobs)
-runs the sampler program on the gathered rows (``sample_program``), its sampling input packed
-into one buffer too (``pack_sampling``); a step that verifies proposals, the verify program.
+A step's host inputs (the ``StepInput`` arrays and the sampler's logits rows, all int32, and in a
+sampled decode step the sampler's input, floats as their bits) travel as ONE buffer, one transfer
+(``pack_inputs``); the program slices them back out at offsets its static ``StepLayout`` fixes.
+Inside the same program, before the model, placeholder tokens take the previous step's sampled
+tokens (async scheduling: id ``-1 - r``, core/in_flight.py's ``placeholder(r)``, is row r of
+``prev_tokens``, an i32[W] array still on the device; W = ``fill_width``, every step's tokens are
+widened or cut to it, so there is no program per pair of widths); after the model, the sampler's
+logits rows are gathered and sampled there too: a plain greedy batch by ``sampler.greedy``
+(argmax and logprobs, no sampling input), a decode step that needs more (sampling, top logprobs)
+by ``sampler.sample`` on the sampling input packed with the step's (``samples_in_step``: its
+variant is part of the layout, so such a step is one program too). A prefill step that needs
+more, and a batch with penalties, logit bias or an allowed-token mask, run the sampler program
+on the gathered rows (``sample_program``), its sampling input packed into one buffer too
+(``pack_sampling``); a step that verifies proposals, the verify program.
 
 Every step's sampled tokens come back as one i32[rows, 2 + 2K] array (``pack_output``: token,
 logprob bits, K top ids, K top logprob bits), copied to the host as soon as it is dispatched.
@@ -26,77 +29,125 @@ import numpy as np
 
 from pagedjax.models.step_input import StepInput
 from pagedjax.worker.input_batch import widest_seqs_bucket
-from pagedjax.worker.sampler import SamplerOutput, SamplingInput, greedy, sample
+from pagedjax.worker.sampler import (
+    SamplerOutput,
+    SamplingInput,
+    Variant,
+    greedy,
+    sample,
+    variants,
+)
+
+# StepInput's arrays, in field order: the packed buffer holds them in this order (a field added
+# to StepInput, an i32 array, is packed with no change here).
+ARRAY_FIELDS = tuple(
+    f.name for f in dataclasses.fields(StepInput) if f.metadata.get("pytree_node", True)
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingLayout:
+    """The static shape of a packed ``SamplingInput``: its tree (static flags included) and
+    each array's shape and dtype (all 32 bits wide)."""
+
+    treedef: object
+    leaves: tuple[tuple[tuple[int, ...], str], ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class StepLayout:
     """The static shape of a packed step (part of the step program's key)."""
 
-    num_tokens: int
-    num_seqs: int
-    max_blocks: int
+    shapes: tuple[tuple[int, ...], ...]  # each of StepInput's arrays (ARRAY_FIELDS order)
     num_logits: int  # logits rows the sampler reads (its rows gather from these)
     num_prompt_rows: int  # logits rows appended for prompt logprobs (0: none)
     max_query_len: int
+    # The sampler's input, packed after the step's (a sampled decode step: the step program
+    # samples it); None: the program samples greedily.
+    sampling: SamplingLayout | None = None
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return self.shapes[ARRAY_FIELDS.index(name)]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.shape_of("token_ids")[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.shape_of("context_lens")[0]
+
+    @property
+    def max_blocks(self) -> int:
+        return self.shape_of("block_tables")[1]
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        t, s, logits = self.num_tokens, self.num_seqs, self.num_logits + self.num_prompt_rows
-        # token ids, positions, slots, block tables, context lens, query starts, logits
-        # indices, the sampler's logits rows
-        return (t, t, t, s * self.max_blocks, s, s + 1, logits, self.num_logits)
+        """i32 words of each part: StepInput's arrays, the sampler's logits rows, the sampling
+        input (0 without one)."""
+        sampling = (
+            sum(int(np.prod(shape)) for shape, _ in self.sampling.leaves) if self.sampling else 0
+        )
+        return (*(int(np.prod(shape)) for shape in self.shapes), self.num_logits, sampling)
 
 
-def layout_of(step_input: StepInput, num_sampler_rows: int) -> StepLayout:
-    num_seqs, max_blocks = np.shape(step_input.block_tables)
+def layout_of(step_input: StepInput, num_sampler_rows: int, sampling=None) -> StepLayout:
+    shapes = tuple(tuple(np.shape(getattr(step_input, name))) for name in ARRAY_FIELDS)
     num_logits = len(step_input.logits_indices)
     return StepLayout(
-        len(step_input.token_ids),
-        num_seqs,
-        max_blocks,
-        num_sampler_rows,
-        num_logits - num_sampler_rows,
-        step_input.max_query_len,
+        shapes, num_sampler_rows, num_logits - num_sampler_rows, step_input.max_query_len, sampling
     )
 
 
-def pack_inputs(step_input: StepInput, logit_rows: np.ndarray) -> tuple[np.ndarray, StepLayout]:
+def pack_inputs(
+    step_input: StepInput, logit_rows: np.ndarray, sampling: SamplingInput | None = None
+) -> tuple[np.ndarray, StepLayout]:
     """One i32 host buffer holding the step's inputs, and its layout. ``logit_rows``: the logits
-    row each sampler row reads (as many as the step's sampler rows)."""
-    layout = layout_of(step_input, len(logit_rows))
-    parts = (
-        step_input.token_ids,
-        step_input.positions,
-        step_input.slot_mapping,
-        step_input.block_tables,
-        step_input.context_lens,
-        step_input.query_start_loc,
-        step_input.logits_indices,
-        logit_rows,
-    )
-    buf = np.concatenate([np.asarray(p, np.int32).reshape(-1) for p in parts])
+    row each sampler row reads (as many as the step's sampler rows); ``sampling``: the sampler's
+    input when the step program samples a batch that needs more than greedy."""
+    parts = []
+    for name in ARRAY_FIELDS:
+        x = np.asarray(getattr(step_input, name))
+        if x.dtype != np.int32:
+            raise ValueError(f"StepInput.{name} must be int32 to be packed, got {x.dtype}")
+        parts.append(x.reshape(-1))
+    parts.append(np.asarray(logit_rows, np.int32))
+    sampling_layout = None
+    if sampling is not None:
+        sampling_parts, sampling_layout = _sampling_parts(sampling)
+        parts += sampling_parts
+    layout = layout_of(step_input, len(logit_rows), sampling_layout)
+    buf = np.concatenate(parts)
     assert buf.size == sum(layout.sizes), (buf.size, layout)
     return buf, layout
 
 
-def unpack_inputs(buf: jax.Array, layout: StepLayout) -> tuple[StepInput, jax.Array]:
-    """``pack_inputs`` undone inside a program: (StepInput, logit_rows i32[num_logits])."""
+def unpack_inputs(buf: jax.Array, layout: StepLayout):
+    """``pack_inputs`` undone inside a program: (StepInput, logit_rows i32[num_logits],
+    SamplingInput or None)."""
     offsets = np.cumsum((0, *layout.sizes))
-    ids, pos, slots, tables, ctx, qsl, indices, rows = (
-        buf[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)
-    )
-    step = StepInput(
-        token_ids=ids,
-        positions=pos,
-        slot_mapping=slots,
-        block_tables=tables.reshape(layout.num_seqs, layout.max_blocks),
-        context_lens=ctx,
-        query_start_loc=qsl,
-        logits_indices=indices,
-        max_query_len=layout.max_query_len,
-    )
-    return step, rows
+    parts = [buf[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+    arrays = {
+        name: part.reshape(shape)
+        for name, part, shape in zip(ARRAY_FIELDS, parts, layout.shapes, strict=False)
+    }
+    step = StepInput(**arrays, max_query_len=layout.max_query_len)
+    rows = parts[len(ARRAY_FIELDS)]
+    sampling = unpack_sampling(parts[-1], layout.sampling) if layout.sampling else None
+    return step, rows, sampling
+
+
+def samples_in_step(variant: Variant) -> bool:
+    """Whether a decode step whose batch needs this sampler variant samples inside the step
+    program (one program, one transfer): every variant but those with penalties or a logit bias
+    or allowed-token mask, whose token histories and bitmasks keep their own sampler program
+    (a step program per decode shape and variant is compiled, so the rare ones stay apart)."""
+    return not variant.penalties and not variant.constrained
+
+
+def step_variants() -> list[Variant]:
+    """The sampler variants a decode step program can hold besides plain greedy."""
+    return [v for v in variants() if v != Variant() and samples_in_step(v)]
 
 
 def fill_width(max_num_seqs: int) -> int:
@@ -138,13 +189,17 @@ def unpack_output(packed: np.ndarray) -> SamplerOutput:
 
 
 def after_model(
-    logits: jax.Array, logit_rows: jax.Array, layout: StepLayout, prev_tokens: jax.Array
+    logits: jax.Array,
+    logit_rows: jax.Array,
+    layout: StepLayout,
+    prev_tokens: jax.Array,
+    sampling: SamplingInput | None = None,
 ) -> dict:
     """The step program's outputs from the model's logits f32[num_logits + P, vocab]: the
-    greedy sample packed, its tokens at width W, the sampler's rows of logits and the prompt
-    rows' (P, for prompt logprobs)."""
+    sample packed (greedy, or by ``sampling``), its tokens at width W, the sampler's rows of
+    logits and the prompt rows' (P, for prompt logprobs)."""
     sample_logits = logits[logit_rows]  # [num_logits, vocab]
-    out = greedy(sample_logits)
+    out = greedy(sample_logits) if sampling is None else sample(sample_logits, sampling)
     return {
         "packed": pack_output(out),
         "tokens": to_width(out.tokens, prev_tokens.shape[0]),
@@ -153,22 +208,18 @@ def after_model(
     }
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingLayout:
-    """The static shape of a packed ``SamplingInput``: its tree (static flags included) and
-    each array's shape and dtype (all 32 bits wide)."""
-
-    treedef: object
-    leaves: tuple[tuple[tuple[int, ...], str], ...]
-
-
-def pack_sampling(sampling: SamplingInput) -> tuple[np.ndarray, SamplingLayout]:
-    """One i32 host buffer holding every array of ``sampling`` (floats as their bits)."""
+def _sampling_parts(sampling: SamplingInput) -> tuple[list[np.ndarray], SamplingLayout]:
     leaves, treedef = jax.tree.flatten(sampling)
     arrays = [np.ascontiguousarray(x) for x in leaves]
     assert all(a.dtype.itemsize == 4 for a in arrays), [a.dtype for a in arrays]
     layout = SamplingLayout(treedef, tuple((a.shape, a.dtype.name) for a in arrays))
-    return np.concatenate([a.view(np.int32).reshape(-1) for a in arrays]), layout
+    return [a.view(np.int32).reshape(-1) for a in arrays], layout
+
+
+def pack_sampling(sampling: SamplingInput) -> tuple[np.ndarray, SamplingLayout]:
+    """One i32 host buffer holding every array of ``sampling`` (floats as their bits)."""
+    parts, layout = _sampling_parts(sampling)
+    return np.concatenate(parts), layout
 
 
 def unpack_sampling(buf: jax.Array, layout: SamplingLayout) -> SamplingInput:
@@ -190,6 +241,8 @@ def sample_program(logits: jax.Array, packed: jax.Array, layout: SamplingLayout,
 
 
 __all__ = [
+    "ARRAY_FIELDS",
+    "SamplingLayout",
     "StepLayout",
     "after_model",
     "fill_tokens",
@@ -198,6 +251,8 @@ __all__ = [
     "pack_output",
     "pack_sampling",
     "sample_program",
+    "samples_in_step",
+    "step_variants",
     "unpack_inputs",
     "unpack_output",
     "unpack_sampling",

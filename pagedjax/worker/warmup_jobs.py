@@ -21,11 +21,16 @@ from pagedjax.worker.warmup import Job, common_shapes
 
 def startup_jobs(runner, max_num_seqs: int, max_num_batched_tokens: int) -> list[Job]:
     """The step program of each common model shape (which samples a plain greedy batch and fills
-    async placeholders itself) and the sampler of a default sampling request for each of their
-    sequence buckets."""
+    async placeholders itself), the step program of each common decode shape that samples default
+    sampling rows itself, and the sampler of a default sampling request for each of their
+    sequence buckets (a prefill step's)."""
     shapes = runner.step_shapes(max_num_seqs, max_num_batched_tokens)
     common = common_shapes(runner.batcher, shapes)
     jobs = [(f"model {s}", lambda s=s: lower_step(runner, s)) for s in common]
+    default = sampler.Variant(random=True)  # temperature alone (lower_default_sample's rows)
+    for s in common:
+        if s.max_query_len == 1:  # a decode step sampling default rows: one program
+            jobs.append((_step_name(s, default), lambda s=s: lower_step(runner, s, default)))
     for s in sorted({shape.num_seqs for shape in common}):
         name = f"sampler s{s} default sampling"
         jobs.append((name, lambda s=s: lower_default_sample(runner, s)))
@@ -35,13 +40,18 @@ def startup_jobs(runner, max_num_seqs: int, max_num_batched_tokens: int) -> list
 def warmup_jobs(
     runner, max_num_seqs: int, max_num_batched_tokens: int, swap: bool | None = None
 ) -> list[Job]:
-    """Each model-step shape, the sampler for each sequence bucket in each of its variants
-    (penalties, logit bias or allowed-token masks, greedy or sampling), and the block copy /
-    swap programs (``swap`` None: if the runner has host blocks)."""
+    """Each model-step shape, each decode shape's step program with each sampler variant it can
+    hold (``step_program.step_variants``), the sampler for each sequence bucket in each of its
+    variants (penalties, logit bias or allowed-token masks, greedy or sampling), and the block
+    copy / swap programs (``swap`` None: if the runner has host blocks)."""
     jobs = []
     shapes = runner.step_shapes(max_num_seqs, max_num_batched_tokens)
     for shape in shapes:
         jobs.append((f"model {shape}", lambda shape=shape: lower_step(runner, shape)))
+    for shape in shapes:
+        for variant in step_program.step_variants() if shape.max_query_len == 1 else ():
+            args = (shape, variant)
+            jobs.append((_step_name(*args), lambda a=args: lower_step(runner, *a)))
     for s in sorted({shape.num_seqs for shape in shapes}):
         for variant in sampler.variants():  # static flags, e.g. greedy or not
             for v in (False, True) if runner.num_speculative_tokens else (False,):
@@ -60,11 +70,20 @@ def warmup_jobs(
     return jobs
 
 
-def lower_step(runner, shape: StepShape):
-    """The step program of a model shape (its logits rows all sampled)."""
+def _step_name(shape: StepShape, variant: sampler.Variant) -> str:
+    return f"step {shape} sampler {variant}"
+
+
+def lower_step(runner, shape: StepShape, variant: sampler.Variant | None = None):
+    """The step program of a model shape (its logits rows all sampled), sampling ``variant``
+    itself when given (a sampled decode step), else greedily."""
     empty = runner.batcher.empty(shape)
     rows = np.zeros(len(empty.logits_indices), np.int32)
-    packed, layout = step_program.pack_inputs(empty, rows)
+    sampling = None
+    if variant is not None:
+        sampling = runner.sampling_input([variant.row()], len(rows), int(variant.top_logprobs))
+        assert sampling.variant == variant, (sampling.variant, variant)
+    packed, layout = step_program.pack_inputs(empty, rows, sampling)
     return programs.step.lower(
         runner.params,
         runner.kv_cache.pages,

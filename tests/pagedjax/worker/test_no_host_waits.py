@@ -1,6 +1,7 @@
-"""Nothing in a step waits on the host: the sampler and verify programs hold no conditional or loop
-(on a GPU a ``lax.cond`` makes dispatch wait until the device is done), whichever static variant a
-batch picks; what a batch needs is decided on the host (``SamplingInput``'s static fields).
+"""Nothing in a step waits on the host: the step, sampler and verify programs hold no conditional
+or loop (on a GPU a ``lax.cond`` makes dispatch wait until the device is done), whichever static
+variant a batch picks; what a batch needs is decided on the host (``SamplingInput``'s static
+fields).
 
 The programs are lowered for CUDA, where the wait matters (lowering needs no GPU): on a CPU JAX
 lowers the random bits' threefry rounds as a loop of fixed length, unrolled everywhere else."""
@@ -12,9 +13,13 @@ import re
 import jax
 import numpy as np
 import pytest
+from pagedjax.models.config import ModelConfig
+from pagedjax.models.linear import process_weights_after_loading
+from pagedjax.models.llama import param_shapes
 
 from pagedjax.spec_decode.rejection import verify_step
 from pagedjax.worker import programs, sampler, step_program
+from pagedjax.worker.input_batch import InputBatcher, StepShape
 from pagedjax.worker.sampler import Filters, SamplingInput, SamplingRow
 
 V = 300  # wider than the candidates (256): the full-sort path exists
@@ -45,6 +50,32 @@ def _sampler_args(variant: sampler.Variant):
 @pytest.mark.parametrize("variant", sampler.variants(), ids=str)
 def test_sampler_programs_hold_no_branch(variant):
     text = cuda_text(programs.sample, *_sampler_args(variant))
+    assert not branches(text), f"{variant}: {branches(text)}"
+
+
+def _step_program_args(variant: sampler.Variant | None):
+    config = ModelConfig("LlamaForCausalLM", V, 32, 64, 1, 2, 1, 16)
+    batcher = InputBatcher(4, 32)
+    step = batcher.empty(StepShape(ROWS, ROWS, 8, 1))  # a decode step
+    logit_rows = np.arange(ROWS, dtype=np.int32)
+    sampling = None
+    if variant is not None:
+        sampling = SamplingInput.build([variant.row()], ROWS, V, int(variant.top_logprobs))
+    packed, layout = step_program.pack_inputs(step, logit_rows, sampling)
+    pool = jax.ShapeDtypeStruct((1, 16, 4, 16), np.float32)  # (kv heads, blocks, block, dim)
+    prev = np.zeros(ROWS, np.int32)
+    # One array per layer, as on a GPU (the scan over stacked layers is a loop of fixed length).
+    stacked = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), param_shapes(config))
+    params, weights = process_weights_after_loading(stacked, config, layer_loop="unrolled")
+    args = (params, (pool, pool), packed, prev, config, "reference", None, weights)
+    return (*args, layout)
+
+
+@pytest.mark.parametrize("variant", [None, *step_program.step_variants()], ids=str)
+def test_decode_step_programs_hold_no_branch(variant):
+    # The step program of a decode step samples its batch itself: greedily, or by each sampler
+    # variant it can hold.
+    text = cuda_text(programs.step, *_step_program_args(variant))
     assert not branches(text), f"{variant}: {branches(text)}"
 
 

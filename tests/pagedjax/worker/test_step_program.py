@@ -70,13 +70,28 @@ def test_inputs_and_outputs_pack_and_unpack():
     rows = np.arange(len(step.logits_indices), dtype=np.int32)[::-1].copy()
     packed, layout = step_program.pack_inputs(step, rows)
     assert packed.dtype == np.int32 and packed.ndim == 1
-    back, back_rows = jax.jit(step_program.unpack_inputs, static_argnums=1)(packed, layout)
+    back, back_rows, no_sampling = jax.jit(step_program.unpack_inputs, static_argnums=1)(
+        packed, layout
+    )
+    assert no_sampling is None and layout.sampling is None
     for name in ("token_ids", "positions", "slot_mapping", "block_tables", "context_lens"):
         np.testing.assert_array_equal(getattr(back, name), getattr(step, name), err_msg=name)
     np.testing.assert_array_equal(back.query_start_loc, step.query_start_loc)
     np.testing.assert_array_equal(back.logits_indices, step.logits_indices)
     np.testing.assert_array_equal(back_rows, rows)
     assert back.max_query_len == step.max_query_len
+    # A sampled decode step's sampling input travels in the same buffer.
+    sampling = SamplingInput.build([SamplingRow(0.7, top_k=3, seed=9)] * 2, len(rows), 300, 2)
+    packed, layout = step_program.pack_inputs(step, rows, sampling)
+    assert packed.ndim == 1 and layout.sampling is not None
+    back, back_rows, back_sampling = jax.jit(step_program.unpack_inputs, static_argnums=1)(
+        packed, layout
+    )
+    np.testing.assert_array_equal(back.block_tables, step.block_tables)
+    np.testing.assert_array_equal(back_rows, rows)
+    assert back_sampling.variant == sampling.variant
+    for a, b in zip(jax.tree.leaves(back_sampling), jax.tree.leaves(sampling), strict=True):
+        np.testing.assert_array_equal(a, b)
     out = SamplerOutput(
         tokens=np.array([3, 1], np.int32),
         logprobs=np.array([-0.5, -np.inf], np.float32),
@@ -124,9 +139,23 @@ def test_a_greedy_decode_step_is_one_program_and_one_transfer(tiny, monkeypatch)
     assert runner.num_transfers - transfers == steps, "its inputs are one transfer"
     assert puts.calls == steps, "a device_put outside the runner's count"
     assert engine.steps.num_overlapped >= steps  # each filled from the step before's tokens
-    # A sampled batch adds the sampler program and its inputs, packed into one buffer.
-    engine.add_request("s", [9, 10, 11], SamplingParams(max_tokens=8, temperature=0.8, seed=1))
+    # A sampled decode step (with top logprobs) is one program and one transfer too: its
+    # sampling input travels in the step's buffer and the step program samples it.
+    sampled = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=1, logprobs=2)
+    engine.add_request("s", [9, 10, 11], sampled)
     for _ in range(2):  # its prompt (a mixed step), then decode steps
+        engine.step()
+    puts = _CountPuts(monkeypatch)
+    programs, transfers = runner.num_programs, runner.num_transfers
+    for _ in range(3):
+        engine.step()
+    assert (runner.num_programs - programs, runner.num_transfers - transfers) == (3, 3)
+    assert puts.calls == 3, "a device_put outside the runner's count"
+    while engine.has_unfinished_requests():
+        engine.step()
+    # Penalties keep their own sampler program (a token history per row): two of each.
+    engine.add_request("p", [9, 10, 11], SamplingParams(max_tokens=6, frequency_penalty=0.5))
+    for _ in range(2):
         engine.step()
     programs, transfers = runner.num_programs, runner.num_transfers
     for _ in range(3):
@@ -150,3 +179,30 @@ def test_a_sampling_input_packs_into_one_buffer():
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(s), strict=True):
         assert np.asarray(a).dtype == np.asarray(b).dtype
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_sampled_decode_step_samples_as_the_sampler_program_does(tiny, monkeypatch):
+    # One decode step, sampled inside the step program, then the same step again through the
+    # step program and the sampler program: the same tokens and logprobs, bit for bit.
+    llm = LLM(tiny, block_size=8, max_model_len=64, num_blocks=32, max_num_seqs=4)
+    runner = llm.engine.runner
+    rows = [
+        SamplingRow(0.8, top_p=0.9, seed=1, position=6),
+        SamplingRow(1.0, top_k=5, seed=2, position=6),
+        SamplingRow(0.7, min_p=0.2, seed=3, position=6),
+        SamplingRow(position=6),
+    ]
+    tables = [[1 + i] for i in range(4)]
+    prompts = [ScheduledSeq([3 + i, 4, 5, 6, 7], 0, tables[i], []) for i in range(4)]
+    runner.execute(prompts)
+    decode = [ScheduledSeq([8 + i], 5, tables[i], [rows[i]], seq_id=i) for i in range(4)]
+    programs = runner.num_programs
+    one = runner.execute(decode, num_top_logprobs=3).sampled
+    assert runner.num_programs - programs == 1
+    monkeypatch.setattr(step_program, "samples_in_step", lambda variant: False)
+    two = runner.execute(decode, num_top_logprobs=3).sampled
+    assert runner.num_programs - programs == 3
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert one.top_token_ids.shape == (4, 3)
+    llm.close()
