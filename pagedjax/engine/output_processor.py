@@ -11,7 +11,7 @@ from collections.abc import Collection
 
 from pagedjax.core import beam_search
 from pagedjax.core.sequence import Sequence
-from pagedjax.engine.request import Request
+from pagedjax.engine.request import Request, advance_grammars
 from pagedjax.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedjax.sampling_params import SamplingParams
 
@@ -95,6 +95,7 @@ class OutputProcessor:
         """``check_stop`` for each (request, sequence) with a new token in a step, the text of all
         of them decoded together first; a pair that raises gets its exception in its place (it
         fails its request alone)."""
+        advance_grammars(pairs)  # every constrained sequence's token and next mask, together
         try:
             self.detokenize_many([(seq, req.params.skip_special_tokens) for req, seq in pairs])
             detokenized = True

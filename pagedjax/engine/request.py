@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Iterable
 
 from pagedjax.core.scheduler import SeqChunk
-from pagedjax.core.sequence import SequenceGroup
+from pagedjax.core.sequence import Sequence, SequenceGroup
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 from pagedjax.structured_output.grammar import RequestGrammar
+from pagedjax.structured_output.masks import advance_together
 from pagedjax.worker.prompt_logprobs import PromptLogprobs, PromptRows
 from pagedjax.worker.sampler import SamplingRow
 
+logger = logging.getLogger("pagedjax.engine.request")
 GOLDEN = 0x9E3779B9  # spreads the per-sample seeds of one request
 SAMPLING_EPS = 1e-5  # a temperature below this samples greedily (as vLLM)
 
@@ -85,3 +89,21 @@ class Request:
             )
             for i in (indices if chunk.num_samples else ())
         ]
+
+
+def advance_grammars(pairs: Iterable[tuple[Request, Sequence]]) -> None:
+    """Before a step's stops are checked: every constrained sequence of ``pairs`` takes its new
+    tokens and computes its next mask, all together (structured_output/masks.py). Should that
+    fail, their matchers are rebuilt from the tokens by ``after_token``, one sequence at a time,
+    where an error is its own request's."""
+    todo = [
+        (req.grammar, seq)
+        for req, seq in pairs
+        if req.grammar is not None and req.error is None and not seq.is_finished()
+    ]
+    try:
+        advance_together(todo)
+    except Exception:
+        logger.exception("grammar masks computed together failed; computing them one by one")
+        for grammar, seq in todo:
+            grammar.forget(seq)

@@ -12,7 +12,9 @@ Host side, pure Python and numpy; no jax.
   matcher, advanced on the host as tokens are accepted (after each step) and rebuilt (copied
   again) from the sequence's tokens whenever it is missing or behind (the n samples' forks, a
   restored snapshot); recompute after preemption keeps the tokens, so the state follows. The
-  first mask is computed once per grammar, at admission.
+  first mask is computed once per grammar, at admission; after each step the new tokens and next
+  masks of all constrained sequences are computed together, in parallel with the GIL released,
+  each mask's work bounded by llguidance's parser limits (masks.py, structured_limits.py).
 - Before each step every constrained row carries its packed int32 bitmask [ceil(vocab / 32)] of
   allowed tokens, which the sampler applies on device as a fixed-shape input (sampler.py).
 - Ending: once the grammar is complete and takes nothing more, the sequence finishes "stop" (no EOS
@@ -36,7 +38,9 @@ from typing import Any
 import numpy as np
 
 from pagedjax.structured_output import limits as structured_limits
+from pagedjax.structured_output import masks as step_masks
 from pagedjax.structured_output import worker as structured_worker
+from pagedjax.structured_output.masks import mask_width
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -193,14 +197,17 @@ class CompiledGrammar:
             if self._start is None:
                 import llguidance
 
-                start = llguidance.LLMatcher(self.ll_tokenizer, self.grammar, log_level=0)
-                mask = np.zeros((1, mask_width(self.vocab_size)), np.int32)
+                start = llguidance.LLMatcher(
+                    self.ll_tokenizer,
+                    self.grammar,
+                    log_level=0,
+                    limits=structured_limits.parser_limits(),
+                )
+                mask = np.zeros(mask_width(self.vocab_size), np.int32)
                 if not start.is_error():
-                    self.fill_mask(start, mask)
-                if start.is_error():
-                    mask[:] = 0
+                    mask = step_masks.fill([start], self.vocab_size)[0]
                 mask.flags.writeable = False
-                self._start, self._first_mask = start, mask[0]
+                self._start, self._first_mask = start, mask
             return self._start
 
     def new_matcher(self):
@@ -211,12 +218,6 @@ class CompiledGrammar:
         """i32[ceil(vocab / 32)] (read-only): the tokens allowed first."""
         self._started()
         return self._first_mask
-
-    def fill_mask(self, matcher, out: np.ndarray) -> None:
-        """Write matcher's allowed tokens into out (i32[1, ceil(vocab / 32)])."""
-        from llguidance.numpy import fill_next_token_bitmask
-
-        fill_next_token_bitmask(matcher, out, 0)
 
 
 class GrammarCompiler:
@@ -296,7 +297,7 @@ class GrammarCompiler:
         kind, what = params.kind, _DESCRIPTIONS[params.kind]
         grammar = _grammar_text(params)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, spec.build()
+            grammar, spec.build(), limits=structured_limits.parser_limits()
         )
         if is_error:
             raise ValueError(f"structured_outputs.{kind}: invalid {what}: {messages[0]}")
@@ -348,7 +349,7 @@ def _probe_one_token(compiled: CompiledGrammar, start, name: str) -> None:
     )
     matcher.consume_token(token)
     if not matcher.is_error() and not matcher.is_stopped():
-        compiled.fill_mask(matcher, np.zeros((1, mask_width(compiled.vocab_size)), np.int32))
+        step_masks.fill([matcher], compiled.vocab_size)
     if matcher.is_error() and not _first_line(matcher).startswith("NoExtension"):
         raise ValueError(
             f"{name}: the {compiled.description} is beyond the grammar library's limits: "
@@ -365,16 +366,20 @@ _DESCRIPTIONS = {
 }
 
 
+# Words of llguidance's errors for its parser limits ("Current row has 502 items; max is 500",
+# "Too many items (limit 50000; mask)", "too many states: 300 >= 300", lexer fuel).
+_LIMIT_WORDS = ("max is", "limit", "too many", "fuel")
+
+
 def _first_line(matcher) -> str:
     return matcher.get_error().strip().split("\n", 1)[0]
 
 
-def mask_width(vocab_size: int) -> int:
-    return (vocab_size + 31) // 32
-
-
 class RequestGrammar:
-    """One request's grammar state: a matcher per sequence, kept in step with its tokens."""
+    """One request's grammar state: a matcher per sequence, kept in step with its tokens. After
+    a step the engine advances every constrained sequence at once (``masks.advance_together``);
+    ``after_token`` and ``mask`` do here, one sequence at a time, only what that left undone
+    (a restored snapshot, a sequence advanced by other means)."""
 
     def __init__(self, compiled: CompiledGrammar):
         self.compiled = compiled
@@ -388,41 +393,61 @@ class RequestGrammar:
         state.update(_matchers={}, _consumed={}, _masks={})
         return state
 
-    def _synced(self, seq):
-        """seq's matcher after all its output tokens (built anew if missing or out of step)."""
+    def matcher_behind(self, seq) -> tuple[Any, list[int]]:
+        """seq's matcher (a fresh copy if missing or ahead of its tokens) and the output tokens
+        it has yet to take, counted as taken: the caller makes it take them."""
         sid, tokens = seq.seq_id, seq.output_token_ids
         matcher, done = self._matchers.get(sid), self._consumed.get(sid, 0)
         if matcher is None or done > len(tokens):
             matcher, done = self.compiled.new_matcher(), 0  # a copy: nothing is rebuilt
             self._matchers[sid] = matcher
-        for t in tokens[done:]:
-            matcher.consume_token(t)
         self._consumed[sid] = len(tokens)
+        return matcher, tokens[done:]
+
+    def _synced(self, seq):
+        """seq's matcher after all its output tokens."""
+        matcher, behind = self.matcher_behind(seq)
+        for t in behind:
+            matcher.consume_token(t)
         return matcher
+
+    def wants_mask(self, seq, matcher) -> bool:
+        """Whether seq (its matcher synced) samples next and its mask is not yet computed."""
+        if not seq.output_token_ids or matcher.is_error() or matcher.is_stopped():
+            return False
+        cached = self._masks.get(seq.seq_id)
+        return cached is None or cached[0] != len(seq.output_token_ids)
+
+    def keep_mask(self, seq, mask: np.ndarray) -> np.ndarray:
+        """Keep mask (i32[ceil(vocab / 32)]) as seq's next."""
+        self._masks[seq.seq_id] = (len(seq.output_token_ids), mask)
+        return mask
 
     def mask(self, seq) -> np.ndarray:
         """i32[ceil(vocab / 32)]: the tokens seq may sample next."""
         if not seq.output_token_ids:  # computed once per grammar, at admission
             return self.compiled.first_mask()
         matcher = self._synced(seq)
+        if self.wants_mask(seq, matcher):
+            return self.keep_mask(seq, step_masks.fill([matcher], self.vocab_size)[0])
         cached = self._masks.get(seq.seq_id)
         if cached is not None and cached[0] == len(seq.output_token_ids):
             return cached[1]
-        mask = np.zeros((1, mask_width(self.compiled.vocab_size)), np.int32)
-        if not matcher.is_error():
-            self.compiled.fill_mask(matcher, mask)
-        if matcher.is_error():  # e.g. no token can extend it: nothing is allowed
-            mask[:] = 0
-        self._masks[seq.seq_id] = (len(seq.output_token_ids), mask[0])
-        return mask[0]
+        return np.zeros(mask_width(self.vocab_size), np.int32)  # in error or stopped: none
+
+    @property
+    def vocab_size(self) -> int:
+        return self.compiled.vocab_size
 
     def after_token(self, seq) -> str | None:
         """Take seq's new tokens; "stop" if its grammar is complete and can take nothing more,
         "abort" (reason in stop_reasons) if no token can continue it, else None."""
         matcher = self._synced(seq)
         what = self.compiled.description
+        if not matcher.is_error() and not matcher.is_stopped():
+            self.mask(seq)  # a limit hit computing it is an error, a dead end allows nothing
         if matcher.is_error():
-            return self._dead_end(seq, f"the {what} refused a token: {_first_line(matcher)}")
+            return self._dead_end(seq, self._error_reason(matcher))
         if matcher.is_stopped():
             if matcher.is_accepting():
                 return "stop"
@@ -430,6 +455,14 @@ class RequestGrammar:
         if not self.mask(seq).any():
             return self._dead_end(seq, f"no token of the vocabulary can continue the {what}")
         return None
+
+    def _error_reason(self, matcher) -> str:
+        what, why = self.compiled.description, _first_line(matcher)
+        if why.startswith("NoExtension"):
+            return f"no token of the vocabulary can continue the {what}"
+        if any(word in why.lower() for word in _LIMIT_WORDS):
+            return f"the {what} is beyond the grammar library's limits: {why}"
+        return f"the {what} refused a token: {why}"
 
     def _dead_end(self, seq, why: str) -> str:
         self.stop_reasons[seq.seq_id] = why

@@ -22,9 +22,28 @@ MAX_RULE_CHAIN = 256  # rules on the longest chain of references, cycles cut
 MAX_NESTING = 256  # parentheses inside a regex or a grammar
 MAX_REGEX_REPEAT = 10_000  # product of the nested counted repetitions ({n}, {m,n}) of a regex
 MAX_INTEGER = 2**53  # llguidance keeps integer bounds as 64-bit floats: exact up to 2**53
+# One token's grammar work (llguidance's parser limits): a grammar that needs more ends its
+# sequence "abort", the limit named, instead of holding every request's step. An ambiguous
+# grammar's cost per token grows with the items in an Earley row, about as their cube:
+# llguidance's default of 2,000 lets one sequence take 0.3-0.5 s per token, 500 at most about
+# 20 ms. Alternatives beyond that belong in one lexeme (``choice``, ``enum``, a regex).
+MASK_ROW_ITEMS = 500  # Earley items at one position (llguidance's default: 2,000)
+MASK_LEXER_FUEL = 200_000  # lexer work for one mask (its default; about 15 ms)
+MASK_MAX_ITEMS = 50_000  # Earley items one mask may create (its default; about 3 ms)
 
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def parser_limits():
+    """The llguidance limits every matcher and grammar check is built with."""
+    import llguidance
+
+    return llguidance.LLParserLimits(
+        max_items_in_row=MASK_ROW_ITEMS,
+        step_lexer_fuel=MASK_LEXER_FUEL,
+        step_max_items=MASK_MAX_ITEMS,
+    )
 
 
 def _refuse(kind: str, limit: str, value: int | str, bound: int) -> ValueError:

@@ -206,3 +206,65 @@ def test_a_snapshot_restores_the_grammar_state(llm, tmp_path):
     assert finish() == first
     for text in first.values():
         jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def count_mask_calls(monkeypatch) -> list[int]:
+    """Rows of every call that computes grammar masks (one per call of the one-matcher form)."""
+    import llguidance.numpy
+
+    calls: list[int] = []
+    one, many = (
+        llguidance.numpy.fill_next_token_bitmask,
+        llguidance.numpy.fill_next_token_bitmask_par,
+    )
+
+    def fill_one(matcher, bitmask, index=0):
+        calls.append(1)
+        return one(matcher, bitmask, index)
+
+    def fill_many(executor, matchers, bitmask):
+        calls.append(len(matchers))
+        return many(executor, matchers, bitmask)
+
+    monkeypatch.setattr(llguidance.numpy, "fill_next_token_bitmask", fill_one)
+    monkeypatch.setattr(llguidance.numpy, "fill_next_token_bitmask_par", fill_many)
+    return calls
+
+
+def test_a_steps_masks_are_computed_in_one_call(llm, monkeypatch):
+    """Issue 41 item 2: each sequence's mask was computed on its own, one native call after
+    another on the engine thread (a request with n = 8 held every stream 8 masks long); now
+    a step's constrained sequences, of every request, get their masks in one call."""
+    engine = llm.engine
+    constraints = [so(regex=REGEX), so(json=SCHEMA)]
+    for c in constraints:
+        engine.input_processor.grammars.compile(c)  # first masks: computed at admission
+    calls = count_mask_calls(monkeypatch)
+    engine.add_request("masks-n4", PROMPTS[0], params(constraints[0], n=4, temperature=1.0, seed=7))
+    engine.add_request("masks-json", PROMPTS[1], params(constraints[1], temperature=0))
+    steps, outs = 0, {}
+    while engine.has_unfinished_requests():
+        steps += 1
+        outs |= {o.request_id: o for o in engine.step() if o.finished}
+    assert all(re.fullmatch(REGEX, c.text) for c in outs["masks-n4"].outputs)
+    assert_json_valid([outs["masks-json"]])
+    assert len(calls) <= steps, (calls, steps)  # one call a step at most
+    assert max(calls) >= 5  # the four samples and the JSON request together
+
+
+def test_a_grammar_past_the_parser_limits_ends_its_own_request(llm):
+    """An ambiguous grammar's work per token grows with the length (about the cube of the items
+    in an Earley row): with llguidance's default row limit one sequence took 0.3-0.5 s a token
+    before it ended. The row limit (structured_limits.MASK_ROW_ITEMS) ends that request, named,
+    early; a request sharing its steps gets the tokens it gets alone."""
+    ambiguous = so(grammar='start: x "!"\nx: x x x | x x | "a" | "b"')
+    no_end = {ord("!"): -100.0, 257: -100.0}  # never "!" nor EOS: a longer and longer parse
+    plain = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    alone = llm.generate(PROMPTS[2], plain, use_tqdm=False)[0].outputs[0].token_ids
+    bomb = params(ambiguous, temperature=0, max_tokens=110, logit_bias=no_end)
+    outs = llm.generate([PROMPTS[0], PROMPTS[2]], [bomb, plain], use_tqdm=False)
+    c = outs[0].outputs[0]
+    assert c.finish_reason == "abort" and len(c.token_ids) < 110, (c.finish_reason, c.text)
+    assert set(c.text) <= set("ab") and "limits" in c.stop_reason and "items" in c.stop_reason
+    assert outs[1].outputs[0].token_ids == alone
+    assert llm.get_stats().num_blocks_used == 0
