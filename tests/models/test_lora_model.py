@@ -46,10 +46,11 @@ RTOL = 1e-4
 MAX_RANK = 16
 PROMPT_LENS = [3, 13, 16, 23, 9]
 PROMPT_SLOTS = [1, 0, 3, 2, 1]  # every slot, the base model's (0) among them
-FAMILIES = ["llama_gqa", "qwen2_bias", "gemma2", "phi3"]
+FAMILIES = ["llama_gqa", "qwen2_bias", "gemma2", "phi3", "opt"]
 _ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _PHI3_NAMES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
 _PHI3_NAMES |= {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+_OPT_NAMES = {"o_proj": "out_proj", "gate_proj": None, "up_proj": "fc1", "down_proj": "fc2"}
 # Slots 1..3: (rank, alpha, rslora, targets, layers or None for all).
 ADAPTERS = [
     (4, 8, False, ["q_proj", "v_proj"], None),
@@ -64,10 +65,9 @@ def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
 
 
 def targets(name: str, modules: list[str]) -> list[str]:
-    """PEFT's target names on this model (Phi-3's fused projections)."""
-    if name != "phi3":
-        return modules
-    return sorted({_PHI3_NAMES.get(m, m) for m in modules})
+    """PEFT's target names on this model: Phi-3's fused projections, OPT's names (no gate)."""
+    names = {"phi3": _PHI3_NAMES, "opt": _OPT_NAMES}.get(name, {})
+    return sorted({names.get(m, m) for m in modules} - {None})
 
 
 def make_adapter(hf, name: str, spec, directory, seed: int):
@@ -124,9 +124,9 @@ def _tables(n: int, total_len: int) -> list[list[int]]:
 class LoRARunner:
     """Our model's forward on a Runner's parameters, pool and step inputs, with adapters."""
 
-    def __init__(self, base_dir, adapter_dirs, quantization=None, params=None):
+    def __init__(self, base_dir, adapter_dirs, quantization=None, params=None, dtype="float32"):
         """``params``: these instead of the checkpoint's (in its config)."""
-        loaded = load_model(str(base_dir), use_cache=False, quantization=quantization)
+        loaded = load_model(str(base_dir), dtype, use_cache=False, quantization=quantization)
         params = loaded.params if params is None else params
         self.runner = Runner(
             loaded.config, params, num_blocks=64, block_size=BLOCK, max_model_len=64
@@ -346,6 +346,25 @@ def test_unrolled_layers_and_int8_weights(family, monkeypatch):
         logits, _ = quantized.logits(seqs, rows, quantized.runner.kv_cache.pages, all_rows=True)
         assert rel_err(logits, ref) < RTOL
     assert rel_err(ref, hf_logits(models[2], prompt)) < 0.1  # int8's own error, loosely
+
+
+def test_bfloat16_weights_and_slots(family):
+    """bfloat16 weights, slots and products: each prompt's rows near its merged model's (the
+    float32 oracle), far from the others'."""
+    base_dir, models, dirs = family("llama_gqa")
+    ours = LoRARunner(base_dir, dirs, dtype="bfloat16")
+    assert ours.slots.a["q_proj"].dtype == jnp.bfloat16
+    prompts = _prompts(3)[:4]
+    seqs = [ScheduledSeq(p, 0, [2 * i + 1, 2 * i + 2]) for i, p in enumerate(prompts)]
+    lens = [len(p) for p in prompts]
+    logits, _ = ours.logits(
+        seqs, np.repeat([0, 1, 2, 3], lens), ours.runner.kv_cache.pages, all_rows=True
+    )
+    starts = np.cumsum([0, *lens])
+    for slot, p in enumerate(prompts):
+        rows = logits[starts[slot] : starts[slot + 1]]
+        assert rel_err(rows, hf_logits(models[slot], p)) < 0.1  # bfloat16 rounding
+        assert rel_err(rows, hf_logits(models[(slot + 1) % 4], p)) > 0.3
 
 
 def dequantized(params):
