@@ -11,10 +11,13 @@ replicated.
 
 ``LoRABatch(slots, token_slot)`` is the model's ``lora`` argument: each token row's slot (0: the
 base model). Every targeted projection adds ``(x @ a[slot]) @ b[slot]`` to each row, computed
-for all slots at once and masked by the row's slot (``lora_delta``). Measured on a CPU against a
-gather of each row's ``a``/``b`` and against rows grouped by slot (``ragged_dot``), 4 adapters at
-rank 16: the masked product was the fastest at every size tried, by 35-40x over the gather at
-512 rows of 2048 -> 2048 (the gather copies every row's weights) and 3x over the grouped one.
+for all slots at once and masked by the row's slot (``lora_delta``). Measured on a CPU against
+a gather of each row's ``a``/``b`` (which copies every row's weights) and against rows grouped
+by slot (``jax.lax.ragged_dot``, which XLA:CPU computes group by group over all rows), at 64
+and 512 rows of a 2048 -> 2048 projection with rank 16: the masked product was the fastest with
+4 adapters (several times at 64 rows, tens of times at 512) and with 16; only with 32 did the
+gather overtake it, at 64 rows. Its cost grows with the slots: keep ``max_loras`` to what the
+batches use.
 """
 
 from __future__ import annotations
