@@ -115,10 +115,11 @@ class ServedModels:
         """Take an adapter's name away; 404 naming it if no adapter has it."""
         with self._lock:
             lora = self._adapters.pop(name, None)
+            loaded = sorted(self._adapters)
         if lora is None:
             raise APIError(
                 404,
-                f"the LoRA adapter {name!r} cannot be found; loaded: {sorted(self._adapters)}",
+                f"the LoRA adapter {name!r} cannot be found; loaded: {loaded}",
                 "invalid_request_error",
                 "model_not_found",
                 "lora_name",
