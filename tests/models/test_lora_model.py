@@ -224,6 +224,43 @@ def test_adapters_as_loaded(family):
     assert adapters[1].nbytes() > adapters[0].nbytes() > 0
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_moe_families_adapt_attention(name, tmp_path):
+    """A MoE family's attention projections take adapters (its experts do not): rows with the
+    adapter and without it in one step, each equal to transformers + PEFT's."""
+    hf = make_tiny_model(name, tmp_path / "base")
+    spec = (8, 16, False, ["q_proj", "k_proj", "v_proj", "o_proj"], None)
+    merged = make_adapter(hf, name, spec, tmp_path / "adapter", seed=5)
+    ours = LoRARunner(tmp_path / "base", [tmp_path / "adapter"])
+    prompts = _prompts(4)[1:3]
+    seqs = [ScheduledSeq(p, 0, [2 * i + 1, 2 * i + 2]) for i, p in enumerate(prompts)]
+    rows = np.repeat([1, 0], [len(p) for p in prompts])
+    logits, _ = ours.logits(seqs, rows, ours.runner.kv_cache.pages, all_rows=True)
+    n = len(prompts[0])
+    assert rel_err(logits[:n], hf_logits(merged, prompts[0])) < RTOL
+    assert rel_err(logits[n:], hf_logits(hf, prompts[1])) < RTOL
+    assert rel_err(logits[:n], hf_logits(hf, prompts[0])) > 100 * RTOL
+
+
+def test_adapter_saved_as_bin_loads_the_same(family, tmp_path):
+    """adapter_model.bin (PyTorch's format) gives the safetensors file's weights."""
+    from safetensors.torch import load_file
+
+    base_dir, _, dirs = family("llama_gqa")
+    (tmp_path / "bin").mkdir()
+    shutil.copy(dirs[1] / "adapter_config.json", tmp_path / "bin")
+    torch.save(
+        load_file(str(dirs[1] / "adapter_model.safetensors")),
+        tmp_path / "bin" / "adapter_model.bin",
+    )
+    config = model_config(base_dir)
+    ref, ours = (load_adapter(str(d), config, MAX_RANK) for d in (dirs[1], tmp_path / "bin"))
+    assert ours.target_modules == ref.target_modules and ours.scaling == ref.scaling
+    for m, (a, b) in ref.weights.items():
+        np.testing.assert_array_equal(ours.weights[m][0], a)
+        np.testing.assert_array_equal(ours.weights[m][1], b)
+
+
 def _copy_with_config(src, dst, **changes):
     shutil.copytree(src, dst)
     config = json.loads((dst / "adapter_config.json").read_text())
