@@ -103,6 +103,7 @@ _UNSUPPORTED = (
     ("use_bdlora", False),
     ("arrow_config", None),
     ("kasa_config", None),
+    ("monteclora_config", None),
 )
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
 
