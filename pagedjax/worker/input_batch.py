@@ -106,22 +106,20 @@ class InputBatcher:
         first ``1 + num_spec_tokens`` of them its last tokens; there are at least as many of these
         rows as sample rows. ``table_rows``: block-table rows kept across steps, used when every
         sequence has a ``seq_id`` (the result is the same either way)."""
-        bs = self.block_size
-        num_tokens = sum(len(s.token_ids) for s in seqs)
-        max_q = max(len(s.token_ids) for s in seqs)
-        num_rows = sum(len(s.samples) for s in seqs)
-        decode = max_q == 1
-        per_seq = self.logits_per_step(decode)
-        num_seqs_b = next_pow2(max(len(seqs), cdiv(num_rows, per_seq)), MIN_SEQS_BUCKET)
-        num_tokens_b = num_seqs_b if decode else next_pow2(num_tokens, MIN_TOKENS_BUCKET)
-        max_blocks_b = self.blocks_bucket(max(len(s.block_table) for s in seqs))
-
-        # Whole-batch numpy: one pass over the sequences gathers their lists, the rest is
+        # Whole-batch numpy: one pass over the sequences per list they hold, the rest is
         # vectorized (no numpy call per sequence).
-        num = len(seqs)
+        bs, num = self.block_size, len(seqs)
         q_lens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, num)
         starts = np.fromiter((s.start_pos for s in seqs), np.int64, num)
         widths = np.fromiter((len(s.block_table) for s in seqs), np.int64, num)
+        num_tokens, max_q = int(q_lens.sum()), int(q_lens.max())
+        num_rows = sum(len(s.samples) for s in seqs)
+        decode = max_q == 1
+        per_seq = self.logits_per_step(decode)
+        num_seqs_b = next_pow2(max(num, cdiv(num_rows, per_seq)), MIN_SEQS_BUCKET)
+        num_tokens_b = num_seqs_b if decode else next_pow2(num_tokens, MIN_TOKENS_BUCKET)
+        max_blocks_b = self.blocks_bucket(int(widths.max()))
+
         ends = np.cumsum(q_lens)  # each sequence's rows end here
         seq_of_row = np.repeat(np.arange(num), q_lens)
         pos = starts[seq_of_row] + np.arange(num_tokens) - (ends - q_lens)[seq_of_row]
@@ -211,6 +209,10 @@ class InputBatcher:
         size = len(step_input.logits_indices)
         per_seq = size // len(step_input.context_lens)
         logit_rows, drafts = np.zeros(size, np.int32), np.full(size, -1, np.int32)
+        if per_seq == 1:  # no proposals: each sample row reads its sequence's one logits row
+            counts = np.fromiter((len(s.samples) for s in seqs), np.int64, len(seqs))
+            logit_rows[: counts.sum()] = np.repeat(np.arange(len(seqs)), counts)
+            return logit_rows, None
         r = 0
         for i, s in enumerate(seqs):
             for j in range(len(s.samples)):
@@ -218,7 +220,7 @@ class InputBatcher:
                 if j < s.num_spec_tokens:
                     drafts[r] = s.token_ids[len(s.token_ids) - s.num_spec_tokens + j]
                 r += 1
-        return logit_rows, (drafts if per_seq > 1 else None)
+        return logit_rows, drafts
 
     def empty(self, shape: StepShape) -> StepInput:
         """An all-padding step input of ``shape`` (for lowering)."""

@@ -22,6 +22,7 @@ logprob bits, K top ids, K top logprob bits), copied to the host as soon as it i
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -86,17 +87,9 @@ class StepLayout:
         """i32 words of each part: StepInput's arrays, the sampler's logits rows, the sampling
         input (0 without one)."""
         sampling = (
-            sum(int(np.prod(shape)) for shape, _ in self.sampling.leaves) if self.sampling else 0
+            sum(math.prod(shape) for shape, _ in self.sampling.leaves) if self.sampling else 0
         )
-        return (*(int(np.prod(shape)) for shape in self.shapes), self.num_logits, sampling)
-
-
-def layout_of(step_input: StepInput, num_sampler_rows: int, sampling=None) -> StepLayout:
-    shapes = tuple(tuple(np.shape(getattr(step_input, name))) for name in ARRAY_FIELDS)
-    num_logits = len(step_input.logits_indices)
-    return StepLayout(
-        shapes, num_sampler_rows, num_logits - num_sampler_rows, step_input.max_query_len, sampling
-    )
+        return (*(math.prod(shape) for shape in self.shapes), self.num_logits, sampling)
 
 
 def pack_inputs(
@@ -105,21 +98,25 @@ def pack_inputs(
     """One i32 host buffer holding the step's inputs, and its layout. ``logit_rows``: the logits
     row each sampler row reads (as many as the step's sampler rows); ``sampling``: the sampler's
     input when the step program samples a batch that needs more than greedy."""
-    parts = []
-    for name in ARRAY_FIELDS:
-        x = np.asarray(getattr(step_input, name))
+    arrays = [np.asarray(getattr(step_input, name)) for name in ARRAY_FIELDS]
+    for name, x in zip(ARRAY_FIELDS, arrays, strict=True):
         if x.dtype != np.int32:
             raise ValueError(f"StepInput.{name} must be int32 to be packed, got {x.dtype}")
-        parts.append(x.reshape(-1))
+    parts = [x.ravel() for x in arrays]
     parts.append(np.asarray(logit_rows, np.int32))
     sampling_layout = None
     if sampling is not None:
         sampling_parts, sampling_layout = _sampling_parts(sampling)
         parts += sampling_parts
-    layout = layout_of(step_input, len(logit_rows), sampling_layout)
-    buf = np.concatenate(parts)
-    assert buf.size == sum(layout.sizes), (buf.size, layout)
-    return buf, layout
+    num_rows = len(logit_rows)
+    layout = StepLayout(
+        tuple(x.shape for x in arrays),
+        num_rows,
+        len(step_input.logits_indices) - num_rows,
+        step_input.max_query_len,
+        sampling_layout,
+    )
+    return np.concatenate(parts), layout
 
 
 def unpack_inputs(buf: jax.Array, layout: StepLayout):

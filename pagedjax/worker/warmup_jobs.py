@@ -87,7 +87,7 @@ def lower_step(runner, shape: StepShape, variant: sampler.Variant | None = None)
     return programs.step.lower(
         runner.params,
         runner.kv_cache.pages,
-        runner.place(packed),
+        packed,  # a host array, as the steps pass it (Runner._host)
         runner.place(np.zeros(runner.fill_width, np.int32)),
         runner.config,
         runner.backend,

@@ -110,16 +110,28 @@ def tiny(tmp_path_factory):
     return str(path)
 
 
-class _CountPuts:
+class _CountTransfers:
+    """Host arrays sent to the device: by ``jax.device_put``, or handed to a program (jit
+    transfers them), whatever the runner counts."""
+
     def __init__(self, monkeypatch):
         self.calls = 0
-        real = jax.device_put
+        real_put, real_step, real_sample = jax.device_put, programs.step, programs.sample
 
         def put(*args, **kwargs):
-            self.calls += 1
-            return real(*args, **kwargs)
+            self.calls += len(jax.tree.leaves(args[0]))
+            return real_put(*args, **kwargs)
+
+        def counting(program):
+            def run(*args):
+                self.calls += sum(isinstance(x, np.ndarray) for x in jax.tree.leaves(args))
+                return program(*args)
+
+            return run
 
         monkeypatch.setattr(jax, "device_put", put)
+        monkeypatch.setattr(programs, "step", counting(real_step))
+        monkeypatch.setattr(programs, "sample", counting(real_sample))
 
 
 def test_a_greedy_decode_step_is_one_program_and_one_transfer(tiny, monkeypatch):
@@ -131,13 +143,13 @@ def test_a_greedy_decode_step_is_one_program_and_one_transfer(tiny, monkeypatch)
         engine.add_request(f"r{i}", [5 + i, 6, 7, 8], greedy)
     for _ in range(3):  # the prompts, then decode steps
         engine.step()
-    puts = _CountPuts(monkeypatch)
+    puts = _CountTransfers(monkeypatch)
     programs, transfers, steps = runner.num_programs, runner.num_transfers, 6
     for _ in range(steps):
         engine.step()
     assert runner.num_programs - programs == steps, "a greedy decode step is one program"
     assert runner.num_transfers - transfers == steps, "its inputs are one transfer"
-    assert puts.calls == steps, "a device_put outside the runner's count"
+    assert puts.calls == steps, "a transfer outside the runner's count"
     assert engine.steps.num_overlapped >= steps  # each filled from the step before's tokens
     # A sampled decode step (with top logprobs) is one program and one transfer too: its
     # sampling input travels in the step's buffer and the step program samples it.
@@ -145,12 +157,12 @@ def test_a_greedy_decode_step_is_one_program_and_one_transfer(tiny, monkeypatch)
     engine.add_request("s", [9, 10, 11], sampled)
     for _ in range(2):  # its prompt (a mixed step), then decode steps
         engine.step()
-    puts = _CountPuts(monkeypatch)
+    puts = _CountTransfers(monkeypatch)
     programs, transfers = runner.num_programs, runner.num_transfers
     for _ in range(3):
         engine.step()
     assert (runner.num_programs - programs, runner.num_transfers - transfers) == (3, 3)
-    assert puts.calls == 3, "a device_put outside the runner's count"
+    assert puts.calls == 3, "a transfer outside the runner's count"
     while engine.has_unfinished_requests():
         engine.step()
     # Penalties keep their own sampler program (a token history per row): two of each.
