@@ -6,6 +6,7 @@ ms per decode step (min and median over repeats of a block of steps) and, from t
 programs dispatched and the host arrays transferred per step (the runner's counts).
 
     python benchmarks/engine_host_cost.py [--steps 32] [--repeats 7] [--batches 1 64] [--quick]
+                                          [--sampled]
 
 Time it on a quiet machine: other jobs' load shows up directly in these figures. To compare with
 an older checkout in the same sitting, run this same file from that checkout's root, with
@@ -71,10 +72,15 @@ def make_llm(loaded: LoadedModel, batch: int, max_model_len: int, async_scheduli
         module.load_model = original
 
 
-def measure(llm: LLM, batch: int, steps: int, repeats: int) -> dict:
-    """Per-step ms (each repeat times ``steps`` decode steps) and per-step counts."""
+def measure(llm: LLM, batch: int, steps: int, repeats: int, sampled: bool = False) -> dict:
+    """Per-step ms (each repeat times ``steps`` decode steps) and per-step counts. ``sampled``:
+    every request samples (temperature 0.8, top-p 0.9, its own seed), else greedy."""
     engine, runner = llm.engine, llm.engine.runner
-    params = SamplingParams(max_tokens=steps * (repeats + 1) + 4, temperature=0.0, ignore_eos=True)
+    max_tokens = steps * (repeats + 1) + 4
+    if sampled:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.9, ignore_eos=True)
+    else:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     rng = np.random.default_rng(batch)
     for i in range(batch):
         engine.add_request(f"r{i}", rng.integers(3, 250, PROMPT_LEN).tolist(), params)
@@ -112,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--quick", action="store_true", help="a few steps: checks that it runs")
+    parser.add_argument(
+        "--sampled", action="store_true", help="also time batches that sample (temperature 0.8)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.repeats = 4, 2
@@ -119,19 +128,21 @@ def main(argv: list[str] | None = None) -> int:
           f"{jax.default_backend()}")  # fmt: skip
     loaded = tiny_model()
     max_model_len = PROMPT_LEN + args.steps * (args.repeats + 2) + 8
-    print(f"{'batch':>5s} {'async':>5s} {'min ms':>8s} {'median ms':>10s} "
+    print(f"{'rows':>7s} {'batch':>5s} {'async':>5s} {'min ms':>8s} {'median ms':>10s} "
           f"{'programs':>9s} {'transfers':>10s}  (per decode step)")  # fmt: skip
-    for batch in args.batches:
-        for async_scheduling in (True, False):
-            llm = make_llm(loaded, batch, max_model_len, async_scheduling)
-            try:
-                r = measure(llm, batch, args.steps, args.repeats)
-            finally:
-                llm.close()
-            print(
-                f"{batch:5d} {'on' if async_scheduling else 'off':>5s} {r['min_ms']:8.3f} "
-                f"{r['median_ms']:10.3f} {r['programs']:9.2f} {r['transfers']:10.2f}"
-            )
+    for sampled in (False, True) if args.sampled else (False,):
+        for batch in args.batches:
+            for async_scheduling in (True, False):
+                llm = make_llm(loaded, batch, max_model_len, async_scheduling)
+                try:
+                    r = measure(llm, batch, args.steps, args.repeats, sampled)
+                finally:
+                    llm.close()
+                print(
+                    f"{'sampled' if sampled else 'greedy':>7s} {batch:5d} "
+                    f"{'on' if async_scheduling else 'off':>5s} {r['min_ms']:8.3f} "
+                    f"{r['median_ms']:10.3f} {r['programs']:9.2f} {r['transfers']:10.2f}"
+                )
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     return 0
 
