@@ -96,11 +96,13 @@ def advance_grammars(pairs: Iterable[tuple[Request, Sequence]]) -> None:
     tokens and computes its next mask, all together (structured_output/masks.py). Should that
     fail, their matchers are rebuilt from the tokens by ``after_token``, one sequence at a time,
     where an error is its own request's."""
-    todo = [
-        (req.grammar, seq)
-        for req, seq in pairs
-        if req.grammar is not None and req.error is None and not seq.is_finished()
-    ]
+    todo = []
+    for req, seq in pairs:
+        try:
+            if req.grammar is not None and req.error is None and not seq.is_finished():
+                todo.append((req.grammar, seq))
+        except Exception:  # raised again by its own stop check, which fails its request alone
+            continue
     try:
         advance_together(todo)
     except Exception:
