@@ -8,16 +8,20 @@ from __future__ import annotations
 import copy
 import json
 import os
+import random
+import re
 import subprocess
 import sys
 import threading
 import time
 import types
 
+import numpy as np
 import pytest
 
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.sampling_params import StructuredOutputsParams as SO
+from pagedjax.structured_output import masks
 from pagedjax.structured_output import worker as structured_worker
 from pagedjax.structured_output.grammar import GrammarCompiler, RequestGrammar
 
@@ -280,3 +284,32 @@ def test_a_schema_deepened_after_its_check_is_still_a_value_error(compiler):
         ValueError, match="structured_outputs.json: nested more than the limit of 100"
     ):
         compiler.compile(params.structured_outputs)
+
+
+def test_masks_computed_together_equal_one_by_one(compiler):
+    """A step's sequences advanced together (masks.advance_together: every grammar, samples of
+    one grammar diverging) take the same tokens, masks and verdicts as one by one."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    schema["additionalProperties"] = False
+    constraints = [SO(regex="[a-c]{2,5}-[0-9]{1,3}"), SO(json=schema), SO(choice=["ab", "abc"])]
+    constraints.append(constraints[0])  # a second sample of the regex
+    together = [RequestGrammar(compiler.compile(c)) for c in constraints]
+    together[3] = together[0]  # one request's grammar, two sequences
+    alone = [RequestGrammar(compiler.compile(c)) for c in constraints]
+    seqs = [Seq(seq_id=i, output_token_ids=[]) for i in range(len(constraints))]
+    rng, live = random.Random(0), list(range(len(seqs)))
+    while live:
+        for i in live:
+            allowed = alone[i].mask(seqs[i])
+            assert (together[i].mask(seqs[i]) == allowed).all()
+            bits = np.unpackbits(allowed.view(np.uint8), bitorder="little")
+            seqs[i].output_token_ids.append(rng.choice(np.flatnonzero(bits[:256]).tolist()))
+        masks.advance_together([(together[i], seqs[i]) for i in live])
+        verdicts = {
+            i: (together[i].after_token(seqs[i]), alone[i].after_token(seqs[i])) for i in live
+        }
+        assert all(a == b for a, b in verdicts.values()), verdicts
+        live = [i for i in live if verdicts[i][0] is None and len(seqs[i].output_token_ids) < 40]
+    assert re.fullmatch("[a-c]{2,5}-[0-9]{1,3}", bytes(seqs[0].output_token_ids).decode())
+    assert seqs[0].output_token_ids != seqs[3].output_token_ids
+    assert bytes(seqs[1].output_token_ids).decode().startswith('{"a": ')
