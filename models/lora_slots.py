@@ -161,12 +161,24 @@ def set_slot(slots: LoRASlots, slot: int, adapter) -> LoRASlots:
         raise ValueError(f"slot must be in [1, {slots.num_slots - 1}], got {slot}")
     if adapter is not None and adapter.rank > slots.max_rank:
         raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {slots.max_rank}")
+    return _writer_of(slots)(slots, jnp.int32(slot), _one_slot(slots, adapter))
+
+
+def lower_set_slot(slots: LoRASlots):
+    """``set_slot``'s program for these slots, lowered (compiled at warm-up)."""
+    return _writer_of(slots).lower(slots, jnp.int32(1), _one_slot(slots, None))
+
+
+def _one_slot(slots: LoRASlots, adapter) -> LoRASlots:
     a, b = {}, {}
     for name in slots.a:
         a[name], b[name] = _slot_arrays(slots, name, adapter)
+    return LoRASlots(a, b)
+
+
+def _writer_of(slots: LoRASlots):
     leaves, treedef = jax.tree.flatten(slots)
-    write = _slot_writer(treedef, tuple(x.sharding for x in leaves))
-    return write(slots, jnp.int32(slot), LoRASlots(a, b))
+    return _slot_writer(treedef, tuple(x.sharding for x in leaves))
 
 
 def _slot_arrays(slots: LoRASlots, name: str, adapter) -> tuple[np.ndarray, np.ndarray]:
@@ -220,6 +232,7 @@ __all__ = [
     "init_slots",
     "lora_delta",
     "lora_modules",
+    "lower_set_slot",
     "module_dims",
     "set_slot",
 ]

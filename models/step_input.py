@@ -2,6 +2,8 @@
 
 Built once per step on the host (pagedjax/runner.py), padded to shape buckets. Padding tokens have
 slot -1 (their K/V is dropped); padding sequences have context length 0 and no query rows.
+``lora_slot`` is there only when the engine serves LoRA adapters (None otherwise: a step without
+adapters is the same program as before they existed).
 """
 
 from __future__ import annotations
@@ -20,3 +22,5 @@ class StepInput:
     query_start_loc: jax.Array  # i32[num_seqs + 1], seq i owns rows [qsl[i], qsl[i+1])
     logits_indices: jax.Array  # i32[num_logits], token rows whose logits are returned
     max_query_len: int = struct.field(pytree_node=False)  # static bound on any seq's rows
+    # i32[num_tokens]: each token row's LoRA slot (0 = base model, padding rows 0); None: no LoRA
+    lora_slot: jax.Array | None = None

@@ -183,9 +183,9 @@ class StepLoop:
             num_top = max(num_top, req.num_top_logprobs if rows else 0)
             start, table = c.seq.num_computed_tokens, bm.get_block_table(c.seq)
             ids, rows = with_proposals(c, rows)
-            num_spec = len(c.spec_token_ids)
+            spec, slot = len(c.spec_token_ids), c.lora_slot  # slot: its LoRA adapter's
             prompt_rows, seq_id = req.prompt_rows(c), c.seq.seq_id
-            sched.append(ScheduledSeq(ids, start, table, rows, prompt_rows, num_spec, seq_id))
+            sched.append(ScheduledSeq(ids, start, table, rows, prompt_rows, spec, seq_id, slot))
             ran.append(c)
         keep = [i for i, c in enumerate(ran) if requests[c.group.request_id].error is None]
         if not keep:

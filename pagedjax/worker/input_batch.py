@@ -42,6 +42,8 @@ class ScheduledSeq:
     # The sequence's id (core/sequence.py), when it has one: its block table then lives in a
     # persistent row across steps (worker/persistent_batch.py) and only its changes are written.
     seq_id: int | None = None
+    # The device slot of the sequence's LoRA adapter (0: the base model; core/lora_admission.py).
+    lora_slot: int = 0
 
 
 def widest_seqs_bucket(max_num_seqs: int) -> int:
@@ -89,6 +91,9 @@ class InputBatcher:
     # query buckets off there and every prefill step takes the token bucket as its bound (a
     # fifth or fewer of the programs to compile).
     query_buckets = True
+    # Whether steps carry each token row's LoRA slot (StepInput.lora_slot): an engine that serves
+    # adapters; None in the steps of one that does not.
+    lora = False
 
     def max_query_bucket(self, max_q: int, num_tokens_b: int) -> int:
         """The static bound on any sequence's query rows in a prefill step."""
@@ -157,6 +162,10 @@ class InputBatcher:
             n = 1 + np.fromiter((s.num_spec_tokens for s in seqs), np.int64, num)
             j = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)  # row within its sequence
             logits_indices[np.repeat(np.arange(num) * per_seq, n) + j] = np.repeat(ends - n, n) + j
+        lora_slot = None
+        if self.lora:  # padding rows: slot 0
+            lora_slot = np.zeros(num_tokens_b, np.int32)
+            lora_slot[:num_tokens] = np.repeat([s.lora_slot for s in seqs], q_lens)
         return StepInput(
             token_ids=token_ids,
             positions=positions,
@@ -166,6 +175,7 @@ class InputBatcher:
             query_start_loc=qsl,
             logits_indices=logits_indices,
             max_query_len=1 if decode else self.max_query_bucket(max_q, num_tokens_b),
+            lora_slot=lora_slot,
         )
 
     def step_shapes(self, max_num_seqs: int, max_num_batched_tokens: int) -> list[StepShape]:
@@ -234,6 +244,7 @@ class InputBatcher:
             query_start_loc=np.zeros(s + 1, np.int32),
             logits_indices=np.zeros(s * self.logits_per_step(shape.max_query_len == 1), np.int32),
             max_query_len=shape.max_query_len,
+            lora_slot=np.zeros(t, np.int32) if self.lora else None,
         )
 
 

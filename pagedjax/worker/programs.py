@@ -3,7 +3,9 @@ compiled programs; static arguments are hashable configuration only (stable pers
 keys). ``step``: a step's one program (async scheduling's token fill, the model, and the
 sampling of a plain greedy batch or of a sampled decode step: worker/step_program.py);
 ``sample``: the sampler of the other batches that need more than greedy; ``forward``: the model
-step alone (logits of the rows asked)."""
+step alone (logits of the rows asked). ``step`` and ``forward`` take the LoRA adapters' device
+slots last (models/lora_slots.py), read by each token row's ``StepInput.lora_slot``: None (an
+empty tree) without LoRA, which lowers the program of an engine without adapters unchanged."""
 
 from __future__ import annotations
 
@@ -11,30 +13,36 @@ import jax
 
 from pagedjax import compilation
 from pagedjax.models.llama import forward as model_forward
+from pagedjax.models.lora_slots import LoRABatch
 from pagedjax.worker import step_program
 
 
-def _model_step(params, kv_pool, step_input, config, backend, mesh, linear=None):
+def _model_step(params, kv_pool, step_input, config, backend, mesh, linear=None, lora_slots=None):
     # linear: the WeightLayout the parameters were processed for (models/linear.py)
-    return model_forward(params, kv_pool, step_input, config, backend, mesh, linear)
+    lora = None if lora_slots is None else LoRABatch(lora_slots, step_input.lora_slot)
+    return model_forward(params, kv_pool, step_input, config, backend, mesh, linear, lora)
 
 
-def _step_and_sample(params, kv_pool, packed, prev_tokens, config, backend, mesh, packed_w, layout):
+def _step_and_sample(
+    params, kv_pool, packed, prev_tokens, config, backend, mesh, packed_w, layout, lora_slots=None
+):
     # packed: i32[...], the step's inputs (step_program.pack_inputs); prev_tokens: i32[W], the
     # step before's tokens on the device (placeholders -1 - r read row r)
     step_input, logit_rows, sampling = step_program.unpack_inputs(packed, layout)
     filled = step_program.fill_tokens(step_input.token_ids, prev_tokens)
     step_input = step_input.replace(token_ids=filled)
-    logits, kv_pool = _model_step(params, kv_pool, step_input, config, backend, mesh, packed_w)
+    model = (config, backend, mesh, packed_w, lora_slots)
+    logits, kv_pool = _model_step(params, kv_pool, step_input, *model)
     return step_program.after_model(logits, logit_rows, layout, prev_tokens, sampling), kv_pool
 
 
-# (params, pool, packed inputs, prev tokens, config, backend, mesh, weight layout, StepLayout)
-# -> (outputs, pool), the pool donated.
+# (params, pool, packed inputs, prev tokens, config, backend, mesh, weight layout, StepLayout,
+# LoRA slots or None) -> (outputs, pool), the pool donated.
 step = jax.jit(_step_and_sample, static_argnums=(4, 5, 6, 7, 8), donate_argnums=(1,))
 # (logits rows, packed sampling, its layout, W) -> (packed output, tokens i32[W]).
 sample = jax.jit(step_program.sample_program, static_argnums=(2, 3))
-# (params, pool, StepInput, config, backend, mesh, weight layout) -> (logits, pool).
+# (params, pool, StepInput, config, backend, mesh, weight layout, LoRA slots or None)
+# -> (logits, pool).
 forward = jax.jit(_model_step, static_argnums=(3, 4, 5, 6), donate_argnums=(1,))
 
 compilation.track_compile_seconds()

@@ -22,6 +22,8 @@ steps are the plain engine's.
 Padding and buckets are input_batch's; the pool, its host mirror and block moves kv_cache's; the
 jitted programs programs'; their lowering for warm-up warmup_jobs'.
 
+With a ``lora_config`` the runner holds LoRA adapters' device slots (worker/lora.py).
+
 In a multi-process run (``pagedjax.distributed``) every device operation goes through ``_call``:
 the driver broadcasts it with its host arrays and the followers, looping in ``follow``, replay it.
 """
@@ -55,6 +57,7 @@ from pagedjax.worker.input_batch import (
     padded_ids,
 )
 from pagedjax.worker.kv_cache import KVCache, pool_dtype
+from pagedjax.worker.lora import LoRASlotsHolder
 from pagedjax.worker.persistent_batch import PersistentBatch
 from pagedjax.worker.prompt_logprobs import PromptLogprobsOutput, PromptScores
 from pagedjax.worker.sampler import SamplerOutput, SamplingInput, SamplingRow
@@ -91,7 +94,17 @@ class StepOutput:
     prompt_scores: list[PromptScores] = dataclasses.field(default_factory=list)
 
 
-class Runner:
+def placed(params, mesh: Mesh | None):
+    """(params placed, the placement of host inputs, the pool's). Every array a program takes is
+    committed to its placement, so the programs warm-up compiles are the ones the steps call
+    (committed and uncommitted arguments differ)."""
+    if mesh is None:
+        device = SingleDeviceSharding(jax.local_devices()[0])
+        return jax.device_put(params, device), device, device
+    return shard_params(params, mesh), NamedSharding(mesh, PartitionSpec()), pool_sharding(mesh)
+
+
+class Runner(LoRASlotsHolder):
     """Owns the parameters, the device KV pool and the jitted step."""
 
     def __init__(
@@ -110,12 +123,13 @@ class Runner:
         num_speculative_tokens: int = 0,
         kv_cache_dtype: str = "auto",
         max_num_seqs: int = 256,
+        lora_config=None,
     ):
         """``num_speculative_tokens``: proposals a sequence may verify per step (each step then
         returns logits for 1 + that many rows per sequence and samples with ``verify_step``).
         ``kv_cache_dtype``: the pool's ("auto": the compute dtype; "int8" / "fp8": 8-bit pages
         with scales, worker/kv_cache.py). ``max_num_seqs``: the engine's, which sets the width of
-        every step's device tokens (worker/step_program.py)."""
+        every step's device tokens (worker/step_program.py). ``lora_config``: worker/lora.py."""
         compilation.enable_persistent_cache()
         self.config = config
         self.params = params
@@ -134,15 +148,7 @@ class Runner:
         # With a mesh (tensor parallelism), weights and pool are split by heads across devices
         # and host arrays are replicated to every device of the mesh.
         self.mesh = mesh
-        # Every array a program takes is committed to its placement, so the programs warm-up
-        # compiles are the ones the steps call (committed and uncommitted arguments differ).
-        if mesh is not None:
-            self._inputs = NamedSharding(mesh, PartitionSpec())
-            params = shard_params(params, mesh)
-            pool = pool_sharding(mesh)
-        else:
-            self._inputs = pool = SingleDeviceSharding(jax.local_devices()[0])
-            params = jax.device_put(params, pool)
+        params, self._inputs, pool = placed(params, mesh)
         # The weights in the layout the step reads, chosen once (models/linear.py): one array
         # per layer, or stacked under the scan (on a CPU in the native kernels' layouts).
         params, self.linear = process_weights_after_loading(
@@ -158,6 +164,7 @@ class Runner:
             sharding=pool,
         )
         self.num_host_blocks = num_host_blocks
+        self.init_lora(lora_config, pool)
         self.max_model_len = max_model_len
         self.num_compilations = 0  # programs compiled because of this runner's device operations
         # Every step's device tokens are i32[W] (worker/step_program.py); one placed zeros array
@@ -285,6 +292,7 @@ class Runner:
             self.mesh,
             self.linear,
             layout,
+            self.lora_slots,
         )
         scored = None
         if targets is not None:  # a step that scores prompt rows (worker/prompt_logprobs.py)
@@ -421,6 +429,7 @@ class Runner:
                 self.mesh,
                 self.linear,
                 layout,
+                self.lora_slots,
             )
             return outs["logits"]
         logits, self.kv_cache.pages = programs.forward(
@@ -431,6 +440,7 @@ class Runner:
             self.backend,
             self.mesh,
             self.linear,
+            self.lora_slots,
         )
         return logits
 
@@ -443,6 +453,7 @@ class Runner:
             "copy": self.kv_cache.copy,
             "swap_out": self.kv_cache.swap_out,
             "swap_in": self.kv_cache.swap_in,
+            "load_lora": self._load_lora,
         }
         return ops.get(op)
 

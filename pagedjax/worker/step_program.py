@@ -40,7 +40,8 @@ from pagedjax.worker.sampler import (
 )
 
 # StepInput's arrays, in field order: the packed buffer holds them in this order (a field added
-# to StepInput, an i32 array, is packed with no change here).
+# to StepInput, an i32 array, is packed with no change here; one that is None, e.g. ``lora_slot``
+# without LoRA, takes no words and is None again inside the program).
 ARRAY_FIELDS = tuple(
     f.name for f in dataclasses.fields(StepInput) if f.metadata.get("pytree_node", True)
 )
@@ -59,7 +60,8 @@ class SamplingLayout:
 class StepLayout:
     """The static shape of a packed step (part of the step program's key)."""
 
-    shapes: tuple[tuple[int, ...], ...]  # each of StepInput's arrays (ARRAY_FIELDS order)
+    # each of StepInput's arrays (ARRAY_FIELDS order); None for a field that is None
+    shapes: tuple[tuple[int, ...] | None, ...]
     num_logits: int  # logits rows the sampler reads (its rows gather from these)
     num_prompt_rows: int  # logits rows appended for prompt logprobs (0: none)
     max_query_len: int
@@ -89,7 +91,8 @@ class StepLayout:
         sampling = (
             sum(math.prod(shape) for shape, _ in self.sampling.leaves) if self.sampling else 0
         )
-        return (*(math.prod(shape) for shape in self.shapes), self.num_logits, sampling)
+        arrays = (0 if shape is None else math.prod(shape) for shape in self.shapes)
+        return (*arrays, self.num_logits, sampling)
 
 
 def pack_inputs(
@@ -98,9 +101,10 @@ def pack_inputs(
     """One i32 host buffer holding the step's inputs, and its layout. ``logit_rows``: the logits
     row each sampler row reads (as many as the step's sampler rows); ``sampling``: the sampler's
     input when the step program samples a batch that needs more than greedy."""
-    arrays = [np.asarray(getattr(step_input, name)) for name in ARRAY_FIELDS]
-    for name, x in zip(ARRAY_FIELDS, arrays, strict=True):
-        if x.dtype != np.int32:
+    values = [getattr(step_input, name) for name in ARRAY_FIELDS]
+    arrays = [np.asarray(x) for x in values if x is not None]
+    for name, x in zip(ARRAY_FIELDS, values, strict=True):
+        if x is not None and x.dtype != np.int32:
             raise ValueError(f"StepInput.{name} must be int32 to be packed, got {x.dtype}")
     parts = [x.ravel() for x in arrays]
     parts.append(np.asarray(logit_rows, np.int32))
@@ -110,7 +114,7 @@ def pack_inputs(
         parts += sampling_parts
     num_rows = len(logit_rows)
     layout = StepLayout(
-        tuple(x.shape for x in arrays),
+        tuple(None if x is None else np.shape(x) for x in values),
         num_rows,
         len(step_input.logits_indices) - num_rows,
         step_input.max_query_len,
@@ -125,7 +129,7 @@ def unpack_inputs(buf: jax.Array, layout: StepLayout):
     offsets = np.cumsum((0, *layout.sizes))
     parts = [buf[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
     arrays = {
-        name: part.reshape(shape)
+        name: None if shape is None else part.reshape(shape)
         for name, part, shape in zip(ARRAY_FIELDS, parts, layout.shapes, strict=False)
     }
     step = StepInput(**arrays, max_query_len=layout.max_query_len)

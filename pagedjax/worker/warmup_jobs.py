@@ -27,6 +27,7 @@ def startup_jobs(runner, max_num_seqs: int, max_num_batched_tokens: int) -> list
     shapes = runner.step_shapes(max_num_seqs, max_num_batched_tokens)
     common = common_shapes(runner.batcher, shapes)
     jobs = [(f"model {s}", lambda s=s: lower_step(runner, s)) for s in common]
+    jobs += lora_jobs(runner)
     default = sampler.Variant(random=True)  # temperature alone (lower_default_sample's rows)
     for s in common:
         if s.max_query_len == 1:  # a decode step sampling default rows: one program
@@ -44,7 +45,7 @@ def warmup_jobs(
     hold (``step_program.step_variants``), the sampler for each sequence bucket in each of its
     variants (penalties, logit bias or allowed-token masks, greedy or sampling), and the block
     copy / swap programs (``swap`` None: if the runner has host blocks)."""
-    jobs = []
+    jobs = lora_jobs(runner)
     shapes = runner.step_shapes(max_num_seqs, max_num_batched_tokens)
     for shape in shapes:
         jobs.append((f"model {shape}", lambda shape=shape: lower_step(runner, shape)))
@@ -68,6 +69,11 @@ def warmup_jobs(
         for op in ("copy", "gather", "scatter") if swap else ("copy",):
             jobs.append((f"{op}_blocks {n}", lambda op=op, ids=ids: lower_move(op, ids)))
     return jobs
+
+
+def lora_jobs(runner) -> list[Job]:
+    """The LoRA slot write (an engine serving adapters: changing them compiles nothing)."""
+    return [] if runner.lora_slots is None else [("lora slot write", runner.lower_slot_write)]
 
 
 def _step_name(shape: StepShape, variant: sampler.Variant) -> str:
@@ -94,6 +100,7 @@ def lower_step(runner, shape: StepShape, variant: sampler.Variant | None = None)
         runner.mesh,
         runner.linear,
         layout,
+        runner.lora_slots,
     )
 
 

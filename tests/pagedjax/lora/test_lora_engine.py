@@ -13,7 +13,6 @@ from lora_fakes import adapter, lora_engine
 from pagedjax import LoRARequest, SamplingParams
 from pagedjax.config import EngineConfig
 from pagedjax.engine.llm_engine import LLMEngine
-from pagedjax.worker.input_batch import ScheduledSeq
 
 
 def run(engine: LLMEngine) -> dict:
@@ -112,12 +111,6 @@ def test_an_id_names_one_adapter_for_the_engines_life():
         engine.add_request("r", [1, 2], GREEDY, lora_request=other)
 
 
-@pytest.mark.xfail(
-    "lora_slot" not in {f.name for f in dataclasses.fields(ScheduledSeq)},
-    reason="the runner wiring: ScheduledSeq.lora_slot, passed by the step loop from "
-    "SeqChunk.lora_slot",
-    strict=True,
-)
 def test_the_runner_gets_each_sequences_adapter_slot():
     engine = lora_engine(max_loras=2)
     engine.add_request("base", [1, 2, 3], GREEDY)
