@@ -10,6 +10,7 @@ Prometheus gauges (``Startup`` is a collector the engine loop registers).
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -38,6 +39,15 @@ def process_age() -> float:
         return time.monotonic() - _IMPORTED
 
 
+def freeze_startup_objects() -> None:
+    """Move every object alive now (the model's host-side state, the tokenizer, jax's caches:
+    millions of them) to the collector's permanent generation, as vLLM does after start-up. A
+    full collection then walks only what serving allocates: on a 2-core machine a full collection
+    of an unfrozen server took 0.3-0.57 s, a pause for every stream, and frozen 0.06-0.1 s."""
+    gc.collect()
+    gc.freeze()
+
+
 class Startup:
     """Programs compiled before the server answered (``report``) and those left to compile in
     the background (``background``; None: they compile on first use)."""
@@ -48,8 +58,10 @@ class Startup:
         self.seconds_to_ready: float | None = None  # process start -> the server answers
 
     def ready(self) -> None:
-        """The server is about to answer: log how long that took, start the background."""
+        """The server is about to answer: log how long that took, freeze what start-up made,
+        start the background."""
         self.seconds_to_ready = process_age()
+        freeze_startup_objects()
         pending = self.background.num_jobs if self.background is not None else 0
         logger.info(
             "serving %.1f s after the process started: %d programs compiled at start in %.1f s; "

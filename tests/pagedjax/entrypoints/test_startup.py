@@ -226,3 +226,18 @@ def test_a_stopped_background_compile_starts_no_further_program():
     release.set()
     assert bg.finished.wait(60)
     assert lowered == [0] and bg.num_done == 1 and bg.num_compiled >= 1
+
+
+def test_ready_moves_what_start_up_made_out_of_the_collectors_reach():
+    """Objects alive when the server answers are frozen (gc.freeze), so that a full collection
+    while serving does not walk the model's and the tokenizer's host-side objects."""
+    import gc
+
+    from pagedjax.worker.warmup import WarmupReport
+
+    made = [[i] for i in range(2000)]
+    frozen = gc.get_freeze_count()
+    startup.Startup(WarmupReport(programs=[], seconds=0.0), None).ready()
+    assert gc.get_freeze_count() >= frozen + len(made)
+    young = {id(o) for o in gc.get_objects()}  # every generation but the permanent one
+    assert not any(id(m) in young for m in made)
