@@ -2,7 +2,8 @@
 
     pagedjax bench throughput [--model M] [--num-requests N] [--dataset FILE.json]
         [--max-prompt-len P] [--max-output-len O] [--hf-batch-sizes 8,16,32,64]
-        [--repeats R] [--quantization Q [--compare-quantization]] [--json]
+        [--repeats R] [--quantization Q [--compare-quantization]]
+        [--num-loras N [--max-lora-rank R]] [--json]
 
 Both sides get the same prompts (token ids) and output lengths, greedy, EOS ignored so each
 request produces exactly its output length. Each side runs in a fresh process of its own, one
@@ -27,6 +28,11 @@ after the other (never both at once), so neither disturbs the other:
 With ``--quantization`` (int8, fp8, int8-g64, int8-g32) the pagedjax side loads its weights so
 quantized; ``--compare-quantization`` also runs the unquantized pagedjax side first, in a process
 of its own, and reports both and their ratio (quantized / unquantized output tok/s).
+
+With ``--num-loras N`` the pagedjax side also runs with N random LoRA adapters (rank
+``--max-lora-rank``, every projection targeted; bench/throughput_lora.py) mixed evenly over the
+requests, all in one batch (``max_loras`` = N), in a process of its own after the base-only one,
+and the report gives its output tok/s as a fraction of the base-only run's.
 
 Reported per side: min and median of the warm runs, the cold run, output tok/s, and the useful
 FLOP/s as a fraction of the measured matmul roofline; the ratios warm (min vs min) and cold; and
@@ -137,6 +143,11 @@ def benchmark(args) -> dict:
         unquantized.update(_rates(unquantized, out_tokens, flops, roof))
     ours = _run_side("pagedjax", spec, cache_env)
     ours.update(_rates(ours, out_tokens, flops, roof))
+    lora = None
+    if args.num_loras:  # the same workload with adapters mixed evenly, after the base-only run
+        lora_spec = {**spec, "num_loras": args.num_loras, "max_lora_rank": args.max_lora_rank}
+        lora = _run_side("pagedjax", lora_spec, cache_env)
+        lora.update(_rates(lora, out_tokens, flops, roof))
     theirs = None
     if not args.skip_hf:
         theirs = _run_side("transformers", spec)
@@ -163,6 +174,10 @@ def benchmark(args) -> dict:
         "pagedjax_unquantized": unquantized,  # with --compare-quantization
         "quantization_warm_ratio": q_ratio("output_tokens_per_s"),  # quantized / unquantized
         "quantization_cold_ratio": q_ratio("cold_output_tokens_per_s"),
+        "pagedjax_lora": lora,  # with --num-loras
+        "lora_warm_ratio": lora and lora["output_tokens_per_s"] / ours["output_tokens_per_s"],
+        "lora_cold_ratio": lora
+        and lora["cold_output_tokens_per_s"] / ours["cold_output_tokens_per_s"],
     }
 
 
@@ -190,6 +205,10 @@ def print_report(res: dict) -> None:
     sides = [(f"pagedjax ({q})" if q else "pagedjax", res["pagedjax"])]
     if res.get("pagedjax_unquantized"):
         sides.insert(0, ("pagedjax (unquantized)", res["pagedjax_unquantized"]))
+    if res.get("pagedjax_lora"):
+        sides.append(
+            (f"pagedjax ({res['pagedjax_lora']['num_loras']} LoRAs)", res["pagedjax_lora"])
+        )
     if theirs:
         order = "sorted" if theirs["sorted"] else "unsorted"
         sides.append((f"transformers (batch {theirs['batch_size']}, {order})", theirs))
@@ -225,6 +244,11 @@ def print_report(res: dict) -> None:
         print(
             f"ratio pagedjax {q} / unquantized, output tok/s: warm "
             f"{res['quantization_warm_ratio']:.2f}x, cold {res['quantization_cold_ratio']:.2f}x"
+        )
+    if res.get("lora_warm_ratio") is not None:
+        print(
+            f"ratio pagedjax with LoRAs / base only, output tok/s: warm "
+            f"{res['lora_warm_ratio']:.2f}x, cold {res['lora_cold_ratio']:.2f}x"
         )
     if res["warm_ratio"] is not None:
         print(
@@ -310,6 +334,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         default=True,
         help="the pagedjax side's host/device overlap (--no-async-scheduling: synchronous steps)",
     )
+    parser.add_argument(
+        "--num-loras",
+        type=int,
+        default=0,
+        help="also run the pagedjax side with this many random LoRA adapters, mixed evenly",
+    )
+    parser.add_argument("--max-lora-rank", type=int, default=8, help="their rank (--num-loras)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -324,6 +355,11 @@ def run(args) -> int:
         raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.num_loras < 0 or args.max_lora_rank < 1:
+        raise ValueError(
+            f"--num-loras must be >= 0 and --max-lora-rank >= 1, got {args.num_loras} and "
+            f"{args.max_lora_rank}"
+        )
     if args.compare_quantization and args.quantization is None:
         raise ValueError("--compare-quantization needs --quantization (what to compare with)")
     res = benchmark(args)

@@ -15,11 +15,13 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from pagedjax.bench.throughput_lora import lora_options, mixed_evenly, random_adapters
 from pagedjax.bench.workload import sharegpt_like
 
 
@@ -78,8 +80,9 @@ class Timed:
     output_tokens_per_s: float
 
 
-def generate_pagedjax(llm, requests: list[Request]) -> Timed:
-    """One ``LLM.generate`` over the requests (greedy, EOS ignored), checked and timed."""
+def generate_pagedjax(llm, requests: list[Request], loras: list | None = None) -> Timed:
+    """One ``LLM.generate`` over the requests (greedy, EOS ignored), checked and timed; ``loras``:
+    each request's LoRARequest or None."""
     from pagedjax import SamplingParams
 
     prompts = [r.prompt_token_ids for r in requests]
@@ -87,7 +90,7 @@ def generate_pagedjax(llm, requests: list[Request]) -> Timed:
         SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests
     ]
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
     elapsed = time.perf_counter() - start
     for o, r in zip(outs, requests, strict=True):
         if len(o.outputs[0].token_ids) != r.output_len:
@@ -158,7 +161,13 @@ def run_pagedjax(spec: dict, requests: list[Request]) -> dict:
         # Every run repeats the same prompts: with the prefix cache on, the warm runs would skip
         # most of the prefill that the peer (and the cold run) computes.
         enable_prefix_caching=False,
+        **lora_options(spec),  # --num-loras: adapters mixed evenly over the requests
     )
+    loras = []
+    if spec.get("num_loras"):
+        directory, rank = tempfile.mkdtemp(prefix="pagedjax-bench-lora-"), spec["max_lora_rank"]
+        loras = random_adapters(llm.model_config, spec["num_loras"], rank, directory, spec["seed"])
+    loras = mixed_evenly(loras, len(requests))
     load_s = time.perf_counter() - t0
     leaves = jax.tree.leaves(llm.runner.params)
     param_bytes = sum(x.nbytes for x in leaves)
@@ -167,7 +176,7 @@ def run_pagedjax(spec: dict, requests: list[Request]) -> dict:
     kernel_dtype = str(layer["self_attn"]["q_proj"]["kernel"].dtype)
 
     def once() -> float:
-        return generate_pagedjax(llm, requests).elapsed_s
+        return generate_pagedjax(llm, requests, loras).elapsed_s
 
     cold = once()  # compilation included (fresh process)
     compiled = llm.get_stats().num_compilations
@@ -185,6 +194,7 @@ def run_pagedjax(spec: dict, requests: list[Request]) -> dict:
     return {
         "load_s": load_s,
         "quantization": spec.get("quantization"),
+        "num_loras": spec.get("num_loras") or 0,
         "param_bytes": param_bytes,
         "kernel_dtype": kernel_dtype,
         "kv_cache_dtype": stats.kv_cache_dtype,

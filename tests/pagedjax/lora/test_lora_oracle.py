@@ -61,3 +61,60 @@ def test_mixed_adapters_in_one_batch_match_peft_merged_under_preemption(family, 
     if mode == "swap":
         assert stats.num_swapped_out > 0 and stats.num_swapped_in == stats.num_swapped_out
     assert stats.num_blocks_used == 0
+
+
+def test_a_prefix_block_is_never_shared_across_adapters(family):
+    """One prompt of three full blocks and a token under adapter 1, then adapter 2, then the base
+    model: each gets its own oracle's tokens and no cached block; under adapter 1 again and the
+    base again, their own blocks are reused (a shared block would give the next request the
+    other adapter's keys and values, and its tokens would leave the oracle's)."""
+    base, models, loras = family("llama_gqa")
+    llm = lora_llm(base, max_loras=2, num_blocks=64)
+    prompt = prompts(1, seed=7, lo=25, hi=26)[0]
+    assert len(prompt) == 3 * BLOCK + 1
+
+    def run(slot: int) -> int:
+        before = llm.get_stats().prefix_cache_hits
+        lora = loras[slot - 1] if slot else None
+        out = llm.generate([prompt], GREEDY, lora_request=lora, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == oracle(models, [prompt], [slot])[0], slot
+        return llm.get_stats().prefix_cache_hits - before
+
+    assert [run(1), run(2), run(0)] == [0, 0, 0]
+    assert [run(1), run(0), run(2)] == [3, 3, 3]
+
+
+def test_more_adapters_than_slots_finish_with_their_tokens_compiling_nothing(family):
+    """Four adapters and the base model over two slots, after warm-up: every request gets its
+    oracle's tokens, adapters move in and out of the slots, and nothing compiles."""
+    base, models, loras = family("llama_gqa", num_adapters=4)
+    llm = lora_llm(base, max_loras=2, max_model_len=32, max_num_seqs=4, warmup=True)
+    compiled = llm.get_stats().num_compilations
+    batch = prompts(10, seed=3, lo=3, hi=16)
+    slots = [i % 5 for i in range(len(batch))]
+    requests = [loras[s - 1] if s else None for s in slots]
+    outs = llm.generate(batch, GREEDY, lora_request=requests, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == oracle(models, batch, slots)
+    assert llm.engine.lora_manager.num_slot_loads > 2  # adapters changed slots
+    assert llm.get_stats().num_compilations == compiled
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_keeps_an_adapters_greedy_tokens(family, method):
+    """Speculation with requests under adapters, by prompt lookup or by a draft model (the base
+    model, without adapters): the target verifies under each request's adapter, so the tokens
+    are the oracle's, as without speculation."""
+    base, models, loras = family("llama_gqa")
+    motif = prompts(2, seed=11, lo=6, hi=7)
+    batch = [m * 4 for m in motif] + [motif[0] * 3]  # repeats, for the lookup to propose
+    slots = [1, 2, 0]
+    requests = [loras[s - 1] if s else None for s in slots]
+    spec = {"method": method, "num_speculative_tokens": 3}
+    spec |= (
+        {"prompt_lookup_min": 1, "prompt_lookup_max": 4} if method == "ngram" else {"model": base}
+    )
+    llm = lora_llm(base, max_loras=2, speculative_config=spec)
+    outs = llm.generate(batch, GREEDY, lora_request=requests, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == oracle(models, batch, slots)
+    stats = llm.get_stats().spec_decoding
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
