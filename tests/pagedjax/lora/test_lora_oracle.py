@@ -6,10 +6,15 @@ changing adapters compiles nothing after warm-up; speculation keeps an adapter's
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hf_models import hf_greedy
+from jax.sharding import PartitionSpec as P
 from lora_peft import build
+from worker_report import run_reporting_worker
 
 from pagedjax import LLM, SamplingParams
 
@@ -118,3 +123,19 @@ def test_speculation_keeps_an_adapters_greedy_tokens(family, method):
     assert [o.outputs[0].token_ids for o in outs] == oracle(models, batch, slots)
     stats = llm.get_stats().spec_decoding
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+
+
+def test_tensor_parallel_engine_matches_peft_merged(family):
+    """tensor_parallel_size 2 (two virtual CPU devices, in a process of its own): the slots split
+    as their base projections are, and the mixed batch's tokens are the oracle's."""
+    base, models, loras = family("llama_gqa")
+    batch = prompts(4, seed=2, lo=3, hi=20)
+    slots = [1, 0, 3, 2]
+    worker = Path(__file__).with_name("lora_engine_tp_worker.py")
+    paths = ",".join(lora.lora_path for lora in loras)
+    argv = [str(worker), base, paths, json.dumps(batch), json.dumps(slots), str(MAX_TOKENS)]
+    report = run_reporting_worker(argv, num_devices=2, timeout=600)
+    assert report["tokens"] == oracle(models, batch, slots)
+    specs = report["specs"]
+    assert specs["b/q_proj"] == str(P(None, None, None, "tp")) and specs["a/q_proj"] == str(P())
+    assert specs["a/o_proj"] == str(P(None, None, "tp", None)) and specs["b/o_proj"] == str(P())
