@@ -139,3 +139,24 @@ def test_tensor_parallel_engine_matches_peft_merged(family):
     specs = report["specs"]
     assert specs["b/q_proj"] == str(P(None, None, None, "tp")) and specs["a/q_proj"] == str(P())
     assert specs["a/o_proj"] == str(P(None, None, "tp", None)) and specs["b/o_proj"] == str(P())
+
+
+def test_prompt_logprobs_under_adapters(family):
+    """Prompt logprobs of prompts under two adapters and the base model in one batch, in chunks:
+    each prompt token's logprob is its adapter's merged model's."""
+    import torch
+
+    base, models, loras = family("llama_gqa")
+    batch = prompts(3, seed=4, lo=20, hi=30)
+    slots = [2, 0, 1]
+    llm = lora_llm(base, max_loras=2, max_num_batched_tokens=16, num_blocks=64)
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    requests = [loras[s - 1] if s else None for s in slots]
+    outs = llm.generate(batch, params, lora_request=requests, use_tqdm=False)
+    for out, prompt, slot in zip(outs, batch, slots, strict=True):
+        with torch.no_grad():
+            logits = models[slot](torch.tensor([prompt])).logits[0].double()
+        ref = torch.log_softmax(logits, -1).numpy()
+        got = [out.prompt_logprobs[j][t].logprob for j, t in enumerate(prompt) if j]
+        want = [ref[j - 1][t] for j, t in enumerate(prompt) if j]
+        np.testing.assert_allclose(got, want, atol=1e-4, err_msg=f"slot {slot}")
