@@ -8,7 +8,9 @@ import logging
 from pathlib import Path
 
 from pagedjax.entrypoints import startup
+from pagedjax.entrypoints.openai.engine_client import EngineProcess, RemoteEngine
 from pagedjax.entrypoints.openai.engine_loop import EngineLoop, QueueFull
+from pagedjax.entrypoints.openai.engine_process import EngineOptions
 from pagedjax.entrypoints.openai.protocol import ServerLimits
 from pagedjax.entrypoints.openai.serving import build_app, check_api_key
 
@@ -33,13 +35,16 @@ def serve(
     warmup_all: bool = False,
     background_compile: bool = True,
     lora_modules: list[tuple[str, str]] | None = None,
+    engine_process: bool = False,
     **llm_kwargs,
 ) -> None:
     """Load the model and serve it until interrupted. Bad options raise ValueError before the
     model loads. Before it answers the server compiles the common programs (``warmup``), or
     every program (``warmup_all``), or nothing; with ``background_compile`` the rest compile on
     a background thread once it answers, else each on first use. ``lora_modules``: (name, path)
-    LoRA adapters served from the start (needs ``enable_lora=True``)."""
+    LoRA adapters served from the start (needs ``enable_lora=True``). With ``engine_process``
+    the engine runs in a process of its own (openai/engine_process.py): this one only serves
+    HTTP, so its parsing, tokenizing and response building never hold the engine's GIL."""
     import uvicorn
 
     from pagedjax import LLM
@@ -53,7 +58,22 @@ def serve(
     # cache path), else the embedded model's file name.
     names = served_model_name or model or Path(default_model_path()).stem
     model = model or default_model_path()
-    _log_to_stderr(log_level)
+    log_to_stderr(log_level)
+    app_kwargs = dict(
+        api_key=api_key,
+        limits=limits,
+        public_metrics=public_metrics,
+        public_docs=public_docs,
+        tool_config=tool_config,
+        lora_modules=lora_modules,
+    )
+    if engine_process:
+        compiles = dict(warmup=warmup, warmup_all=warmup_all, background_compile=background_compile)
+        options = EngineOptions(
+            model, llm_kwargs, limits.max_queue, **compiles, log_level=log_level
+        )
+        _serve_engine_process(options, names, app_kwargs, host, port)
+        return
     llm = LLM(model, **llm_kwargs)
     start = startup.prepare(
         llm, warmup=warmup, warmup_all=warmup_all, background=background_compile
@@ -64,16 +84,7 @@ def serve(
         return
     app = None
     try:
-        app = build_app(
-            llm.engine,
-            names,
-            api_key=api_key,
-            limits=limits,
-            public_metrics=public_metrics,
-            public_docs=public_docs,
-            tool_config=tool_config,
-            lora_modules=lora_modules,
-        )
+        app = build_app(llm.engine, names, **app_kwargs)
         app.state.engine_loop.attach_startup(start)
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:
@@ -83,7 +94,27 @@ def serve(
             llm.close()  # in a multi-process run this stops the followers
 
 
-def _log_to_stderr(level: str) -> None:
+def _serve_engine_process(
+    options: EngineOptions, names, app_kwargs: dict, host: str, port: int
+) -> None:
+    """Serve with the engine in a process of its own, until interrupted; the engine process
+    stops with the server."""
+    import uvicorn
+
+    process = EngineProcess(options)
+    try:
+        info = process.wait_ready()
+        if info is None:  # a follower of a multi-process run: its engine replays the driver's
+            process.process.join()
+            return
+        app = build_app(RemoteEngine(info, process), names, **app_kwargs)
+        uvicorn.run(app, host=host, port=port, log_level=options.log_level)
+    finally:
+        if process.process.is_alive():
+            process.stop()
+
+
+def log_to_stderr(level: str) -> None:
     """pagedjax's own lines (the start's figures, engine failures) beside uvicorn's, at its
     level, unless the application configured logging itself."""
     root = logging.getLogger("pagedjax")

@@ -175,6 +175,12 @@ def _serve(args: argparse.Namespace) -> int:
         max_response_logprobs=args.max_response_logprobs,
     )
     lora_kwargs = _lora_kwargs(args)  # checked before anything loads
+    multi = args.ray or args.coordinator_address or (args.num_processes or 1) > 1
+    if args.engine_process and multi:
+        raise ValueError(
+            "--engine-process runs one engine process; not with --ray or a "
+            "multi-process run (--coordinator-address, --num-processes)"
+        )
     if args.ray:
         if args.enable_lora:
             raise ValueError("--enable-lora is not served with --ray yet")
@@ -183,7 +189,8 @@ def _serve(args: argparse.Namespace) -> int:
         server = {"api_key": args.api_key, "limits": limits, "tool_config": tool_config}
         server |= {"public_metrics": args.public_metrics, "public_docs": args.public_docs}
         return serve_on_ray(args, _engine_kwargs(args), server)
-    _initialize_distributed(args)
+    if not args.engine_process:  # the engine process is one process's whole engine
+        _initialize_distributed(args)
     serve(
         args.model,
         host=args.host,
@@ -198,6 +205,7 @@ def _serve(args: argparse.Namespace) -> int:
         warmup_all=args.warmup_all,
         background_compile=args.background_compile,
         lora_modules=args.lora_modules,
+        engine_process=args.engine_process,
         **_engine_kwargs(args),
         **lora_kwargs,
     )
@@ -326,6 +334,12 @@ def _add_serve_parser(sub) -> None:
     )
     _add_lora_args(srv)
     add_ray_args(srv)
+    srv.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="run the engine in a process of its own (vLLM's engine core): this process only "
+        "parses, tokenizes and answers HTTP, so that work never holds the engine's GIL",
+    )
     srv.set_defaults(func=_serve)
 
 

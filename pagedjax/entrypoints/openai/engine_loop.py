@@ -30,6 +30,11 @@ logger = logging.getLogger("pagedjax.api_server")
 _KEEP_ALIVE_S = 10.0
 
 
+# What ``command`` may run on the engine, by name: a name and its arguments pickle, so the same
+# command reaches an engine in another process (engine_process.py).
+ENGINE_COMMANDS = frozenset({"add_lora", "remove_lora"})
+
+
 class QueueFull(Exception):
     pass
 
@@ -51,9 +56,12 @@ class _Tracked:
 class EngineLoop:
     """Owns the engine on one thread; everything else reaches it through ``submit``/``abort``."""
 
-    def __init__(self, engine, max_queue: int):
+    def __init__(self, engine, max_queue: int, after_pass=None):
         self.engine = engine
         self.max_queue = max_queue
+        # called on the engine thread after each pass of the loop (outputs handed to the sinks,
+        # stats published): an engine process sends what the pass produced in one message
+        self._after_pass = after_pass
         self.metrics = ServerMetrics()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
@@ -99,6 +107,13 @@ class EngineLoop:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("call", fn, fut))
         return fut
+
+    def command(self, name: str, *args):
+        """Run the engine's method ``name`` (one of ENGINE_COMMANDS) on ``args`` between steps,
+        as ``call`` does; the returned future holds its result or exception."""
+        if name not in ENGINE_COMMANDS:
+            raise ValueError(f"unknown engine command {name!r}; known: {sorted(ENGINE_COMMANDS)}")
+        return self.call(lambda engine: getattr(engine, name)(*args))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -220,3 +235,5 @@ class EngineLoop:
         self.metrics.publish(self.engine.get_stats())
         if getattr(self.engine, "lora_manager", None) is not None:
             self.metrics.publish_lora(self.engine.lora_requests_info())
+        if self._after_pass is not None:
+            self._after_pass()

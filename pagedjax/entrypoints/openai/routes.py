@@ -128,7 +128,7 @@ async def load_lora_adapter(request: Request):
     body = parse_body(LoadLoRAAdapterRequest, await read_json(request))
     lora = state.models.reserve(body.lora_name, body.lora_path)
     try:
-        await asyncio.wrap_future(state.engine_loop.call(lambda engine: engine.add_lora(lora)))
+        await asyncio.wrap_future(state.engine_loop.command("add_lora", lora))
     except ValueError as e:
         state.models.release(lora)
         raise bad_request(
@@ -150,7 +150,7 @@ async def unload_lora_adapter(request: Request):
     body = parse_body(UnloadLoRAAdapterRequest, await read_json(request))
     lora = state.models.unregister(body.lora_name)
     await asyncio.wrap_future(
-        state.engine_loop.call(lambda engine: engine.remove_lora(lora.lora_int_id))
+        state.engine_loop.command("remove_lora", lora.lora_int_id)
     )
     return PlainTextResponse(f"Success: LoRA adapter {lora.lora_name!r} removed successfully.")
 

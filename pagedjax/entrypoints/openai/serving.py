@@ -65,7 +65,10 @@ def build_app(
         raise ValueError(f"served model names must be non-empty strings, got {model_names!r}")
     limits = limits or ServerLimits()
     models = ServedModels.for_engine(engine, model_names, lora_modules)  # before the loop runs
-    engine_loop = EngineLoop(engine, max_queue=limits.max_queue)
+    # an engine in another process (engine_client.RemoteEngine) comes with its loop's stand-in
+    engine_loop = getattr(engine, "engine_loop", None)
+    if engine_loop is None:
+        engine_loop = EngineLoop(engine, max_queue=limits.max_queue)
     if models.enable_lora:
         engine_loop.metrics.max_loras = engine.config.max_loras
     # the handlers' own tokenizer: tokenizers aren't shareable across threads

@@ -1,0 +1,235 @@
+"""The engine in a process of its own (vLLM V1's EngineCoreProc): ``pagedjax serve
+--engine-process``. The API server process parses, tokenizes, checks admission and builds
+responses; this process loads the model, owns the device and runs the engine loop, so that none of
+the server's Python work holds the GIL the engine steps need.
+
+Three threads here: the main thread reads commands from the API process's pipe (add, abort, a
+named command, a metrics read, start, stop) and hands them to the engine loop (engine_loop.py,
+the same loop an in-thread server runs); the engine thread steps; the sender thread pickles and
+sends what each pass of the loop produced (its outputs, add and command results) as one message,
+so that a step's outputs cross once, not once per token. The API side is engine_client.py.
+
+Messages, API -> engine: ("add", rid, ids, params, lora), ("abort", rid), ("command", cid, name,
+args), ("metrics", cid), ("start",), ("stop",). Engine -> API: ("ready", ServingInfo) or
+("follower", None) or ("failed", message) once; then ("pass", [(kind, key, payload)]),
+("metrics", cid, text) and ("stopped",) last. A pass's entries: ("output", rid, RequestOutput |
+Exception), ("added", rid, error | None), ("result", cid, (error | None, value)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import signal
+import threading
+
+from pagedjax.entrypoints.openai.engine_loop import EngineLoop, QueueFull
+
+logger = logging.getLogger("pagedjax.api_server")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """How the engine process builds its engine and its start (api_server.serve's arguments)."""
+
+    model: str
+    llm_kwargs: dict
+    max_queue: int
+    warmup: bool = True
+    warmup_all: bool = False
+    background_compile: bool = True
+    log_level: str = "info"
+
+
+@dataclasses.dataclass
+class ServingInfo:
+    """What the API process needs of the engine, without its model: the tokenizer, the configs
+    and the admission limits (engine_client.RemoteEngine)."""
+
+    tokenizer: object
+    config: object  # EngineConfig
+    model_config: object
+    capacity: object  # input_processor.Capacity
+    eos_token_ids: object
+    enable_lora: bool
+
+
+def serving_info(engine) -> ServingInfo:
+    return ServingInfo(
+        tokenizer=engine.tokenizer,
+        config=engine.config,
+        model_config=engine.model_config,
+        capacity=engine.input_processor.capacity,
+        eos_token_ids=engine.eos_token_ids,
+        enable_lora=getattr(engine, "lora_manager", None) is not None,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteError:
+    """An exception as it crosses the pipe: its kind (``value``, ``queue_full``, ``other``) and
+    its message (an engine's exception types need not pickle)."""
+
+    kind: str
+    message: str
+
+    @classmethod
+    def of(cls, e: BaseException) -> RemoteError:
+        if isinstance(e, QueueFull):
+            return cls("queue_full", str(e))
+        return cls("value" if isinstance(e, ValueError) else "other", str(e))
+
+    def exception(self) -> Exception:
+        if self.kind == "queue_full":
+            return QueueFull(self.message)
+        return ValueError(self.message) if self.kind == "value" else RuntimeError(self.message)
+
+
+class EngineCore:
+    """The engine loop fed from a pipe and answering into another."""
+
+    def __init__(self, engine, max_queue: int, conn_out):
+        self._conn_out = conn_out
+        self._pass: list[tuple] = []  # what this pass of the loop produced
+        self._pass_lock = threading.Lock()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_all, name="pagedjax-send", daemon=True)
+        self._sender.start()
+        self.engine = engine
+        self.loop = EngineLoop(engine, max_queue, after_pass=self._flush)
+        if getattr(engine, "lora_manager", None) is not None:
+            self.loop.metrics.max_loras = engine.config.max_loras
+
+    # -- the main thread: commands from the API process --
+
+    def serve(self, conn_in) -> None:
+        """Apply the API process's commands until it says stop or goes away."""
+        while True:
+            try:
+                msg = conn_in.recv()
+            except (EOFError, OSError):  # the API process is gone: nobody reads the outputs
+                logger.warning("the API server process went away; the engine stops")
+                msg = ("stop",)
+            if msg[0] == "stop":
+                self.loop.stop()
+                self._outbox.put(("stopped",))
+                self._outbox.put(None)
+                self._sender.join(timeout=30)
+                return
+            self._apply(msg)
+
+    def _apply(self, msg) -> None:
+        kind = msg[0]
+        if kind == "add":
+            self._add(*msg[1:])
+        elif kind == "abort":
+            self.loop.abort(msg[1])
+        elif kind == "command":
+            _, cid, name, args = msg
+            try:
+                fut = self.loop.command(name, *args)
+            except ValueError as e:
+                self._outbox.put(("pass", [("result", cid, (RemoteError.of(e), None))]))
+                return
+            self._when_done(fut, lambda f: ("result", cid, _outcome(f)))
+        elif kind == "metrics":
+            self._outbox.put(("metrics", msg[1], self.loop.metrics.render()))
+        elif kind == "start":
+            self.loop.start()
+        else:
+            logger.error("unknown message from the API server process: %r", kind)
+
+    def _add(self, rid: str, ids: list[int], params, lora) -> None:
+        try:
+            self._compile_grammar(params)
+        except ValueError as e:
+            self._outbox.put(("pass", [("added", rid, RemoteError.of(e))]))
+            return
+
+        def sink(item, rid=rid):  # on the engine thread
+            if isinstance(item, BaseException):
+                item = RemoteError.of(item).exception()
+            self._note(("output", rid, item))
+
+        fut = self.loop.submit(rid, ids, params, sink, lora)
+        self._when_done(fut, lambda f: ("added", rid, _outcome(f)[0]))
+
+    def _when_done(self, fut, entry) -> None:
+        """Send ``entry(fut)`` once the engine thread has settled ``fut``: with that pass's
+        outputs, or now if it was settled before the callback was attached (the pass that
+        settled it has been sent already)."""
+        fut.add_done_callback(lambda f: self._note(entry(f)))
+        if fut.done():
+            self._flush()
+
+    def _compile_grammar(self, params) -> None:
+        """A constraint arrives as its text (engine_client strips the compiled grammar, which
+        carries the whole tokenizer): compile it here, with its first mask, off the engine
+        thread (cached: a constraint seen before costs a lookup)."""
+        constraint = getattr(params, "structured_outputs", None)
+        if constraint is not None:
+            self.engine.input_processor.grammars.compile(constraint).first_mask()
+
+    # -- the engine thread and the sender --
+
+    def _note(self, entry: tuple) -> None:
+        with self._pass_lock:
+            self._pass.append(entry)
+
+    def _flush(self) -> None:
+        with self._pass_lock:
+            batch, self._pass = self._pass, []
+        if batch:
+            self._outbox.put(("pass", batch))
+
+    def _send_all(self) -> None:
+        while (msg := self._outbox.get()) is not None:
+            try:
+                self._conn_out.send(msg)
+            except (OSError, ValueError):  # the API process is gone
+                return
+            except Exception:  # e.g. an output that does not pickle: its request must not hang
+                logger.exception("could not send %s to the API server process", msg[0])
+
+
+def _outcome(fut) -> tuple[RemoteError | None, object]:
+    e = fut.exception()
+    return (RemoteError.of(e), None) if e is not None else (None, fut.result())
+
+
+def engine_main(options: EngineOptions, conn_in, conn_out) -> None:
+    """The engine process: load, compile what the server needs before it answers, say ready,
+    then serve the API process's commands. Signals are the API process's: it stops this one."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from pagedjax import LLM
+    from pagedjax.entrypoints import startup
+    from pagedjax.entrypoints.api_server import log_to_stderr
+
+    log_to_stderr(options.log_level)
+    try:
+        llm = LLM(options.model, **options.llm_kwargs)
+        start = startup.prepare(
+            llm,
+            warmup=options.warmup,
+            warmup_all=options.warmup_all,
+            background=options.background_compile,
+        )
+    except BaseException as e:
+        logger.exception("the engine process could not start")
+        conn_out.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    if not llm.engine.is_driver:  # multi-process: process 0 serves; this one replays its steps
+        conn_out.send(("follower", None))
+        llm.engine.follow()
+        llm.close()
+        return
+    core = EngineCore(llm.engine, options.max_queue, conn_out)
+    core.loop.attach_startup(start)
+    conn_out.send(("ready", serving_info(llm.engine)))
+    core.serve(conn_in)
+    if core.loop.is_running:  # a step outlived shutdown
+        logger.warning("the engine thread is still stepping; leaving the engine open")
+    else:
+        llm.close()

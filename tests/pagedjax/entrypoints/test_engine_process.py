@@ -1,0 +1,234 @@
+"""The engine in a process of its own (``pagedjax serve --engine-process``): the same answers as
+the in-thread server, client disconnects and aborts reaching the engine process, /metrics read
+from it, named commands crossing with their errors, a SIGTERM finishing open streams, and a dead
+engine process turned into the dead engine thread's errors."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from server_helpers import (
+    KEY,
+    MODEL,
+    assert_openai_error,
+    free_port,
+    live_server,
+    make_byte_model,
+    raw,
+    sse_events,
+    wait_idle,
+)
+
+from pagedjax import LLM
+from pagedjax.entrypoints.api_server import build_app
+from pagedjax.entrypoints.openai.engine_client import EngineProcess, RemoteEngine
+from pagedjax.entrypoints.openai.engine_process import EngineOptions
+
+ENGINE_ARGS = dict(block_size=8, num_blocks=200, seed=0, max_model_len=96, max_num_seqs=8)
+PROMPTS = ["Hello there", "caf\u00e9 au lait", "abc"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("engine-process")
+    make_byte_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def process_server(model_dir):
+    """A server whose engine runs in a process of its own: (base URL, EngineProcess)."""
+    options = EngineOptions(str(model_dir), ENGINE_ARGS, max_queue=8, background_compile=False)
+    process = EngineProcess(options)
+    try:
+        info = process.wait_ready()
+        app = build_app(RemoteEngine(info, process), MODEL, api_key=KEY)
+        with live_server(app) as base:
+            yield base, process
+    finally:
+        if process.process.is_alive():
+            process.stop()
+
+
+@pytest.fixture(scope="module")
+def thread_server(model_dir):
+    """The same model served with the engine on a thread of the server's process."""
+    llm = LLM(str(model_dir), **ENGINE_ARGS)
+    with live_server(build_app(llm.engine, MODEL, api_key=KEY)) as base:
+        yield base
+
+
+def completion(base, **body):
+    return raw(base, "POST", "/v1/completions", {"model": MODEL, **body}, timeout=120)
+
+
+def answers(base) -> list:
+    """Greedy streams, a chat, a constrained choice and echoed logprobs, as their texts."""
+    out = []
+    for prompt in PROMPTS:
+        body = dict(prompt=prompt, max_tokens=12, temperature=0, ignore_eos=True, stream=True)
+        status, reply = completion(base, **body)
+        assert status == 200, reply[:300]
+        events = sse_events(reply)
+        out.append("".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]))
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+    status, reply = raw(base, "POST", "/v1/chat/completions", chat | {"temperature": 0})
+    assert status == 200, reply[:300]
+    out.append(json.loads(reply)["choices"][0]["message"]["content"])
+    choice = {"choice": ["yes", "no", "maybe"]}
+    status, reply = completion(base, prompt="Hi", max_tokens=4, structured_outputs=choice)
+    assert status == 200, reply[:300]
+    out.append(json.loads(reply)["choices"][0]["text"])
+    status, reply = completion(
+        base, prompt="Hi", max_tokens=3, temperature=0, echo=True, logprobs=2
+    )
+    assert status == 200, reply[:300]
+    out.append(json.loads(reply)["choices"])
+    return out
+
+
+def test_answers_equal_the_in_thread_servers(process_server, thread_server):
+    base, _ = process_server
+    assert answers(base) == answers(thread_server)
+
+
+def test_refusals_equal_the_in_thread_servers(process_server, thread_server):
+    base, _ = process_server
+    bodies = [
+        dict(prompt="x" * 200, max_tokens=4),  # past max_model_len: the admission check
+        dict(prompt="Hi", structured_outputs={"regex": "(a{1000}){1000}"}),  # grammar limits
+        dict(prompt=[1, 2, 999], max_tokens=4),  # outside the vocabulary
+    ]
+    for body in bodies:
+        got, want = completion(base, **body), completion(thread_server, **body)
+        assert got[0] == want[0] == 400, (got, want)
+        assert json.loads(got[1]) == json.loads(want[1])
+
+
+def test_metrics_are_the_engine_processs(process_server):
+    base, _ = process_server
+    before = wait_idle(base, key=KEY)
+    status, reply = completion(base, prompt="abc", max_tokens=7, temperature=0, ignore_eos=True)
+    assert status == 200, reply[:300]
+    after = wait_idle(base, key=KEY)
+    assert (
+        after["pagedjax_generation_tokens_total"] - before["pagedjax_generation_tokens_total"] == 7
+    )
+    assert after["pagedjax_prompt_tokens_total"] - before["pagedjax_prompt_tokens_total"] == 3
+    assert after["pagedjax_startup_programs"] > 0  # the start's figures, from the engine process
+    assert after["pagedjax_kv_blocks_used"] == 0
+
+
+def test_a_client_that_leaves_aborts_its_request_in_the_engine_process(process_server):
+    base, _ = process_server
+    before = wait_idle(base, key=KEY)
+    key = 'pagedjax_request_success_total{finished_reason="abort"}'
+    port = int(base.rsplit(":", 1)[1])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 80, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    conn.request("POST", "/v1/completions", json.dumps(body), headers)
+    resp = conn.getresponse()
+    assert resp.status == 200
+    resp.read1(64)
+    conn.close()
+    after = wait_idle(base, key=KEY)  # running 0 and the KV pool empty, long before 80 tokens
+    assert after.get(key, 0) == before.get(key, 0) + 1
+    assert (
+        after["pagedjax_generation_tokens_total"] - before["pagedjax_generation_tokens_total"] < 80
+    )
+
+
+def test_named_commands_cross_with_their_errors(process_server):
+    _, process = process_server
+    with pytest.raises(ValueError, match="unknown engine command"):
+        process.command("close")
+    with pytest.raises(ValueError):  # an engine without LoRA refuses, here as in-thread
+        process.command("remove_lora", 1).result(timeout=60)
+
+
+def test_a_dead_engine_process_fails_streams_health_and_new_requests(process_server):
+    """Last in this file: it kills the module's engine process."""
+    base, process = process_server
+    port = int(base.rsplit(":", 1)[1])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 80, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    conn.request("POST", "/v1/completions", json.dumps(body), headers)
+    resp = conn.getresponse()
+    first = resp.read1(64)
+    assert resp.status == 200 and first
+    os.kill(process.process.pid, signal.SIGKILL)
+    events = sse_events(first + resp.read())
+    conn.close()
+    assert events[-1] == "[DONE]"
+    assert "the engine thread has stopped" in events[-2]["error"]["message"], events[-2]
+    assert raw(base, "GET", "/health", key=None)[0] == 503
+    status, reply = completion(base, prompt="Hi", max_tokens=4)
+    err = assert_openai_error(status, reply, 500, contains="the engine thread has stopped")
+    assert err["code"] == "engine_error"
+
+
+def test_sigterm_finishes_open_streams_and_stops_the_engine_process(model_dir, tmp_path):
+    port = free_port()
+    argv = [sys.executable, "-c", "from pagedjax.entrypoints.cli import main; main()", "serve"]
+    argv += ["--model", str(model_dir), "--port", str(port), "--api-key", KEY, "--engine-process"]
+    argv += ["--served-model-name", MODEL, "--block-size", "8", "--num-blocks", "200"]
+    argv += ["--max-model-len", "96", "--no-background-compile"]
+    base = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "serve.log", "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, "no /health"
+                try:
+                    if raw(base, "GET", "/health", key=None, timeout=5)[0] == 200:
+                        break
+                except OSError:
+                    time.sleep(0.5)
+            engines = [c for c in _children(proc.pid) if b"spawn_main" in _cmdline(c)]
+            assert len(engines) == 1, engines  # the engine process
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            body = {"model": MODEL, "prompt": "Hi", "max_tokens": 60, "ignore_eos": True}
+            headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+            conn.request("POST", "/v1/completions", json.dumps(body | {"stream": True}), headers)
+            resp = conn.getresponse()
+            first = resp.read1(64)
+            proc.send_signal(signal.SIGTERM)
+            events = sse_events(first + resp.read())
+            conn.close()
+            proc.wait(120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events[-3:]
+    assert sum(len(e["choices"][0]["text"]) for e in events[:-1] if e["choices"]) > 0
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert not _alive(engines[0])  # the engine process stopped too
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def _cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
