@@ -149,9 +149,7 @@ async def unload_lora_adapter(request: Request):
     state = request.app.state
     body = parse_body(UnloadLoRAAdapterRequest, await read_json(request))
     lora = state.models.unregister(body.lora_name)
-    await asyncio.wrap_future(
-        state.engine_loop.command("remove_lora", lora.lora_int_id)
-    )
+    await asyncio.wrap_future(state.engine_loop.command("remove_lora", lora.lora_int_id))
     return PlainTextResponse(f"Success: LoRA adapter {lora.lora_name!r} removed successfully.")
 
 

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedjax.entrypoints.openai import app_state
+from pagedjax.entrypoints.openai.engine_client import RemoteEngine
 from pagedjax.entrypoints.openai.engine_loop import EngineLoop
 from pagedjax.entrypoints.openai.offload import Offload
 from pagedjax.entrypoints.openai.protocol import APIError, ServerLimits, error_response
@@ -65,9 +66,9 @@ def build_app(
         raise ValueError(f"served model names must be non-empty strings, got {model_names!r}")
     limits = limits or ServerLimits()
     models = ServedModels.for_engine(engine, model_names, lora_modules)  # before the loop runs
-    # an engine in another process (engine_client.RemoteEngine) comes with its loop's stand-in
-    engine_loop = getattr(engine, "engine_loop", None)
-    if engine_loop is None:
+    if isinstance(engine, RemoteEngine):  # an engine in another process: its loop's stand-in
+        engine_loop = engine.engine_loop
+    else:
         engine_loop = EngineLoop(engine, max_queue=limits.max_queue)
     if models.enable_lora:
         engine_loop.metrics.max_loras = engine.config.max_loras
