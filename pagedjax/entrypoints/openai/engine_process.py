@@ -24,7 +24,7 @@ import queue
 import signal
 import threading
 
-from pagedjax.entrypoints.openai.engine_loop import EngineLoop, QueueFull
+from pagedjax.entrypoints.openai.engine_loop import ENGINE_COMMANDS, EngineLoop, QueueFull
 
 logger = logging.getLogger("pagedjax.api_server")
 
@@ -126,19 +126,29 @@ class EngineCore:
         elif kind == "abort":
             self.loop.abort(msg[1])
         elif kind == "command":
-            _, cid, name, args = msg
-            try:
-                fut = self.loop.command(name, *args)
-            except ValueError as e:
-                self._outbox.put(("pass", [("result", cid, (RemoteError.of(e), None))]))
-                return
-            self._when_done(fut, lambda f: ("result", cid, _outcome(f)))
+            self._command(*msg[1:])
         elif kind == "metrics":
             self._outbox.put(("metrics", msg[1], self.loop.metrics.render()))
         elif kind == "start":
             self.loop.start()
         else:
             logger.error("unknown message from the API server process: %r", kind)
+
+    def _command(self, cid: int, name: str, args: tuple) -> None:
+        """Run a named command between steps; before the loop starts (the server's start-up:
+        --lora-modules) nothing steps, so it runs here and now."""
+        if name not in ENGINE_COMMANDS:
+            error = RemoteError("value", f"unknown engine command {name!r}")
+            self._outbox.put(("pass", [("result", cid, (error, None))]))
+        elif not self.loop.is_running:
+            try:
+                result = (None, getattr(self.engine, name)(*args))
+            except Exception as e:
+                result = (RemoteError.of(e), None)
+            self._outbox.put(("pass", [("result", cid, result)]))
+        else:
+            fut = self.loop.command(name, *args)
+            self._when_done(fut, lambda f: ("result", cid, _outcome(f)))
 
     def _add(self, rid: str, ids: list[int], params, lora) -> None:
         try:

@@ -5,6 +5,7 @@ engine process turned into the dead engine thread's errors."""
 
 from __future__ import annotations
 
+import copy
 import http.client
 import json
 import os
@@ -14,7 +15,9 @@ import sys
 import time
 
 import pytest
+from hf_models import make_tiny_model
 from server_helpers import (
+    CHAT_TEMPLATE,
     KEY,
     MODEL,
     assert_openai_error,
@@ -22,11 +25,12 @@ from server_helpers import (
     live_server,
     make_byte_model,
     raw,
+    save_byte_tokenizer,
     sse_events,
     wait_idle,
 )
 
-from pagedjax import LLM
+from pagedjax import LLM, LoRARequest, SamplingParams
 from pagedjax.entrypoints.api_server import build_app
 from pagedjax.entrypoints.openai.engine_client import EngineProcess, RemoteEngine
 from pagedjax.entrypoints.openai.engine_process import EngineOptions
@@ -152,6 +156,68 @@ def test_named_commands_cross_with_their_errors(process_server):
         process.command("close")
     with pytest.raises(ValueError):  # an engine without LoRA refuses, here as in-thread
         process.command("remove_lora", 1).result(timeout=60)
+
+
+def save_adapter(hf, directory, seed: int) -> str:
+    """A PEFT adapter with random A and B (PEFT starts B at zero) on ``hf``'s attention."""
+    import peft
+    import torch
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    model = peft.get_peft_model(copy.deepcopy(hf), config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if "lora_" in key:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(str(directory))
+    return str(directory)
+
+
+def test_lora_adapters_load_and_unload_through_named_commands(tmp_path):
+    base = tmp_path / "base"
+    hf = make_tiny_model("llama_gqa", base, vocab_size=260, bos_token_id=256, eos_token_id=257)
+    save_byte_tokenizer(base, CHAT_TEMPLATE)
+    paths = [save_adapter(hf, tmp_path / f"adapter{i}", seed=i) for i in (1, 2)]
+    args = ENGINE_ARGS | dict(enable_lora=True, max_loras=2, max_lora_rank=8)
+    llm = LLM(str(base), **args)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    loras = {"base": None, "one": LoRARequest("one", 1, paths[0])}
+    loras["two"] = LoRARequest("two", 2, paths[1])
+    want = {
+        name: llm.generate(["Hello"], params, lora_request=lora, use_tqdm=False)[0].outputs[0].text
+        for name, lora in loras.items()
+    }
+    assert len(set(want.values())) == 3  # each adapter changes the text
+    process = EngineProcess(EngineOptions(str(base), args, max_queue=8, background_compile=False))
+    try:
+        info = process.wait_ready()
+        app = build_app(RemoteEngine(info, process), "base", lora_modules=[("one", paths[0])])
+        with live_server(app) as url:
+            load = {"lora_name": "two", "lora_path": paths[1]}
+            assert raw(url, "POST", "/v1/load_lora_adapter", load, key=None)[0] == 200
+            bad = {"lora_name": "three", "lora_path": str(tmp_path / "missing")}
+            status, reply = raw(url, "POST", "/v1/load_lora_adapter", bad, key=None)
+            assert_openai_error(status, reply, 400, param="lora_path")
+            for name in ("one", "base", "two"):
+                body = {"model": name, "prompt": "Hello", "max_tokens": 10, "temperature": 0}
+                status, reply = raw(url, "POST", "/v1/completions", body | {"ignore_eos": True})
+                assert status == 200, reply[:300]
+                assert json.loads(reply)["choices"][0]["text"] == want[name], name
+            unload = {"lora_name": "two"}
+            assert raw(url, "POST", "/v1/unload_lora_adapter", unload, key=None)[0] == 200
+            body = {"model": "two", "prompt": "Hello", "max_tokens": 2}
+            assert raw(url, "POST", "/v1/completions", body, key=None)[0] == 404
+    finally:
+        process.stop()
+
+
+def test_an_engine_that_cannot_start_raises_naming_why(tmp_path):
+    process = EngineProcess(EngineOptions(str(tmp_path / "missing"), {}, max_queue=8))
+    with pytest.raises(RuntimeError, match="the engine process could not start"):
+        process.wait_ready()
+    process.stop()
+    assert not process.process.is_alive()
 
 
 def test_a_dead_engine_process_fails_streams_health_and_new_requests(process_server):
