@@ -163,7 +163,7 @@ class EngineProcess:
             if sink is None:  # aborted here already
                 return
             if isinstance(payload, Exception) or payload.finished:
-                del self._sinks[key]
+                self._sinks.pop(key, None)  # an abort on the event loop may have taken it
             try:
                 sink(payload)
             except Exception:  # the event loop is gone (shutdown): nobody is waiting

@@ -13,7 +13,8 @@ Messages, API -> engine: ("add", rid, ids, params, lora), ("abort", rid), ("comm
 args), ("metrics", cid), ("start",), ("stop",). Engine -> API: ("ready", ServingInfo) or
 ("follower", None) or ("failed", message) once; then ("pass", [(kind, key, payload)]),
 ("metrics", cid, text) and ("stopped",) last. A pass's entries: ("output", rid, RequestOutput |
-Exception), ("added", rid, error | None), ("result", cid, (error | None, value)).
+Exception), ("added", rid, error | None), ("result", cid, (error | None, value)). A command that
+arrives before ("start",) (--lora-modules, while the app is built) runs at once: nothing steps yet.
 """
 
 from __future__ import annotations
