@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from pagedjax.entrypoints import startup
+from pagedjax.entrypoints.log_setup import log_to_stderr
 from pagedjax.entrypoints.openai.engine_client import EngineProcess, RemoteEngine
 from pagedjax.entrypoints.openai.engine_loop import EngineLoop, QueueFull
 from pagedjax.entrypoints.openai.engine_process import EngineOptions
@@ -112,16 +113,3 @@ def _serve_engine_process(
     finally:
         if process.process.is_alive():
             process.stop()
-
-
-def log_to_stderr(level: str) -> None:
-    """pagedjax's own lines (the start's figures, engine failures) beside uvicorn's, at its
-    level, unless the application configured logging itself."""
-    root = logging.getLogger("pagedjax")
-    if root.handlers or logging.getLogger().handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
-    root.addHandler(handler)
-    number = logging.getLevelName(level.upper())  # uvicorn's "trace" is not logging's
-    root.setLevel(number if isinstance(number, int) else logging.DEBUG)

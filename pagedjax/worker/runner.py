@@ -30,9 +30,9 @@ the driver broadcasts it with its host arrays and the followers, looping in ``fo
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
+import time
 
 import jax
 import numpy as np
@@ -59,39 +59,13 @@ from pagedjax.worker.input_batch import (
 from pagedjax.worker.kv_cache import KVCache, pool_dtype
 from pagedjax.worker.lora import LoRASlotsHolder
 from pagedjax.worker.persistent_batch import PersistentBatch
-from pagedjax.worker.prompt_logprobs import PromptLogprobsOutput, PromptScores
-from pagedjax.worker.sampler import SamplerOutput, SamplingInput, SamplingRow
+from pagedjax.worker.sampler import SamplingInput, SamplingRow
+from pagedjax.worker.step_handle import StepHandle, StepOutput
 from pagedjax.worker.warmup import Job, WarmupReport, compile_jobs
 
 __all__ = ["Runner", "ScheduledSeq", "StepHandle", "StepOutput", "StepShape", "WarmupReport"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class StepHandle:
-    """A dispatched step (``Runner.dispatch``): its outputs still on the device."""
-
-    # i32[sampler rows, 2 + 2K] (step_program.pack_output), being copied to the host; a
-    # VerifyOutput of device arrays in a step that verifies proposals
-    out: object
-    tokens: jax.Array | None  # i32[W]: the sampled tokens on the device (the next prev_tokens)
-    scored: PromptLogprobsOutput | None
-    seqs: list[ScheduledSeq]
-    num_rows: int  # real sampler rows
-    num_top_logprobs: int
-    kind: str  # the step's kind in the profile: prefill, mixed or decode
-
-
-@dataclasses.dataclass
-class StepOutput:
-    """A step's output on the host (``Runner.fetch`` / ``execute``)."""
-
-    # one row per requested sample, sequence by sequence (a VerifyOutput in a step that
-    # verifies proposals)
-    sampled: SamplerOutput
-    # the prompt rows the step scored, per scheduled sequence that had any (prompt logprobs)
-    prompt_scores: list[PromptScores] = dataclasses.field(default_factory=list)
 
 
 def placed(params, mesh: Mesh | None):
@@ -106,6 +80,8 @@ def placed(params, mesh: Mesh | None):
 
 class Runner(LoRASlotsHolder):
     """Owns the parameters, the device KV pool and the jitted step."""
+
+    call_observer = None  # see _call
 
     def __init__(
         self,
@@ -446,7 +422,9 @@ class Runner(LoRASlotsHolder):
 
     # ---- multi-process ---------------------------------------------------------------------
 
-    def _op(self, op: str):
+    def device_op(self, op: str):
+        """The function behind device operation ``op`` (None for another message), run here
+        alone: no follower sees it, no compile is counted, no observer called."""
         ops = {
             "run_step": self._run_step,
             "run_forward": self._run_forward,
@@ -459,26 +437,31 @@ class Runner(LoRASlotsHolder):
 
     def _call(self, op: str, *args):
         """Run device operation ``op`` here and, in a multi-process run, on every follower;
-        counts the programs it compiles."""
+        counts the programs it compiles; then ``call_observer(op, args, start, returned, out)``
+        if one is set (a probe timing the dispatch)."""
         if not self.kv_cache.pages:
             raise RuntimeError("the engine is closed")
         if self.channel is not None:
             self.channel.send((op, args))
         compiles, seconds = compilation.this_thread()  # a background compile is not this op's
+        start = time.perf_counter()
         try:
-            return self._op(op)(*args)
+            out = self.device_op(op)(*args)
         finally:
             now = compilation.this_thread()
             with self._count_lock:
                 self.num_compilations += now[0] - compiles
                 self.compile_seconds += now[1] - seconds
+        if self.call_observer is not None:
+            self.call_observer(op, args, start, time.perf_counter(), out)
+        return out
 
     def follow(self):
         """Follower: replay the driver's device operations until a message that is not one
         (the caller's business, e.g. "stop"); returns that message as ``(op, payload)``."""
         while True:
             op, args = self.channel.recv()
-            run = self._op(op)
+            run = self.device_op(op)
             if run is None:
                 return op, args
             try:

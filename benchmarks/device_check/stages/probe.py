@@ -122,22 +122,22 @@ def decode_batch(config, m: int, context: int, row=None):
 
 
 class CallTimer:
-    """Wraps a runner's device calls: (args, call start, call return, output) of the last one."""
+    """Observes a runner's device calls (``Runner.call_observer``): (op, args, call start, call
+    return, output) of the last one."""
 
     def __init__(self, runner):
-        self.inner, self.last = runner._call, None
-        runner._call = self
+        self.last = None
+        runner.call_observer = self
 
-    def __call__(self, op, *args):
-        start = time.perf_counter()
-        out = self.inner(op, *args)
-        self.last = (op, args, start, time.perf_counter(), out)
-        return out
+    def __call__(self, op, args, start, returned, out):
+        self.last = (op, args, start, returned, out)
 
 
 def timed_dispatch(runner, seqs, num_top: int = 0) -> tuple[float, float]:
     """Median (ms until the step program's call returns, ms until its output is ready)."""
-    timer = runner._call if isinstance(runner._call, CallTimer) else CallTimer(runner)
+    timer = runner.call_observer
+    if not isinstance(timer, CallTimer):
+        timer = CallTimer(runner)
     for _ in range(2):  # compiled, warm
         runner.execute(seqs, num_top)
     back, ready = [], []
@@ -160,11 +160,12 @@ def loop_row(runner, config, loop: str, m: int, context: int, copy: float) -> di
 
     seqs = decode_batch(config, m, context)
     timed_dispatch(runner, seqs)  # compiled; the timer holds the step's arguments
-    op, args, *_ = runner._call.last
+    op, args, *_ = runner.call_observer.last
     n = 3 * REPEATS
+    run = runner.device_op(op)
     start = time.perf_counter()
     for _ in range(n):
-        out = runner._call.inner(op, *args)
+        out = run(*args)
     jax.block_until_ready(out)
     step_s = (time.perf_counter() - start) / n
     weights, page = model_read_bytes(runner)

@@ -216,7 +216,7 @@ def engine_main(options: EngineOptions, conn_in, conn_out) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from pagedjax import LLM
     from pagedjax.entrypoints import startup
-    from pagedjax.entrypoints.api_server import log_to_stderr
+    from pagedjax.entrypoints.log_setup import log_to_stderr
 
     log_to_stderr(options.log_level)
     try:
