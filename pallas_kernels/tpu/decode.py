@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .. import metadata as m
+from .. import wrapper
 from .._common import (
     attention_logits,
     cdiv,
@@ -197,20 +198,14 @@ def tpu_decode(
     max_table_entries: int = MAX_TABLE_ENTRIES,
     interpret: bool = False,
 ) -> jax.Array:  # [num_seqs, num_heads, head_dim]
-    k_pages, v_pages, k_scales, v_scales = kv.k_pages, kv.v_pages, kv.k_scales, kv.v_scales
-    block_tables, context_lens = md.block_tables, md.context_lens
-    scale, sliding_window, soft_cap = opts.scale, opts.sliding_window, opts.soft_cap
     interpret = tpu.interpret_params(interpret)
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads, _, block_size, _ = k_pages.shape
-    max_blocks = block_tables.shape[1]
-    group = num_heads // num_kv_heads
+    g = wrapper.geometry(q, kv, md)
     if pages_per_block is None:
-        pages_per_block = max(1, 256 // block_size)
+        pages_per_block = max(1, 256 // g.block_size)
     # A TensorCore runs its grid in sequence: split contexts only when asked to.
     tiling = decode_tiling(
-        block_size=block_size,
-        max_blocks=max_blocks,
+        block_size=g.block_size,
+        max_blocks=g.max_blocks,
         pages_per_block=pages_per_block,
         partition_size=partition_size,
         default_splits=1,
@@ -220,31 +215,31 @@ def tpu_decode(
             f"one sequence's block table ({tiling.padded_max_blocks} entries) exceeds "
             f"max_table_entries={max_table_entries}"
         )
-    table = pad_block_tables(block_tables.astype(jnp.int32), tiling.padded_max_blocks)
-    lens = jnp.minimum(context_lens.astype(jnp.int32), max_blocks * block_size)
-    qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    table = pad_block_tables(md.block_tables.astype(jnp.int32), tiling.padded_max_blocks)
+    lens = wrapper.clipped_lens(md, g)
+    qg = wrapper.grouped_queries(q, g)
     out_dtype = q.dtype if tiling.num_splits == 1 else jnp.float32
 
     chunk = max(1, max_table_entries // tiling.padded_max_blocks)
     parts = [
         _decode_call(
             qg[lo : lo + chunk],
-            k_pages,
-            v_pages,
-            () if k_scales is None else (k_scales, v_scales),
+            kv.k_pages,
+            kv.v_pages,
+            kv.scales,
             lens[lo : lo + chunk],
-            sliding_window,
+            opts.sliding_window,
             table[lo : lo + chunk],
-            scale=scale,
-            soft_cap=soft_cap,
+            scale=opts.scale,
+            soft_cap=opts.soft_cap,
             tiling=tiling,
             out_dtype=out_dtype,
             interpret=interpret,
         )
-        for lo in range(0, num_seqs, chunk)
+        for lo in range(0, g.num_rows, chunk)
     ]
     o, m, den = (
         jnp.concatenate(xs, axis=1) if len(parts) > 1 else xs[0] for xs in zip(*parts, strict=True)
     )
     out = merge_partitions(o, m[..., 0], den[..., 0])
-    return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+    return out.reshape(g.num_rows, g.num_heads, g.head_dim).astype(q.dtype)

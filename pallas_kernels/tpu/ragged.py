@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .. import metadata as m
+from .. import wrapper
 from .._common import (
     attention_logits,
     cdiv,
@@ -156,71 +157,72 @@ def tpu_prefill(
     pages_per_block: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]; rows owned by no sequence are zero
-    k_pages, v_pages, k_scales, v_scales = kv.k_pages, kv.v_pages, kv.k_scales, kv.v_scales
-    block_tables, context_lens = md.block_tables, md.context_lens
-    query_start_loc = md.query_start_loc
-    scale, sliding_window, soft_cap = opts.scale, opts.sliding_window, opts.soft_cap
     interpret = tpu.interpret_params(interpret)
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, _, block_size, _ = k_pages.shape
-    num_seqs, max_blocks = block_tables.shape
-    group = num_heads // num_kv_heads
+    g = wrapper.geometry(q, kv, md)
+    num_tokens, num_kv_heads, group, head_dim = g.num_rows, g.num_kv_heads, g.group, g.head_dim
     if block_q is None:  # about 128 matmul rows (the MXU's height), whole sublane tiles
         block_q = max(16, next_pow2(cdiv(128, group)))
         block_q = min(block_q, cdiv(max(num_tokens, 1), 16) * 16)
     if block_q < 1 or block_q % 8:
         raise ValueError(f"block_q={block_q} must be a positive multiple of 8 on TPU")
     if pages_per_block is None:
-        pages_per_block = max(1, 128 // block_size)
+        pages_per_block = max(1, 128 // g.block_size)
     if pages_per_block < 1:
         raise ValueError(f"pages_per_block must be >= 1, got {pages_per_block}")
 
-    table_cols = cdiv(max(max_blocks, 1), pages_per_block) * pages_per_block
-    table = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, table_cols - max_blocks)))
-    lens = jnp.minimum(context_lens.astype(jnp.int32), max_blocks * block_size)
-    qsl = query_start_loc.astype(jnp.int32)
+    table = wrapper.whole_blocks_table(md, g, pages_per_block)
+    lens = wrapper.clipped_lens(md, g)
+    qsl = md.query_start_loc.astype(jnp.int32)
     num_tiles = cdiv(max(num_tokens, 1), block_q)
     tile_start = jnp.arange(num_tiles, dtype=jnp.int32) * block_q
     first_seq = jnp.searchsorted(qsl, tile_start, side="right").astype(jnp.int32) - 1
-    first_seq = jnp.clip(first_seq, 0, num_seqs)
+    first_seq = jnp.clip(first_seq, 0, g.num_seqs)
     padded = num_tiles * block_q
-    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    qg = jnp.pad(qg, ((0, padded - num_tokens), (0, 0), (0, 0), (0, 0))).transpose(1, 2, 0, 3)
+    qg = wrapper.grouped_queries(q, g, pad_rows=padded - num_tokens).transpose(1, 2, 0, 3)
 
     kernel = functools.partial(
         _ragged_kernel,
-        scale=scale,
+        scale=opts.scale,
         pages_per_block=pages_per_block,
-        num_seqs=num_seqs,
-        windowed=sliding_window is not None,
-        soft_cap=soft_cap,
+        num_seqs=g.num_seqs,
+        windowed=opts.sliding_window is not None,
+        soft_cap=opts.soft_cap,
     )
     rows_spec = pl.BlockSpec((None, group, block_q, head_dim), lambda h, t, *_: (h, 0, t, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    scales = () if k_scales is None else (k_scales, v_scales)
-    scale_bufs = tpu.scale_buffers(pages_per_block=pages_per_block, block_size=block_size)
+    scale_bufs = tpu.scale_buffers(pages_per_block=pages_per_block, block_size=g.block_size)
     out = pl.pallas_call(
-        with_scale_refs(kernel, 8, bool(scales)),
+        with_scale_refs(kernel, 8, kv.quantized),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(num_kv_heads, num_tiles),
-            in_specs=[rows_spec, any_spec, any_spec, any_spec, *[any_spec for _ in scales]],
+            in_specs=[rows_spec, any_spec, any_spec, any_spec, *[any_spec for _ in kv.scales]],
             out_specs=rows_spec,
             scratch_shapes=[
-                pltpu.SMEM((table_cols,), jnp.int32),
+                pltpu.SMEM((table.shape[1],), jnp.int32),
                 pltpu.SemaphoreType.DMA(()),
                 *tpu.kv_buffers(
                     pages_per_block=pages_per_block,
-                    block_size=block_size,
+                    block_size=g.block_size,
                     head_dim=head_dim,
-                    dtype=k_pages.dtype,
+                    dtype=kv.k_pages.dtype,
                 ),
-                *(scale_bufs if scales else []),
+                *(scale_bufs if kv.quantized else []),
             ],
         ),
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         compiler_params=tpu.compiler_params(2),
         interpret=interpret,
-        name=f"paged_ragged_tpu_bs{block_size}_bq{block_q}_g{group}",
-    )(lens, qsl, first_seq, window_operand(sliding_window), qg, table, k_pages, v_pages, *scales)
-    return out.transpose(2, 0, 1, 3)[:num_tokens].reshape(num_tokens, num_heads, head_dim)
+        name=f"paged_ragged_tpu_bs{g.block_size}_bq{block_q}_g{group}",
+    )(
+        lens,
+        qsl,
+        first_seq,
+        window_operand(opts.sliding_window),
+        qg,
+        table,
+        kv.k_pages,
+        kv.v_pages,
+        *kv.scales,
+    )
+    return out.transpose(2, 0, 1, 3)[:num_tokens].reshape(num_tokens, g.num_heads, head_dim)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .. import metadata as m
+from .. import wrapper
 from .._common import (
     attention_logits,
     cdiv,
@@ -144,60 +145,58 @@ def triton_decode(
     interpret: bool = False,
 ) -> jax.Array:  # [num_seqs, num_heads, head_dim]
     """Build the grid and BlockSpecs, run the kernel, merge the partitions."""
-    k_pages, v_pages, k_scales, v_scales = kv.k_pages, kv.v_pages, kv.k_scales, kv.v_scales
-    block_tables, context_lens = md.block_tables, md.context_lens
-    scale, sliding_window, soft_cap = opts.scale, opts.sliding_window, opts.soft_cap
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads, num_blocks, block_size, _ = k_pages.shape
-    max_blocks = block_tables.shape[1]
-    group = num_heads // num_kv_heads
-    group_p = max(16, next_pow2(group))
+    g = wrapper.geometry(q, kv, md)
+    group_p = max(16, next_pow2(g.group))
     if pages_per_block is None:
-        pages_per_block = max(1, 128 // block_size)
+        pages_per_block = max(1, 128 // g.block_size)
     lowering.check_gpu_shapes(
-        block_size=block_size, head_dim=head_dim, block_k=pages_per_block * block_size
+        block_size=g.block_size, head_dim=g.head_dim, block_k=pages_per_block * g.block_size
     )
     tiling = decode_tiling(
-        block_size=block_size,
-        max_blocks=max_blocks,
+        block_size=g.block_size,
+        max_blocks=g.max_blocks,
         pages_per_block=pages_per_block,
         partition_size=partition_size,
-        default_splits=cdiv(TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads)),
+        default_splits=cdiv(TARGET_PROGRAMS, max(1, g.num_rows * g.num_kv_heads)),
     )
     ppp, num_splits = tiling.pages_per_partition, tiling.num_splits
-    block_tables = pad_block_tables(block_tables.astype(jnp.int32), tiling.padded_max_blocks)
-    # Lengths past the table's capacity would read padding: clip as the reference does.
-    lens = jnp.minimum(context_lens.astype(jnp.int32), max_blocks * block_size)
-    qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
+    block_tables = pad_block_tables(md.block_tables.astype(jnp.int32), tiling.padded_max_blocks)
+    lens = wrapper.clipped_lens(md, g)
+    qg = wrapper.grouped_queries(q, g, group_to=group_p)
 
     out_dtype = q.dtype if num_splits == 1 else jnp.float32
-    partial_shape = (num_splits, num_seqs, num_kv_heads, group_p)
-    quantized = k_scales is not None
+    partial_shape = (num_splits, g.num_rows, g.num_kv_heads, group_p)
     kernel = functools.partial(
         _decode_kernel,
-        scale=scale,
+        scale=opts.scale,
         pages_per_block=pages_per_block,
-        group=group,
-        windowed=sliding_window is not None,
-        soft_cap=soft_cap,
+        group=g.group,
+        windowed=opts.sliding_window is not None,
+        soft_cap=opts.soft_cap,
         precision=lowering.dot_precision(q.dtype),
     )
-    scales = (k_scales, v_scales) if quantized else ()
-    in_specs, out_specs = _decode_specs(k_pages.shape, group_p, ppp, len(scales))
+    in_specs, out_specs = _decode_specs(kv.k_pages.shape, group_p, ppp, len(kv.scales))
     o, m, den = pl.pallas_call(
-        with_scale_refs(kernel, 6, quantized),
-        grid=(num_seqs, num_kv_heads, num_splits),
+        with_scale_refs(kernel, 6, kv.quantized),
+        grid=(g.num_rows, g.num_kv_heads, num_splits),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=[
-            jax.ShapeDtypeStruct((*partial_shape, head_dim), out_dtype),
+            jax.ShapeDtypeStruct((*partial_shape, g.head_dim), out_dtype),
             jax.ShapeDtypeStruct(partial_shape, jnp.float32),
             jax.ShapeDtypeStruct(partial_shape, jnp.float32),
         ],
         compiler_params=lowering.compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"paged_decode_bs{block_size}_ppb{pages_per_block}_g{group}",
-    )(lens, window_operand(sliding_window), block_tables, qg, k_pages, v_pages, *scales)
-    out = merge_partitions(o[..., :group, :], m[..., :group], den[..., :group])
-    return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+        name=f"paged_decode_bs{g.block_size}_ppb{pages_per_block}_g{g.group}",
+    )(
+        lens,
+        window_operand(opts.sliding_window),
+        block_tables,
+        qg,
+        kv.k_pages,
+        kv.v_pages,
+        *kv.scales,
+    )
+    out = merge_partitions(o[..., : g.group, :], m[..., : g.group], den[..., : g.group])
+    return out.reshape(g.num_rows, g.num_heads, g.head_dim).astype(q.dtype)

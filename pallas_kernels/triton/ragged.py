@@ -18,12 +18,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .. import metadata as m
+from .. import wrapper
 from .._common import (
     attention_logits,
     cdiv,
     next_pow2,
     online_softmax_step,
-    pad_block_tables,
     softmax_finish,
     softmax_init,
     window_operand,
@@ -138,71 +138,61 @@ def triton_prefill(
     num_stages: int = 2,
     interpret: bool = False,
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]; rows owned by no sequence are unspecified
-    k_pages, v_pages, k_scales, v_scales = kv.k_pages, kv.v_pages, kv.k_scales, kv.v_scales
-    block_tables, context_lens = md.block_tables, md.context_lens
-    query_start_loc = md.query_start_loc
-    scale, sliding_window, soft_cap = opts.scale, opts.sliding_window, opts.soft_cap
-    max_query_len = md.max_q(q.shape[0])
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, num_blocks, block_size, _ = k_pages.shape
-    num_seqs, max_blocks = block_tables.shape
-    group = num_heads // num_kv_heads
-    group_p = next_pow2(group)
+    g = wrapper.geometry(q, kv, md)
+    max_query_len = md.max_q(g.num_rows)
+    group_p = next_pow2(g.group)
     block_q = _query_tile(block_q, group_p, max_query_len)
     if pages_per_block is None:
-        pages_per_block = max(1, 64 // block_size)
-    block_k = pages_per_block * block_size
-    lowering.check_gpu_shapes(block_size=block_size, head_dim=head_dim, block_k=block_k)
+        pages_per_block = max(1, 64 // g.block_size)
+    block_k = pages_per_block * g.block_size
+    lowering.check_gpu_shapes(block_size=g.block_size, head_dim=g.head_dim, block_k=block_k)
 
-    table = pad_block_tables(
-        block_tables.astype(jnp.int32), cdiv(max(max_blocks, 1), pages_per_block) * pages_per_block
-    )
-    lens = jnp.minimum(context_lens.astype(jnp.int32), max_blocks * block_size)
+    table = wrapper.whole_blocks_table(md, g, pages_per_block)
+    lens = wrapper.clipped_lens(md, g)
     # Pad rows by one tile so a tile starting at any real row stays in bounds.
-    padded = num_tokens + block_q
-    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    qg = jnp.pad(qg, ((0, block_q), (0, 0), (0, group_p - group), (0, 0)))
+    padded = g.num_rows + block_q
+    qg = wrapper.grouped_queries(q, g, pad_rows=block_q, group_to=group_p)
 
     kernel = functools.partial(
         _ragged_kernel,
-        scale=scale,
+        scale=opts.scale,
         pages_per_block=pages_per_block,
         block_q=block_q,
-        group=group,
-        windowed=sliding_window is not None,
-        soft_cap=soft_cap,
+        group=g.group,
+        windowed=opts.sliding_window is not None,
+        soft_cap=opts.soft_cap,
         precision=lowering.dot_precision(q.dtype),
     )
+    head_dim, num_blocks, block_size = g.head_dim, g.num_blocks, g.block_size
     rows_spec = pl.BlockSpec((padded, None, group_p, head_dim), lambda s, h, t: (0, h, 0, 0))
     pool_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim), lambda s, h, t: (h, 0, 0, 0))
     scales_spec = pl.BlockSpec((None, num_blocks, block_size), lambda s, h, t: (h, 0, 0))
-    scales = (k_scales, v_scales) if k_scales is not None else ()
     out = pl.pallas_call(
-        with_scale_refs(kernel, 7, bool(scales)),
-        grid=(num_seqs, num_kv_heads, cdiv(max_query_len, block_q)),
+        with_scale_refs(kernel, 7, kv.quantized),
+        grid=(g.num_seqs, g.num_kv_heads, cdiv(max_query_len, block_q)),
         in_specs=[
-            pl.BlockSpec((num_seqs,), lambda s, h, t: (0,)),
-            pl.BlockSpec((num_seqs + 1,), lambda s, h, t: (0,)),
+            pl.BlockSpec((g.num_seqs,), lambda s, h, t: (0,)),
+            pl.BlockSpec((g.num_seqs + 1,), lambda s, h, t: (0,)),
             pl.BlockSpec((1,), lambda s, h, t: (0,)),
             pl.BlockSpec((None, table.shape[1]), lambda s, h, t: (s, 0)),
             rows_spec,
             pool_spec,
             pool_spec,
-            *[scales_spec for _ in scales],
+            *[scales_spec for _ in kv.scales],
         ],
         out_specs=rows_spec,
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         compiler_params=lowering.compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"paged_ragged_bs{block_size}_bq{block_q}_g{group}",
+        name=f"paged_ragged_bs{block_size}_bq{block_q}_g{g.group}",
     )(
         lens,
-        query_start_loc.astype(jnp.int32),
-        window_operand(sliding_window),
+        md.query_start_loc.astype(jnp.int32),
+        window_operand(opts.sliding_window),
         table,
         qg,
-        k_pages,
-        v_pages,
-        *scales,
+        kv.k_pages,
+        kv.v_pages,
+        *kv.scales,
     )
-    return out[:num_tokens, :, :group].reshape(num_tokens, num_heads, head_dim)
+    return out[: g.num_rows, :, : g.group].reshape(g.num_rows, g.num_heads, head_dim)
