@@ -258,17 +258,7 @@ class Runner(LoRASlotsHolder):
         if prev_tokens is None:
             prev_tokens = self._no_tokens()
         outs, self.kv_cache.pages = self._launch(
-            programs.step,
-            self.params,
-            self.kv_cache.pages,
-            self._host(packed),
-            prev_tokens,
-            self.config,
-            self.backend,
-            self.mesh,
-            self.linear,
-            layout,
-            self.lora_slots,
+            programs.step, *self._step_operands(packed, prev_tokens, layout)
         )
         scored = None
         if targets is not None:  # a step that scores prompt rows (worker/prompt_logprobs.py)
@@ -391,21 +381,28 @@ class Runner(LoRASlotsHolder):
         K/V and returns, on the device, the logits of each sequence's last token (row i: seq i)."""
         return self._call("run_forward", self.build_step_input(seqs), True)
 
+    def _step_operands(self, packed, prev_tokens, layout) -> tuple:
+        """``programs.step``'s operands: this step's packed inputs and previous tokens, the
+        runner's weights, pool and static settings."""
+        return (
+            self.params,
+            self.kv_cache.pages,
+            self._host(packed),
+            prev_tokens,
+            self.config,
+            self.backend,
+            self.mesh,
+            self.linear,
+            layout,
+            self.lora_slots,
+        )
+
     def _run_forward(self, step_input: StepInput, bucketed: bool = False) -> jax.Array:
         if bucketed:  # the step program (warmed up), its logits rows all read
             rows = np.arange(len(step_input.logits_indices), dtype=np.int32)
             packed, layout = step_program.pack_inputs(step_input, rows)
             outs, self.kv_cache.pages = programs.step(
-                self.params,
-                self.kv_cache.pages,
-                self._host(packed),
-                self._no_tokens(),
-                self.config,
-                self.backend,
-                self.mesh,
-                self.linear,
-                layout,
-                self.lora_slots,
+                *self._step_operands(packed, self._no_tokens(), layout)
             )
             return outs["logits"]
         logits, self.kv_cache.pages = programs.forward(
