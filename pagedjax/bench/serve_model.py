@@ -30,6 +30,24 @@ def save_word_tokenizer(directory: str | Path, vocab_size: int) -> None:
     fast.save_pretrained(str(directory))
 
 
+def random_llama(hf_config, *, dtype: str = "bfloat16", device: str = "cpu"):
+    """``transformers.LlamaForCausalLM(hf_config)`` in eval mode, its random weights created on
+    ``device`` in ``dtype`` (torch's default dtype restored after), no EOS in its generation
+    config (outputs run to their token limit)."""
+    import torch
+    import transformers
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(hf_config).eval()
+    finally:
+        torch.set_default_dtype(old)
+    model.generation_config.eos_token_id = None
+    return model
+
+
 def save_random_llama(
     directory: str | Path, config: dict, *, dtype: str = "bfloat16", device: str = "cpu", seed=0
 ) -> Path:
@@ -44,14 +62,7 @@ def save_random_llama(
     out = Path(directory)
     hf = transformers.LlamaConfig(**{**config, "eos_token_id": None})
     torch.manual_seed(seed)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, dtype))
-    try:
-        with torch.device(device):
-            model = transformers.LlamaForCausalLM(hf).eval()
-    finally:
-        torch.set_default_dtype(old)
-    model.generation_config.eos_token_id = None
+    model = random_llama(hf, dtype=dtype, device=device)
     model.save_pretrained(str(out))
     del model
     save_word_tokenizer(out, hf.vocab_size)

@@ -19,8 +19,8 @@ from ..common import (
 
 def run(ctx: Context, budget: Budget, data: dict):
     import torch
-    import transformers
 
+    from pagedjax.bench.serve_model import random_llama
     from pagedjax.bench.throughput_sides import Request, generate_hf
 
     device = ctx.torch_device
@@ -29,14 +29,7 @@ def run(ctx: Context, budget: Budget, data: dict):
     if ctx.platform == "gpu" and device != "cuda":
         raise RuntimeError("torch sees no CUDA device: no peer on the same GPU")
     hf_config = big_hf_config(ctx)
-    old_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = transformers.LlamaForCausalLM(hf_config).eval()
-    finally:
-        torch.set_default_dtype(old_dtype)
-    model.generation_config.eos_token_id = None
+    model = random_llama(hf_config, dtype="bfloat16", device=device)
     requests = big_workload(ctx, hf_config.vocab_size, seed=0)
     # Static batches of similar prompt lengths (the peer's best case).
     requests = sorted(requests, key=lambda r: len(r.prompt_token_ids))
