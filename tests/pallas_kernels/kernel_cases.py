@@ -164,6 +164,16 @@ def rel_err(out, ref) -> float:
     return float(np.max(np.abs(out - ref), initial=0.0)) / scale
 
 
+def assert_matches(case, out, ref, *, kernel, dtype, record_error) -> float:
+    """``out`` has the case's query shape and dtype and is within the dtype's tolerance of
+    ``ref``; the error is recorded under (kernel, dtype) and returned."""
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    err = rel_err(out, ref)
+    record_error(kernel, dtype, err)
+    assert err <= TOLERANCE[dtype], f"{kernel} {dtype}: rel err {err:.3e} > {TOLERANCE[dtype]}"
+    return err
+
+
 def query_positions(case) -> list[tuple[int, int, int]]:
     """(packed row, sequence, position) of every query of the case."""
     lens = np.asarray(case.context_lens)

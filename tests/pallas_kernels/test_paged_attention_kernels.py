@@ -14,13 +14,12 @@ import pytest
 from kernel_cases import (
     HEADS,
     PAGES_PER_BLOCK,
-    TOLERANCE,
+    assert_matches,
     decode_case,
     fresh_rng,
     matrix,
     on_backend,
     partition_tokens,
-    rel_err,
     tpu_interpret,
 )
 from pagedjax.pallas_kernels import paged_attention, paged_attention_reference
@@ -34,10 +33,7 @@ def decode_lengths(block_size: int) -> list[int]:
 
 def check_against_reference(case, out, *, kernel, dtype, record_error):
     ref = paged_attention_reference(*case.as_float32().args(), scale=case.scale)
-    assert out.shape == case.q.shape and out.dtype == case.q.dtype
-    err = rel_err(out, ref)
-    record_error(kernel, dtype, err)
-    assert err <= TOLERANCE[dtype], f"{kernel} {dtype}: rel err {err:.3e} > {TOLERANCE[dtype]}"
+    err = assert_matches(case, out, ref, kernel=kernel, dtype=dtype, record_error=record_error)
     empty = np.asarray(case.context_lens) == 0
     assert not np.asarray(out[empty], np.float32).any(), "a length-0 sequence must give zeros"
     return err

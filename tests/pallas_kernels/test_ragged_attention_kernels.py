@@ -14,13 +14,12 @@ import pytest
 from kernel_cases import (
     HEADS,
     PAGES_PER_BLOCK,
-    TOLERANCE,
+    assert_matches,
     fresh_rng,
     matrix,
     on_backend,
     partition_tokens,
     ragged_case,
-    rel_err,
     tpu_interpret,
 )
 from pagedjax.pallas_kernels import (
@@ -50,10 +49,7 @@ def check_against_reference(case, out, *, kernel, dtype, record_error):
     ref = ragged_paged_attention_reference(
         *case.as_float32().args(), scale=case.scale, max_query_len=case.max_query_len
     )
-    assert out.shape == case.q.shape and out.dtype == case.q.dtype
-    err = rel_err(out, ref)
-    record_error(kernel, dtype, err)
-    assert err <= TOLERANCE[dtype], f"{kernel} {dtype}: rel err {err:.3e} > {TOLERANCE[dtype]}"
+    assert_matches(case, out, ref, kernel=kernel, dtype=dtype, record_error=record_error)
     used = int(case.query_start_loc[-1])
     assert not np.asarray(out[used:], np.float32).any(), "padding rows must come back zero"
 
