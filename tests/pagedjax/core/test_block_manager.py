@@ -1,11 +1,9 @@
 """Unit tests for the block manager, one operation at a time, and for Sequence/SequenceGroup."""
 
 import itertools
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from import_checks import assert_imports_no_jax
 
 from pagedjax.core.block_manager import AllocStatus, BlockManager
 from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -607,17 +605,9 @@ def test_empty_prompt_is_rejected():
 
 
 def test_core_and_utilisation_bench_import_no_jax():
-    # A bare package stands in for pagedjax/__init__.py (which imports the engine, hence jax):
-    # what is checked is what these two modules import themselves.
-    repo = Path(__file__).resolve().parents[3]
-    code = (
-        "import sys, types\n"
-        "pkg = types.ModuleType('pagedjax')\n"
-        f"pkg.__path__ = [{str(repo / 'pagedjax')!r}]\n"
-        "sys.modules['pagedjax'] = pkg\n"
-        "import pagedjax.core.sequence, pagedjax.core.block_manager, pagedjax.core.scheduler\n"
-        "import pagedjax.bench.block_utilization\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax'))\n"
-        "assert not bad, bad\n"
+    assert_imports_no_jax(
+        "pagedjax.core.sequence",
+        "pagedjax.core.block_manager",
+        "pagedjax.core.scheduler",
+        "pagedjax.bench.block_utilization",
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=repo)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from import_checks import assert_imports_no_jax
 
 from pagedjax.core.block_manager import BlockManager
 from pagedjax.core.scheduler import Scheduler
@@ -163,17 +161,7 @@ def test_bad_preemption_mode_is_named():
 
 
 def test_scheduler_imports_no_jax():
-    repo = Path(__file__).resolve().parents[3]
-    code = (
-        "import sys, types\n"
-        "pkg = types.ModuleType('pagedjax')\n"
-        f"pkg.__path__ = [{str(repo / 'pagedjax')!r}]\n"
-        "sys.modules['pagedjax'] = pkg\n"
-        "import pagedjax.core.scheduler, pagedjax.config\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax'))\n"
-        "assert not bad, bad\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert_imports_no_jax("pagedjax.core.scheduler", "pagedjax.config")
 
 
 def test_abort_ends_unfinished_sequences_with_abort_and_keeps_finished_ones():
