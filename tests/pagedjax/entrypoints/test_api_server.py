@@ -8,15 +8,13 @@ import re
 import threading
 import time
 import types
-import urllib.error
-import urllib.request
 
 import numpy as np
 import openai
 import pytest
 from fake_model import idle_stats
 from hf_models import make_tiny_model, save_word_tokenizer
-from server_helpers import live_server
+from server_helpers import live_server, metrics, raw, wait_idle
 
 from pagedjax import LLM, SamplingParams
 from pagedjax.entrypoints.api_server import EngineLoop, QueueFull, ServerLimits, build_app
@@ -71,40 +69,17 @@ def client(server):
     return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
-def _raw(server, method, path, body=None, headers=None, key=KEY):
+def _raw(server, method, path, body=None, key=KEY):
     """(status, body bytes) of one plain HTTP request."""
-    hdrs = {"Content-Type": "application/json", **(headers or {})}
-    if key is not None:
-        hdrs["Authorization"] = f"Bearer {key}"
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(server.base + path, data=data, headers=hdrs, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+    return raw(server.base, method, path, body, key=key, timeout=30)
 
 
 def _metrics(server) -> dict[str, float]:
-    status, body = _raw(server, "GET", "/metrics")
-    assert status == 200
-    out = {}
-    for line in body.decode().splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return metrics(server.base, key=KEY)
 
 
 def _wait_idle(server, timeout=30) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = _metrics(server)
-        idle = m["pagedjax_num_requests_running"] == 0 and m["pagedjax_num_requests_waiting"] == 0
-        if idle and m["pagedjax_kv_blocks_used"] == 0:
-            return m
-        assert time.monotonic() < deadline, f"engine never went idle: {m}"
-        time.sleep(0.1)
+    return wait_idle(server.base, timeout, key=KEY)
 
 
 # ---- results match the offline API ----------------------------------------------------------
