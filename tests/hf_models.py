@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pagedjax.bench import tiny
+from pagedjax.bench import serve_model, tiny
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -191,19 +191,19 @@ def save_word_tokenizer(
 ) -> None:
     """A word-level tokenizer (token i <-> word "w{i}"; 0, 1, 2 are <unk>, <s>, </s>) so that
     tiny models can detokenise; ``chat_template`` (jinja) is saved with it if given."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    serve_model.save_word_tokenizer(directory, vocab_size, chat_template)
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
-    if chat_template is not None:
-        fast.chat_template = chat_template
-    fast.save_pretrained(directory)
+
+def tiny_llama_dir(
+    tmp_path_factory, name: str, *, tokenizer: bool = False, chat_template: str | None = None
+) -> str:
+    """A fresh directory ``name`` holding the tiny "llama_gqa" model, with the word tokenizer
+    (and ``chat_template``) when asked."""
+    path = tmp_path_factory.mktemp(name)
+    make_tiny_model("llama_gqa", path)
+    if tokenizer or chat_template is not None:
+        save_word_tokenizer(path, chat_template=chat_template)
+    return str(path)
 
 
 def hf_greedy(hf, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -12,8 +12,11 @@ from pathlib import Path
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2
 
 
-def save_word_tokenizer(directory: str | Path, vocab_size: int) -> None:
-    """Token i <-> word ``w{i}`` (0, 1, 2: <unk>, <s>, </s>), words split on spaces."""
+def save_word_tokenizer(
+    directory: str | Path, vocab_size: int, chat_template: str | None = None
+) -> None:
+    """Token i <-> word ``w{i}`` (0, 1, 2: <unk>, <s>, </s>), words split on spaces; a
+    ``chat_template`` (jinja) is saved with it if given."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -27,6 +30,8 @@ def save_word_tokenizer(directory: str | Path, vocab_size: int) -> None:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
+    if chat_template is not None:
+        fast.chat_template = chat_template
     fast.save_pretrained(str(directory))
 
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_models import make_tiny_model
+from hf_models import tiny_llama_dir
 from pagedjax.models.config import ModelConfig
 from pagedjax.models.llama import param_shapes
 
@@ -90,9 +90,7 @@ def test_the_reference_attention_needs_no_query_buckets():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_compile")
-    make_tiny_model("llama_gqa", path)
-    return str(path)
+    return tiny_llama_dir(tmp_path_factory, "tiny_compile")
 
 
 def test_after_warmup_nothing_compiles(tiny):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hf_models import make_tiny_model, save_word_tokenizer
+from hf_models import tiny_llama_dir
 from server_helpers import free_port, live_server, save_byte_tokenizer
 
 from pagedjax import LLM
@@ -155,10 +155,7 @@ class StubServer:
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("serve_tiny")
-    make_tiny_model("llama_gqa", path)
-    save_word_tokenizer(path, chat_template=CHAT_TEMPLATE)
-    return str(path)
+    return tiny_llama_dir(tmp_path_factory, "serve_tiny", chat_template=CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from hf_models import make_tiny_model
+from hf_models import tiny_llama_dir
 
 from pagedjax import LLM, BeamSearchParams, SamplingParams
 
@@ -15,9 +15,7 @@ BLOCK = 8
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("liveness_tiny")
-    make_tiny_model("llama_gqa", path)
-    return str(path)
+    return tiny_llama_dir(tmp_path_factory, "liveness_tiny")
 
 
 @pytest.fixture(scope="module")

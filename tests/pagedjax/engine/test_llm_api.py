@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hf_models import make_tiny_model
+from hf_models import tiny_llama_dir
 
 from pagedjax import LLM, SamplingParams
 
@@ -13,9 +13,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("engine_llama")
-    make_tiny_model("llama_gqa", path)
-    return str(path)
+    return tiny_llama_dir(tmp_path_factory, "engine_llama")
 
 
 @pytest.fixture(scope="module")

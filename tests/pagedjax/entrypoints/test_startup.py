@@ -15,7 +15,7 @@ import urllib.request
 import jax
 import jax.numpy as jnp
 import pytest
-from hf_models import make_tiny_model, save_word_tokenizer
+from hf_models import tiny_llama_dir
 from pagedjax.models.config import ModelConfig
 from pagedjax.models.llama import param_shapes
 from server_helpers import free_port, live_server, raw
@@ -84,10 +84,7 @@ def test_small_limits_keep_the_policy_within_the_shapes():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_startup")
-    make_tiny_model("llama_gqa", path)
-    save_word_tokenizer(path)
-    return str(path)
+    return tiny_llama_dir(tmp_path_factory, "tiny_startup", tokenizer=True)
 
 
 def test_a_request_needing_an_uncompiled_program_is_served_while_the_background_waits(tiny):

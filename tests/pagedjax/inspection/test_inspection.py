@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from hf_models import make_tiny_model, save_word_tokenizer
+from hf_models import tiny_llama_dir
 
 from pagedjax import LLM, SamplingParams
 from pagedjax.inspection.state import Snapshot, diff
@@ -19,10 +19,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("inspection_tiny")
-    make_tiny_model("llama_gqa", path)
-    save_word_tokenizer(path)
-    return str(path)
+    return tiny_llama_dir(tmp_path_factory, "inspection_tiny", tokenizer=True)
 
 
 def _prompts(n: int, seed: int, lo: int = 5, hi: int = 40) -> list[list[int]]:

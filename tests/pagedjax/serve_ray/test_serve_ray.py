@@ -13,7 +13,7 @@ import types
 
 import openai
 import pytest
-from hf_models import make_tiny_model, save_word_tokenizer
+from hf_models import tiny_llama_dir
 from server_helpers import free_port, live_server
 
 from pagedjax.serve_ray.options import AutoscalingOptions, RayServeOptions, builder_arguments
@@ -76,10 +76,7 @@ def test_serve_run_arguments_become_options():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("serve_ray_llama")
-    make_tiny_model("llama_gqa", path)
-    save_word_tokenizer(path)
-    return str(path)
+    return tiny_llama_dir(tmp_path_factory, "serve_ray_llama", tokenizer=True)
 
 
 @pytest.fixture(scope="module")

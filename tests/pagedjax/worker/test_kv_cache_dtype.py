@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hf_models import make_tiny_model
+from hf_models import tiny_llama_dir
 from pagedjax.models.config import ModelConfig
 from pagedjax.models.llama import kv_pool_bytes_per_block
 from worker_report import run_reporting_worker
@@ -45,9 +45,7 @@ def _prompts(n: int, seed: int, lo: int = 1, hi: int = 40, prefix: list[int] | N
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("kv8_tiny")
-    make_tiny_model("llama_gqa", path)
-    return str(path)
+    return tiny_llama_dir(tmp_path_factory, "kv8_tiny")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_models import make_tiny_model
+from hf_models import tiny_llama_dir
 from pagedjax.models.config import ModelConfig
 from pagedjax.models.llama import param_shapes
 
@@ -105,9 +105,7 @@ def test_inputs_and_outputs_pack_and_unpack():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_step_program")
-    make_tiny_model("llama_gqa", path)
-    return str(path)
+    return tiny_llama_dir(tmp_path_factory, "tiny_step_program")
 
 
 class _CountTransfers:
