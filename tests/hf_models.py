@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from pagedjax.bench import serve_model, tiny
 
 LLAMA3_ROPE = {
@@ -220,3 +222,24 @@ def hf_greedy(hf, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
             )
         outs.append(ids[0, len(p) :].tolist())
     return outs
+
+
+def random_prompts(
+    n: int, seed: int, lo: int = 1, hi: int = 40, prefix: list[int] | None = None
+) -> list[list[int]]:
+    """``n`` prompts of ids in [3, 256) (no special token), lengths drawn from [lo, hi), each
+    after ``prefix``."""
+    rng = np.random.default_rng(seed)
+    return [
+        (prefix or []) + rng.integers(3, 256, int(rng.integers(lo, hi))).tolist() for _ in range(n)
+    ]
+
+
+def tiny_llama_hf(tmp_path_factory, name: str):
+    """(directory, torch model) of the tiny "llama_gqa" model with the word tokenizer; the torch
+    model's generation never stops on EOS (like ``ignore_eos``)."""
+    path = tmp_path_factory.mktemp(name)
+    hf = make_tiny_model("llama_gqa", path)
+    save_word_tokenizer(path)
+    hf.generation_config.eos_token_id = None
+    return str(path), hf

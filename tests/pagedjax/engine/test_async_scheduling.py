@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from fake_model import EOS, fake_engine
-from hf_models import make_tiny_model, save_word_tokenizer
+from hf_models import tiny_llama_hf
 from spec_fake import check_blocks, run
 
 from pagedjax import LLM, BeamSearchParams, SamplingParams
@@ -159,11 +159,7 @@ def test_falls_back_where_it_must(params):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("async_tiny")
-    hf = make_tiny_model("llama_gqa", path)
-    save_word_tokenizer(path)
-    hf.generation_config.eos_token_id = None  # like ignore_eos
-    return str(path), hf
+    return tiny_llama_hf(tmp_path_factory, "async_tiny")
 
 
 def _llm(path: str, overlap: bool, **kwargs) -> LLM:

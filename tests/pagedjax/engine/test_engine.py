@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hf_models import hf_greedy, make_tiny_model, save_word_tokenizer
+from hf_models import hf_greedy, random_prompts, tiny_llama_hf
 
 from pagedjax import LLM, BeamSearchParams, SamplingParams
 from pagedjax.engine.llm_engine import LLMEngine
@@ -17,30 +17,19 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("engine_tiny")
-    hf = make_tiny_model("llama_gqa", path)
-    save_word_tokenizer(path)
-    hf.generation_config.eos_token_id = None  # like ignore_eos
-    return str(path), hf
-
-
-def _prompts(n: int, seed: int, lo: int = 1, hi: int = 40, prefix: list[int] | None = None):
-    rng = np.random.default_rng(seed)
-    return [
-        (prefix or []) + rng.integers(3, 256, int(rng.integers(lo, hi))).tolist() for _ in range(n)
-    ]
+    return tiny_llama_hf(tmp_path_factory, "engine_tiny")
 
 
 @pytest.fixture(scope="module")
 def batch16(tiny):
-    prompts = _prompts(16, seed=0)
+    prompts = random_prompts(16, seed=0)
     return prompts, hf_greedy(tiny[1], prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def shared_prefix(tiny):
     prefix = np.random.default_rng(99).integers(3, 256, 37).tolist()
-    prompts = _prompts(8, seed=5, lo=1, hi=12, prefix=prefix)
+    prompts = random_prompts(8, seed=5, lo=1, hi=12, prefix=prefix)
     return prompts, hf_greedy(tiny[1], prompts, MAX_TOKENS)
 
 
@@ -85,7 +74,7 @@ def test_shared_prefix_matches_hf_greedy(tiny, shared_prefix, caching):
 
 def test_seeded_sampling_is_independent_of_batch_and_preemption(tiny):
     path = tiny[0]
-    prompts = _prompts(8, seed=2)
+    prompts = random_prompts(8, seed=2)
     seeded = SamplingParams(
         max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True
     )
@@ -104,7 +93,7 @@ def test_seeded_sampling_is_independent_of_batch_and_preemption(tiny):
 
 
 def test_parallel_sampling_shares_the_prompt_blocks(tiny):
-    prompt = _prompts(1, seed=7, lo=60, hi=61)[0]
+    prompt = random_prompts(1, seed=7, lo=60, hi=61)[0]
     params = SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
     shared = LLM(
         tiny[0], block_size=BLOCK, max_model_len=128, num_blocks=256, enable_prefix_caching=False
@@ -127,7 +116,7 @@ def test_parallel_sampling_shares_the_prompt_blocks(tiny):
 
 
 def test_beam_search_beats_or_ties_greedy(tiny):
-    prompts = _prompts(3, seed=8)
+    prompts = random_prompts(3, seed=8)
     llm = LLM(tiny[0], block_size=BLOCK, max_model_len=128, num_blocks=256)
     greedy = llm.generate(
         prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False
@@ -146,7 +135,7 @@ def test_beam_search_beats_or_ties_greedy(tiny):
 
 def test_logprobs_match_hf(tiny):
     path, hf = tiny
-    prompt = _prompts(1, seed=9)[0]
+    prompt = random_prompts(1, seed=9)[0]
     llm = LLM(path, block_size=BLOCK, max_model_len=128, num_blocks=64)
     out = llm.generate(
         prompt,
@@ -169,7 +158,7 @@ def test_logprobs_match_hf(tiny):
 
 def test_penalties_follow_their_definition(tiny):
     path, hf = tiny
-    prompt = _prompts(1, seed=10)[0]
+    prompt = random_prompts(1, seed=10)[0]
     params = SamplingParams(
         max_tokens=10,
         temperature=0,

@@ -6,9 +6,8 @@ import dataclasses
 import subprocess
 import sys
 
-import numpy as np
 import pytest
-from hf_models import tiny_llama_dir
+from hf_models import random_prompts, tiny_llama_dir
 
 from pagedjax import LLM, SamplingParams
 from pagedjax.inspection.state import Snapshot, diff
@@ -20,11 +19,6 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return tiny_llama_dir(tmp_path_factory, "inspection_tiny", tokenizer=True)
-
-
-def _prompts(n: int, seed: int, lo: int = 5, hi: int = 40) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 256, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
 
 
 def _check_pool(view) -> None:
@@ -42,7 +36,7 @@ def _check_pool(view) -> None:
 def test_views_of_running_and_finished_requests(tiny):
     llm = LLM(tiny, block_size=BLOCK, num_blocks=64, max_model_len=128)
     engine = llm.engine
-    prompt = _prompts(1, seed=1, lo=20, hi=21)[0]
+    prompt = random_prompts(1, seed=1, lo=20, hi=21)[0]
     engine.add_request("solo", prompt, GREEDY)
     assert engine.inspect()["solo"].status == "waiting"
     engine.step()
@@ -89,7 +83,9 @@ def _run(engine, late_at: int, until: int | None = None) -> dict[str, list[list[
     tokens = {}
     while engine.has_unfinished_requests() and engine.inspect().step != until:
         if engine.inspect().step == late_at:
-            engine.add_request("late", _prompts(1, seed=9)[0], SamplingParams(max_tokens=10))
+            engine.add_request(
+                "late", random_prompts(1, seed=9, lo=5)[0], SamplingParams(max_tokens=10)
+            )
         for out in engine.step():
             if out.finished:
                 tokens[out.request_id] = [c.token_ids for c in out.outputs]
@@ -100,7 +96,7 @@ def _run(engine, late_at: int, until: int | None = None) -> dict[str, list[list[
 def _submit(engine) -> None:
     seeded = SamplingParams(max_tokens=14, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
     unseeded = SamplingParams(max_tokens=14, temperature=0.8, ignore_eos=True)
-    for i, p in enumerate(_prompts(8, seed=4)):
+    for i, p in enumerate(random_prompts(8, seed=4, lo=5)):
         engine.add_request(f"r{i}", p, [GREEDY, seeded, unseeded][i % 3])
 
 
@@ -155,7 +151,7 @@ def test_a_refused_restore_changes_nothing_with_a_step_in_flight(tiny):
     engine = LLM(tiny, block_size=BLOCK, num_blocks=32, max_model_len=128).engine
     snap = engine.snapshot()
     other = dataclasses.replace(snap, config=dataclasses.replace(snap.config, seed=1))
-    prompts = _prompts(3, seed=5)
+    prompts = random_prompts(3, seed=5, lo=5)
 
     def run(name: str, refuse_at: int | None) -> list[list[int]]:
         for i, p in enumerate(prompts):
@@ -183,7 +179,7 @@ def test_drawings(tiny):
     from pagedjax.inspection.plotting import draw_block_tables, draw_pool, plot_history
 
     engine = LLM(tiny, block_size=BLOCK, num_blocks=32, max_model_len=128).engine
-    for i, p in enumerate(_prompts(3, seed=2)):
+    for i, p in enumerate(random_prompts(3, seed=2, lo=5)):
         engine.add_request(f"r{i}", p, SamplingParams(n=2, max_tokens=4, seed=i))
     for _ in range(2):
         engine.step()

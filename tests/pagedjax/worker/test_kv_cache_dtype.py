@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hf_models import tiny_llama_dir
+from hf_models import random_prompts, tiny_llama_dir
 from pagedjax.models.config import ModelConfig
 from pagedjax.models.llama import kv_pool_bytes_per_block
 from worker_report import run_reporting_worker
@@ -36,13 +36,6 @@ KV8 = [
 ]
 
 
-def _prompts(n: int, seed: int, lo: int = 1, hi: int = 40, prefix: list[int] | None = None):
-    rng = np.random.default_rng(seed)
-    return [
-        (prefix or []) + rng.integers(3, 256, int(rng.integers(lo, hi))).tolist() for _ in range(n)
-    ]
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return tiny_llama_dir(tmp_path_factory, "kv8_tiny")
@@ -52,9 +45,9 @@ def tiny(tmp_path_factory):
 def workload():
     prefix = np.random.default_rng(99).integers(3, 256, 37).tolist()
     return {
-        "batch": _prompts(16, seed=0),
-        "shared": _prompts(6, seed=5, lo=1, hi=12, prefix=prefix),
-        "long": _prompts(1, seed=7, lo=60, hi=61)[0],  # 60 tokens: a partly filled last block
+        "batch": random_prompts(16, seed=0),
+        "shared": random_prompts(6, seed=5, lo=1, hi=12, prefix=prefix),
+        "long": random_prompts(1, seed=7, lo=60, hi=61)[0],  # 60 tokens: a partly filled last block
     }
 
 
