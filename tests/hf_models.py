@@ -243,3 +243,10 @@ def tiny_llama_hf(tmp_path_factory, name: str):
     save_word_tokenizer(path)
     hf.generation_config.eos_token_id = None
     return str(path), hf
+
+
+def speculation_prompts(lens: list[int], seed: int) -> list[list[int]]:
+    """One prompt of random ids in [3, 256) per length in ``lens``, then one that repeats itself
+    (n-gram lookup and a draft propose from it)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 256, n).tolist() for n in lens] + [[17, 40, 93, 7, 250, 61] * 4]

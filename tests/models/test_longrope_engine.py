@@ -4,9 +4,8 @@ short-factor KV), and a token budget that cannot hold a re-run past the switch i
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from hf_models import hf_greedy, make_tiny_model
+from hf_models import hf_greedy, make_tiny_model, speculation_prompts
 
 from pagedjax import LLM, SamplingParams
 
@@ -22,9 +21,7 @@ POOL = dict(block_size=BLOCK, max_model_len=64, num_blocks=64, max_num_batched_t
 def phi3(tmp_path_factory):
     path = tmp_path_factory.mktemp("longrope_phi3")
     hf = make_tiny_model("phi3", path)
-    rng = np.random.default_rng(11)
-    prompts = [rng.integers(3, 256, n).tolist() for n in PROMPT_LENS]
-    prompts.append([17, 40, 93, 7, 250, 61] * 4)
+    prompts = speculation_prompts(PROMPT_LENS, seed=11)
     want = hf_greedy(hf, prompts, MAX_TOKENS)
     return str(path), prompts, want
 

@@ -5,9 +5,8 @@ follows every block move) and with one that does not (another random model: few 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from hf_models import hf_greedy, make_tiny_model
+from hf_models import hf_greedy, make_tiny_model, speculation_prompts
 
 from pagedjax import LLM, SamplingParams
 
@@ -23,9 +22,7 @@ def models(tmp_path_factory):
     hf = make_tiny_model("llama_gqa", target)
     other = tmp_path_factory.mktemp("draft_other")
     make_tiny_model("llama_gqa", other, seed=1)  # other weights, the same programs
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(3, 256, n).tolist() for n in (1, 5, 8, 16, 23)]
-    prompts.append([17, 40, 93, 7, 250, 61] * 4)
+    prompts = speculation_prompts([1, 5, 8, 16, 23], seed=3)
     want = hf_greedy(hf, prompts, MAX_TOKENS)
     return str(target), str(other), prompts, want
 

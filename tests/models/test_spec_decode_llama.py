@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hf_models import hf_greedy, make_tiny_model, save_word_tokenizer
+from hf_models import hf_greedy, make_tiny_model, save_word_tokenizer, speculation_prompts
 
 from pagedjax import LLM, SamplingParams
 
@@ -30,9 +30,7 @@ def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("spec_llama_gqa")
     hf = make_tiny_model("llama_gqa", path)
     save_word_tokenizer(path)
-    rng = np.random.default_rng(len("llama_gqa"))
-    prompts = [rng.integers(3, 256, n).tolist() for n in PROMPT_LENS]
-    prompts.append([17, 40, 93, 7, 250, 61] * 4)  # repeats: proposals from the prompt
+    prompts = speculation_prompts(PROMPT_LENS, seed=len("llama_gqa"))
     want = hf_greedy(hf, prompts, MAX_TOKENS)
     return str(path), prompts, want
 
