@@ -631,18 +631,24 @@ ffi::Error RaggedImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
   return run(pool, p, k.element_type(), tasks, max_threads);
 }
 
+// The operands both handlers take first: the thread pool, the queries, the paged KV (with an
+// 8-bit pool's scales; an unread f32[1] each for a float pool), the block tables, the lengths.
+auto BindPagedAttention() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()         // q
+      .Arg<ffi::AnyBuffer>()         // k_pages
+      .Arg<ffi::AnyBuffer>()         // v_pages
+      .Arg<ffi::Buffer<ffi::F32>>()  // k_scales (8-bit pool)
+      .Arg<ffi::Buffer<ffi::F32>>()  // v_scales
+      .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+      .Arg<ffi::Buffer<ffi::S32>>();   // context_lens
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionDecode, DecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()          // q
-                                  .Arg<ffi::AnyBuffer>()          // k_pages
-                                  .Arg<ffi::AnyBuffer>()          // v_pages
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_scales (8-bit pool)
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_scales
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // context_lens
+                              BindPagedAttention()
                                   .Arg<ffi::Buffer<ffi::S32>>()   // sliding window, i32[1]
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Attr<float>("scale")
@@ -650,15 +656,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionDecode, DecodeImpl,
                                   .Attr<int64_t>("max_threads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionRagged, RaggedImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()          // q
-                                  .Arg<ffi::AnyBuffer>()          // k_pages
-                                  .Arg<ffi::AnyBuffer>()          // v_pages
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_scales (8-bit pool)
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_scales
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // context_lens
+                              BindPagedAttention()
                                   .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc
                                   .Arg<ffi::Buffer<ffi::S32>>()   // sliding window, i32[1]
                                   .Ret<ffi::AnyBuffer>()          // out
