@@ -225,13 +225,19 @@ def hf_greedy(hf, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
 
 
 def random_prompts(
-    n: int, seed: int, lo: int = 1, hi: int = 40, prefix: list[int] | None = None
+    n: int,
+    seed: int,
+    lo: int = 1,
+    hi: int = 40,
+    prefix: list[int] | None = None,
+    vocab: int = 256,
 ) -> list[list[int]]:
-    """``n`` prompts of ids in [3, 256) (no special token), lengths drawn from [lo, hi), each
+    """``n`` prompts of ids in [3, vocab) (no special token), lengths drawn from [lo, hi), each
     after ``prefix``."""
     rng = np.random.default_rng(seed)
     return [
-        (prefix or []) + rng.integers(3, 256, int(rng.integers(lo, hi))).tolist() for _ in range(n)
+        (prefix or []) + rng.integers(3, vocab, int(rng.integers(lo, hi))).tolist()
+        for _ in range(n)
     ]
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from fake_model import EOS, fake_engine
-from hf_models import tiny_llama_hf
+from hf_models import random_prompts, tiny_llama_hf
 from spec_fake import check_blocks, run
 
 from pagedjax import LLM, BeamSearchParams, SamplingParams
@@ -18,8 +18,7 @@ BLOCK = 8
 
 
 def _prompts(n: int, seed: int, lo: int = 1, hi: int = 40) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 30, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+    return random_prompts(n, seed, lo, hi, vocab=30)  # within the fake model's vocabulary
 
 
 def _mixed_params(n: int, seed: int) -> list[SamplingParams]:

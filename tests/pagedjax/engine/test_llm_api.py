@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from hf_models import tiny_llama_dir
+from hf_models import random_prompts, tiny_llama_dir
 
 from pagedjax import LLM, SamplingParams
 
@@ -22,8 +21,7 @@ def llm(model_dir):
 
 
 def _prompts(n, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 256, int(rng.integers(1, 30))).tolist() for _ in range(n)]
+    return random_prompts(n, seed, hi=30)
 
 
 def test_outputs_follow_prompt_order_and_free_every_block(llm):
