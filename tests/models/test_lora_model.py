@@ -36,6 +36,7 @@ from pagedjax.models.lora import (
     set_slot,
 )
 from pagedjax.models.step_input import StepInput
+from peft_adapters import save_random_adapter
 from worker_report import run_reporting_worker
 
 from pagedjax import compilation
@@ -73,22 +74,16 @@ def targets(name: str, modules: list[str]) -> list[str]:
 def make_adapter(hf, name: str, spec, directory, seed: int):
     """Save a PEFT adapter with random A and B on a copy of ``hf``; returns the merged model."""
     rank, alpha, rslora, modules, layers = spec
-    config = peft.LoraConfig(
+    return save_random_adapter(
+        hf,
+        directory,
+        seed,
         r=rank,
         lora_alpha=alpha,
         use_rslora=rslora,
         target_modules=targets(name, modules),
         layers_to_transform=layers,
-        lora_dropout=0.0,
     )
-    model = peft.get_peft_model(copy.deepcopy(hf), config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for key, p in model.named_parameters():
-            if "lora_" in key:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(str(directory))
-    return model.merge_and_unload().eval()
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ engine process turned into the dead engine thread's errors."""
 
 from __future__ import annotations
 
-import copy
 import http.client
 import json
 import os
@@ -16,6 +15,7 @@ import time
 
 import pytest
 from hf_models import make_tiny_model
+from peft_adapters import save_random_adapter
 from server_helpers import (
     CHAT_TEMPLATE,
     KEY,
@@ -159,18 +159,8 @@ def test_named_commands_cross_with_their_errors(process_server):
 
 
 def save_adapter(hf, directory, seed: int) -> str:
-    """A PEFT adapter with random A and B (PEFT starts B at zero) on ``hf``'s attention."""
-    import peft
-    import torch
-
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    model = peft.get_peft_model(copy.deepcopy(hf), config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for key, p in model.named_parameters():
-            if "lora_" in key:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(str(directory))
+    """A PEFT adapter with random A and B on ``hf``'s attention; its directory."""
+    save_random_adapter(hf, directory, seed, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     return str(directory)
 
 

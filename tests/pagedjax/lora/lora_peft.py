@@ -4,12 +4,10 @@ merged into its own copy of the base (``merge_and_unload``), the oracle of its r
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
-import peft
-import torch
 from hf_models import make_tiny_model, save_word_tokenizer
+from peft_adapters import save_random_adapter
 
 from pagedjax import LoRARequest
 
@@ -27,17 +25,9 @@ def save_adapter(hf, spec, directory: Path, seed: int):
     """Save a PEFT adapter of ``spec`` with random A and B on a copy of ``hf``; returns
     transformers' model with it merged (eval mode, generating without EOS stops)."""
     rank, alpha, rslora, modules = spec
-    config = peft.LoraConfig(
-        r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=modules, lora_dropout=0.0
+    merged = save_random_adapter(
+        hf, directory, seed, r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=modules
     )
-    model = peft.get_peft_model(copy.deepcopy(hf), config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for key, p in model.named_parameters():
-            if "lora_" in key:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(str(directory))
-    merged = model.merge_and_unload().eval()
     merged.generation_config.eos_token_id = None
     return merged
 
