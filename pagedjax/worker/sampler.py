@@ -25,12 +25,13 @@ beyond the candidates, sorts every row's logits), and whether some row wants top
 top-k over the vocabulary otherwise). A greedy batch without penalties, bias or logprobs runs
 the argmax alone.
 
-The input is built on the host (worker/sampling_input.py). The runner compiles sampling as its own
-program, apart from the model step, and every input here has a shape set by the batch's row count
-alone (plus one token-history width when some row uses penalties, and one bias width and bitmask
-width when some row has a logit bias or a grammar), so sampling options never multiply the model's
-programs, and a new request never compiles (the runner's warm-up compiles each variant:
-``variants``).
+The input is built on the host (worker/sampling_input.py). Every input here has a shape set by the
+batch's row count alone (plus one token-history width when some row uses penalties, and one bias
+width and bitmask width when some row has a logit bias or a grammar), so a new request never
+compiles (the runner's warm-up compiles each variant: ``variants``). A decode step without
+penalties, bias or masks samples inside the model's step program (worker/step_program.py), so
+there its few variants multiply a decode shape's programs (up to seven each: ``step_variants``),
+the price of one program per step; everything else runs sampling as a program of its own.
 """
 
 from __future__ import annotations
