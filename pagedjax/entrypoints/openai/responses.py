@@ -78,9 +78,11 @@ class Responses:
         finals: list[RequestOutput],
         k_logprobs: int | None,
         echo: Echo | None,
+        model: str | None = None,
     ) -> bytes:
         """The whole response to a request that is not streamed (``finals``: one finished
-        output per prompt), encoded."""
+        output per prompt), encoded; ``model``: the name it ran under (a LoRA adapter's), else
+        the served model's."""
         choices, generated = [], 0
         for i, final in enumerate(finals):
             outs = final.outputs
@@ -115,7 +117,7 @@ class Responses:
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": now,
-            "model": self.model_name,
+            "model": model or self.model_name,
             "choices": choices,
             "usage": usage(prompts, generated),
         }
@@ -126,8 +128,21 @@ class StreamEvents:
     """One streamed request's state: what each choice has been sent so far. ``events(out)``
     turns the engine's next output into the events to send."""
 
-    def __init__(self, responses: Responses, rid, now, request_ids, prompts, params, chat, k, echo):
+    def __init__(
+        self,
+        responses: Responses,
+        rid,
+        now,
+        request_ids,
+        prompts,
+        params,
+        chat,
+        k,
+        echo,
+        model=None,
+    ):
         self.r = responses
+        self.model = model or responses.model_name  # a LoRA adapter's name when one ran
         self.rid, self.now, self.chat = rid, now, chat
         self.kind = "chat.completion.chunk" if chat else "text_completion"
         self.index_of = {r: i for i, r in enumerate(request_ids)}
@@ -163,7 +178,7 @@ class StreamEvents:
             "id": self.rid,
             "object": self.kind,
             "created": self.now,
-            "model": self.r.model_name,
+            "model": self.model,
             "choices": [choice],
         }
         return f"data: {dumps(body)}\n\n"
@@ -180,7 +195,7 @@ class StreamEvents:
             "id": self.rid,
             "object": self.kind,
             "created": self.now,
-            "model": self.r.model_name,
+            "model": self.model,
             "choices": [],
             "usage": usage(self.prompts, self.generated),
         }

@@ -219,7 +219,16 @@ class OpenAIServing:
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             events = StreamEvents(
-                self.responses, rid, now, job.request_ids, prompts, params, chat, k_logprobs, echo
+                self.responses,
+                rid,
+                now,
+                job.request_ids,
+                prompts,
+                params,
+                chat,
+                k_logprobs,
+                echo,
+                model=lora.lora_name if lora is not None else None,
             )
             gen = self.stream(request, job, events, include_usage)
             if tools is not None:
@@ -247,6 +256,7 @@ class OpenAIServing:
             ordered,
             k_logprobs,
             echo,
+            lora.lora_name if lora is not None else None,
         )
         if tools is not None:
             body = await self.offload.run(tools.final_body, body)

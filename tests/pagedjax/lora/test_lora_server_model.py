@@ -58,6 +58,10 @@ def test_the_openai_client_gets_each_adapters_text(model):
         for name in ("one", "base", "two", "one"):
             got = [complete(client, name, p) for p in PROMPTS]
             assert got == texts[name], name
+        for name in ("two", "base"):  # responses name the model they ran under, as vLLM's
+            args = dict(model=name, prompt=PROMPTS[0], max_tokens=2, temperature=0)
+            assert client.completions.create(**args).model == name
+            assert {c.model for c in client.completions.create(**args, stream=True)} == {name}
 
 
 def test_loading_and_unloading_while_requests_run_loses_nothing(model):
