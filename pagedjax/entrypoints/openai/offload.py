@@ -10,6 +10,9 @@ to tokenize), so its lane has a quarter of the cores, at least one thread: the e
 the event loop keep a core. On 2 cores, 200 KB prompts sent four at a time next to 64 short
 greedy streams made their median latency 4-6x what it is alone with two heavy threads, 1.3-2.5x
 with one.
+The heavy and grammar lanes' threads run at a lower scheduling priority (nice +10, as the
+background compile does), so that on a busy machine the engine's steps and the light lane get a
+core first.
 A request is marked with ``mark_heavy()``; the mark lives in the handler's task (a ContextVar).
 Each thread encodes with its own copy of the tokenizer (a fast tokenizer shared between threads
 that encode can fail with "Already borrowed"). Bodies are serialized a slice at a time, so that
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import copy
 import functools
@@ -37,6 +41,7 @@ def _cores() -> int:
 
 HEAVY_THREADS = max(1, _cores() // 4)
 LANES = {"light": 4, "heavy": HEAVY_THREADS, "grammar": 2}  # threads per lane
+LOW_PRIORITY_LANES = ("heavy", "grammar")
 HEAVY_BODY_BYTES = 64 * 1024  # a body over this is parsed, tokenized and answered in "heavy"
 _JSON_SLICE = 1024  # list items encoded per call of the C encoder
 _heavy: contextvars.ContextVar[bool] = contextvars.ContextVar("pagedjax_heavy", default=False)
@@ -50,7 +55,11 @@ class Offload:
         self._tokenizer = tokenizer
         self._local = threading.local()
         self._pools = {
-            lane: concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix=f"pagedjax-{lane}")
+            lane: concurrent.futures.ThreadPoolExecutor(
+                n,
+                thread_name_prefix=f"pagedjax-{lane}",
+                initializer=lower_priority if lane in LOW_PRIORITY_LANES else None,
+            )
             for lane, n in (lanes or LANES).items()
         }
 
@@ -96,3 +105,9 @@ def dumps(value) -> str:
 
 def _encode(value) -> str:
     return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def lower_priority() -> None:
+    """Nice the calling thread by 10 (Linux: a thread id is a process id to setpriority)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)

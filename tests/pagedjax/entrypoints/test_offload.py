@@ -1,0 +1,38 @@
+"""The server's offload lanes: heavy and grammar work runs at a lower scheduling priority than the
+light lane and the threads that call it (the engine's and the event loop's)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import pytest
+
+from pagedjax.entrypoints.openai.offload import Offload
+
+
+def nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no per-thread priorities here")
+def test_heavy_and_grammar_lanes_run_niced_the_light_lane_not():
+    base = nice()
+    if base >= 10:
+        pytest.skip(f"this process already runs at nice {base}")
+    offload = Offload(None)
+
+    async def lanes():
+        light = await offload.run(nice)
+        grammar = await offload.run_grammar(nice)
+        Offload.mark_heavy()
+        heavy = await offload.run(nice)
+        return light, heavy, grammar
+
+    try:
+        light, heavy, grammar = asyncio.run(lanes())
+    finally:
+        offload.close()
+    assert (light, heavy, grammar) == (base, 10, 10)
+    assert nice() == base  # the caller's own priority untouched
