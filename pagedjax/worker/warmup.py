@@ -192,7 +192,7 @@ class BackgroundCompile:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        _lower_priority()
+        lower_priority()
         start = time.perf_counter()
         try:
             for name, lower in self.jobs:
@@ -214,7 +214,7 @@ class BackgroundCompile:
             )
 
 
-def _lower_priority() -> None:
+def lower_priority() -> None:
     """Nice the calling thread (Linux: a thread id is a process id to setpriority)."""
     with contextlib.suppress(AttributeError, OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)

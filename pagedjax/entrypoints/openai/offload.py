@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import contextvars
 import copy
 import functools
 import json
 import os
 import threading
+
+from pagedjax.worker.warmup import lower_priority
 
 
 def _cores() -> int:
@@ -105,9 +106,3 @@ def dumps(value) -> str:
 
 def _encode(value) -> str:
     return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-
-
-def lower_priority() -> None:
-    """Nice the calling thread by 10 (Linux: a thread id is a process id to setpriority)."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
