@@ -29,7 +29,6 @@ class PersistentBatch:
         self.tables = np.zeros((max_rows, max_blocks_per_seq), np.int32)
         self._held: list[list[int]] = [[] for _ in range(max_rows)]  # the table each row holds
         self._row_of: dict[int, int] = {}  # seq_id -> row
-        self._key_of: list[int | None] = [None] * max_rows
         self._free = list(range(max_rows - 1, -1, -1))  # pop() takes the lowest row
         self.entries_written = 0  # table entries written to the buffer (tests read it)
 
@@ -53,7 +52,6 @@ class PersistentBatch:
         """Free a sequence's row (a no-op when it holds none)."""
         row = self._row_of.pop(seq_id, None)
         if row is not None:
-            self._key_of[row] = None
             self._free.append(row)
 
     @property
@@ -66,7 +64,7 @@ class PersistentBatch:
             for other in [k for k in self._row_of if k not in used]:
                 self.release(other)
         row = self._free.pop()
-        self._row_of[key], self._key_of[row] = row, key
+        self._row_of[key] = row
         return row
 
     def _write(self, row: int, table: list[int]) -> None:
