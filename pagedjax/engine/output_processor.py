@@ -31,6 +31,8 @@ class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: Collection[int]):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        # decode_batch of the tokenizer's backend, where it gives decode's text (chosen once)
+        self._batch = None if tokenizer is None else _batch_decoder(tokenizer)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:
@@ -50,7 +52,7 @@ class OutputProcessor:
         """``detokenize(seq, skip_special_tokens)`` for each pair, with every window of a step
         decoded in two batched calls of the tokenizer's Rust backend (in parallel, off the GIL)
         where that gives the same text as ``decode``; one by one otherwise."""
-        batch = None if self.tokenizer is None else _batch_decoder(self.tokenizer)
+        batch = self._batch
         if batch is None:
             for seq, skip in seqs:
                 self.detokenize(seq, skip)
