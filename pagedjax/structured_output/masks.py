@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from pagedjax.utils import cdiv
+
 _executor = None  # llguidance.LLExecutor, made on first use
 _executor_lock = threading.Lock()
 
@@ -36,7 +38,8 @@ def executor():
 
 
 def mask_width(vocab_size: int) -> int:
-    return (vocab_size + 31) // 32
+    """32-bit words of a token bitmask over the vocabulary (llguidance's and the sampler's)."""
+    return cdiv(vocab_size, 32)
 
 
 def consume(items: Sequence[tuple[Any, Sequence[int]]]) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 from flax import struct
 
 from pagedjax.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from pagedjax.structured_output.masks import mask_width as bitmask_width
 from pagedjax.utils import next_pow2
 
 NUM_CANDIDATES = 256  # logits per row that top-k / top-p look at before falling back to a sort
@@ -67,10 +68,6 @@ def filters_needed(rows: Sequence[SamplingRow], vocab_size: int) -> Filters:
         if k < vocab_size:
             level = Filters.CANDIDATES
     return level
-
-
-def bitmask_width(vocab_size: int) -> int:
-    return (vocab_size + 31) // 32
 
 
 def _bucket(n: int) -> int:
