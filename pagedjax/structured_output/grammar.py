@@ -291,7 +291,23 @@ class GrammarCompiler:
         return compiled.tokenizer.key == self.tokenizer_spec().key
 
     def _compile(self, params: StructuredOutputsParams, spec: TokenizerSpec) -> CompiledGrammar:
-        """Runs in a worker thread (structured_worker.py): llguidance recurses natively."""
+        """Runs in a worker thread (structured_worker.py): llguidance recurses natively. A panic
+        of the library (a Rust panic is a BaseException in Python: a 500 that no handler caught)
+        is the constraint's fault: a ValueError naming its field."""
+        kind, what = params.kind, _DESCRIPTIONS[params.kind]
+        try:
+            return self._compile_checked(params, spec)
+        except BaseException as e:
+            if type(e).__name__ != "PanicException":
+                raise
+            reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            raise ValueError(
+                f"structured_outputs.{kind}: the grammar library failed on this {what}: {reason}"
+            ) from None
+
+    def _compile_checked(
+        self, params: StructuredOutputsParams, spec: TokenizerSpec
+    ) -> CompiledGrammar:
         import llguidance
 
         kind, what = params.kind, _DESCRIPTIONS[params.kind]

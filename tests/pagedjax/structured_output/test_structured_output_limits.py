@@ -313,3 +313,13 @@ def test_masks_computed_together_equal_one_by_one(compiler):
     assert re.fullmatch("[a-c]{2,5}-[0-9]{1,3}", bytes(seqs[0].output_token_ids).decode())
     assert seqs[0].output_token_ids != seqs[3].output_token_ids
     assert bytes(seqs[1].output_token_ids).decode().startswith('{"a": ')
+
+
+def test_a_schema_the_library_panics_on_is_refused_not_a_500(compiler):
+    """The library panics (a Rust panic: a BaseException, no handler caught it, a 500) when the
+    message of its error about this "$ref" cuts a 4-byte character in two."""
+    schema = {
+        "$ref": {"000\x1f\x1f\x1f\x1f\x1f": None, "00\x1f\x1f\x1f\x1f\x1f\x1f\x1f\x07𐀀𐀀": None}
+    }
+    with pytest.raises(ValueError, match=r"structured_outputs.json: the grammar library failed"):
+        compiler.compile(SO(json=schema))
