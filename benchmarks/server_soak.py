@@ -1,0 +1,67 @@
+"""How much longer normal streams take while hostile bodies flood the server (issue 41's soak):
+a ``pagedjax serve --engine-process`` on a tiny model (tests/server_soak.py), 64 greedy streams
+of 24 tokens (8 at a time) timed alone, then in the midst of 200 hostile bodies sent four at a
+time from client processes of their own; ``--rounds`` such pairs against one server, after one
+untimed mix (which compiles what the mix needs) and the server's background compile.
+
+Prints each round's median and max latency alone and mixed, their ratios, and the ratios over
+all rounds pooled (the target: at most 2x). Time it on a quiet machine (look at ``uptime``):
+the clients share its cores with the server.
+
+    python benchmarks/server_soak.py [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the soak's parts are the test's
+
+import server_soak  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    alone_all, mixed_all = [], []
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        server_soak.served(Path(tmp)) as (base, _proc, _log),
+        concurrent.futures.ThreadPoolExecutor(8) as pool,
+    ):
+        server_soak.run_mixed(base, pool, seed=0)
+        server_soak.wait_background_compile(base)
+        for r in range(args.rounds):
+            _, alone = server_soak.run_normal(base, pool)
+            _, mixed, statuses, unanswered = server_soak.run_mixed(base, pool, seed=r)
+            alone_all += alone
+            mixed_all += mixed
+            print(
+                f"round {r}: alone median {statistics.median(alone):.3f} max {max(alone):.3f} s; "
+                f"mixed median {statistics.median(mixed):.3f} max {max(mixed):.3f} s; ratio "
+                f"median {statistics.median(mixed) / statistics.median(alone):.2f}x max "
+                f"{max(mixed) / max(alone):.2f}x ({unanswered} of {len(statuses)} hostile "
+                f"bodies unanswered when the streams ended; "
+                f"{sum(s >= 500 for s in statuses)} answered 5xx)",
+                flush=True,
+            )
+    print(
+        f"all {args.rounds} rounds: ratio mixed / alone, median "
+        f"{statistics.median(mixed_all) / statistics.median(alone_all):.2f}x, 90th percentile "
+        f"{_p90(mixed_all) / _p90(alone_all):.2f}x, max {max(mixed_all) / max(alone_all):.2f}x"
+    )
+
+
+def _p90(xs: list[float]) -> float:
+    return statistics.quantiles(xs, n=10)[-1]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""The server soak's parts, shared by its test (tests/pagedjax/entrypoints/test_server_soak.py)
+and its benchmark (benchmarks/server_soak.py): a real ``pagedjax serve --engine-process`` on a tiny
+model, 200 hostile bodies from issue 41's classes (grammar bombs, a regex over llguidance's
+limits with n = 8, echo with 20 logprobs, megabyte prompts, long choice lists, huge integer
+bounds, malformed logit_bias keys, deep schemas given as strings, clients that leave
+mid-stream) and 64 normal greedy streams timed alone and in the midst of the hostile flood.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import random
+import subprocess
+import sys
+import time
+
+import soak_clients
+from server_helpers import (
+    free_port,
+    make_byte_model,
+    metrics,
+    raw,
+    sse_events,
+)
+
+KEY = "soak-key"
+MODEL = "tiny-soak"
+NORMAL = 64
+HOSTILE = 200
+NORMAL_TOKENS = 24
+PROMPTS = ["Hello there", "caf\u00e9 au lait", "abc def", "The cat sat."]
+
+
+def ref_chain(depth: int) -> dict:
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(depth)}
+    defs[f"d{depth}"] = {"type": "integer"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def any_of_chain(depth: int) -> dict:
+    defs = {
+        f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}, {"type": "null"}]} for i in range(depth)
+    }
+    defs[f"d{depth}"] = {"type": "integer"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def lark_chain(rules: int) -> str:
+    lines = [f"r{i}: r{i + 1}" for i in range(rules)]
+    return "start: r0\n" + "\n".join(lines) + f'\nr{rules}: "a"\n'
+
+
+def gbnf_chain(rules: int) -> str:
+    lines = [f"r{i} ::= r{i + 1}" for i in range(rules)]
+    return "root ::= r0\n" + "\n".join(lines) + f'\nr{rules} ::= "a"\n'
+
+
+def hostile_bodies(seed: int) -> list[tuple[str, dict | bytes]]:
+    """(path, body) of each class in turn, HOSTILE in all."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}]}
+    so = "structured_outputs"
+    classes = [
+        ("/v1/completions", {"prompt": "Hi", so: {"json": ref_chain(1500)}}),
+        ("/v1/completions", {"prompt": "Hi", so: {"json": any_of_chain(1500)}}),
+        ("/v1/completions", {"prompt": "Hi", so: {"grammar": lark_chain(3000)}}),
+        ("/v1/completions", {"prompt": "Hi", so: {"grammar": gbnf_chain(5000)}}),
+        ("/v1/completions", {"prompt": "Hi", "n": 8, so: {"regex": "(a{1000}){1000}"}}),
+        ("/v1/completions", {"prompt": "Hi", so: {"choice": [f"c{i}" for i in range(2500)]}}),
+        (
+            "/v1/completions",
+            {"prompt": "Hi", so: {"json": {"type": "integer", "minimum": 1e30, "maximum": 1e31}}},
+        ),
+        ("/v1/completions", {"prompt": "Hi", so: {"json": "[" * 5000 + "]" * 5000}}),
+        ("/v1/completions", {"prompt": ["z" * 80] * 8, "echo": True, "logprobs": 20}),
+        ("/v1/completions", {"prompt": "x" * 80, "echo": True, "logprobs": 20, "max_tokens": 8}),
+        ("/v1/completions", {"prompt": "big prompt " * 20000}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "m " * 100000}]}),
+        ("/v1/completions", {"prompt": "Hi", "logit_bias": {"\u00b2": 1, "--5": 2}}),
+        ("/v1/completions", {"prompt": "Hi", "logit_bias": {"5" * 5000: 1}}),
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "json_schema"}}),
+        ("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": 5}]}),
+        ("/v1/completions", b'{"model": "tiny-soak", "prompt": ' + b"[" * 100000),
+        ("leave", {"prompt": "Hi", "max_tokens": 60, "stream": True, "ignore_eos": True}),
+    ]
+    rng = random.Random(seed)
+    bodies = [classes[i % len(classes)] for i in range(HOSTILE)]
+    rng.shuffle(bodies)
+    out = []
+    for path, body in bodies:
+        if isinstance(body, dict):
+            body = {"model": MODEL, "max_tokens": 4, **body}
+        out.append((path, body))
+    return out
+
+
+def normal_stream(base: str, i: int) -> tuple[str, float]:
+    body = {
+        "model": MODEL,
+        "prompt": PROMPTS[i % len(PROMPTS)],
+        "max_tokens": NORMAL_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    start = time.monotonic()
+    status, reply = raw(base, "POST", "/v1/completions", body, key=KEY, timeout=300)
+    latency = time.monotonic() - start
+    assert status == 200, reply[:300]
+    events = sse_events(reply)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events[-3:]
+    return "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]), latency
+
+
+def run_normal(base: str, pool) -> tuple[list[str], list[float]]:
+    results = list(pool.map(lambda i: normal_stream(base, i), range(NORMAL)))
+    return [r[0] for r in results], [r[1] for r in results]
+
+
+@contextlib.contextmanager
+def served(tmp_path):
+    make_byte_model(tmp_path)
+    port = free_port()
+    argv = [sys.executable, "-c", "from pagedjax.entrypoints.cli import main; main()", "serve"]
+    argv += ["--model", str(tmp_path), "--port", str(port), "--api-key", KEY]
+    argv += ["--served-model-name", MODEL, "--block-size", "8", "--num-blocks", "400"]
+    argv += ["--max-model-len", "96", "--max-num-seqs", "16", "--engine-process"]
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            base = wait_healthy(proc, port, tmp_path / "server.log")
+            yield base, proc, tmp_path / "server.log"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def wait_healthy(proc, port: int, log) -> str:
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if raw(base, "GET", "/health", key=None, timeout=5)[0] == 200:
+                return base
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.5)
+
+
+def run_mixed(base: str, normal_pool, seed: int) -> tuple[list[str], list[float], list[int], int]:
+    """The normal streams timed while the hostile bodies are sent (four at a time, from processes
+    of their own as hostile clients are: their megabyte replies are read and freed there). Every
+    client process is started before the flood, and the normal streams start once the flood is
+    under way, so that they run in its midst and starting clients is not timed."""
+    port = int(base.rsplit(":", 1)[1])
+    bodies = hostile_bodies(seed)
+    with multiprocessing.get_context("spawn").Pool(4) as hostile_pool:
+        started: set[int] = set()
+        while len(started) < 4:
+            started.update(hostile_pool.map(soak_clients.ready, range(4), chunksize=1))
+        hostile = [
+            hostile_pool.apply_async(soak_clients.send, (port, KEY, path, body))
+            for path, body in bodies
+        ]
+        while sum(r.ready() for r in hostile) < 8:  # the flood under way
+            time.sleep(0.01)
+        texts, latencies = run_normal(base, normal_pool)
+        unanswered = sum(not r.ready() for r in hostile)  # still in flight when the streams ended
+        statuses = [r.get(timeout=600) for r in hostile]
+    return texts, latencies, statuses, unanswered
+
+
+def wait_background_compile(base: str, timeout: float = 900) -> None:
+    """Until the server's background compile is done: start-up's cost is not the hostile
+    requests' (it runs once, and would fall in one timed phase and not the other)."""
+    deadline = time.monotonic() + timeout
+    while metrics(base, key=KEY).get("pagedjax_background_compile_pending", 0) > 0:
+        assert time.monotonic() < deadline, "the background compile did not finish"
+        time.sleep(1)
+
+
+def compilations(base: str) -> float:
+    m = metrics(base, key=KEY)
+    return m.get("pagedjax_compilations_total", m.get("pagedjax_compilations", -1.0))
