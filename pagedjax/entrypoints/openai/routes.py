@@ -187,7 +187,7 @@ async def completions(request: Request):
     if max_tokens is None:
         max_tokens = max(serving.max_model_len - max(len(x) for x in prompts), 1)
     echo_only = req.echo and max_tokens == 0  # the engine makes one token, never shown
-    constraint, constraint_field = structured_outputs(req)
+    constraint, constraint_field = await _off_the_loop(serving, structured_outputs, req)
     await serving.check_constraint(constraint, constraint_field)
     extra = {"logit_bias": logit_bias(req, serving.vocab), "structured_outputs": constraint}
     if req.echo and req.logprobs is not None:
@@ -208,6 +208,28 @@ async def completions(request: Request):
     )
 
 
+async def _off_the_loop(serving, constrain, req, *args):
+    """``constrain(req, *args)``: checking a constraint's limits walks its whole schema or
+    grammar, so a request that gives one has it checked on the grammar lane; one that gives none
+    (most) is answered here, without a hop to another thread."""
+    rf = req.response_format
+    given = req.structured_outputs is not None or (rf is not None and rf.get("type") != "text")
+    if given or getattr(req, "tools", None):
+        return await serving.offload.run_grammar(constrain, req, *args)
+    return constrain(req, *args)
+
+
+def _chat_constraint(req, tool_config):
+    """(constraint, its field, the tools shown to the template, the tool mode) of a chat request:
+    its structured output, or the schema its tool choice imposes. Walks whole schemas: run it
+    off the event loop."""
+    constraint, field = structured_outputs(req)
+    shown_tools, tools = tool_mode(req, tool_config, constraint)
+    if tools is not None and tools.constraint is not None:  # "required" or named
+        constraint, field = tools.constraint, "tools"
+    return constraint, field, shown_tools, tools
+
+
 @generate_router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     check_key(request)
@@ -217,10 +239,9 @@ async def chat_completions(request: Request):
     lora = state.models.resolve(req.model)  # a LoRA adapter's name runs under it
     if tokenizer is None or tokenizer.chat_template is None:
         raise bad_request("this model's tokenizer has no chat template")
-    constraint, constraint_field = structured_outputs(req)
-    shown_tools, tools = tool_mode(req, state.tool_config, constraint)
-    if tools is not None and tools.constraint is not None:  # "required" or named
-        constraint, constraint_field = tools.constraint, "tools"
+    constraint, constraint_field, shown_tools, tools = await _off_the_loop(
+        serving, _chat_constraint, req, state.tool_config
+    )
     messages = template_messages(chat_messages(req))
     ids = await serving.chat_prompt_ids(messages, shown_tools)
     if req.max_completion_tokens is not None:
