@@ -23,6 +23,7 @@ import threading
 from pagedjax.engine.input_processor import InputProcessor
 from pagedjax.entrypoints.openai.engine_loop import ENGINE_COMMANDS
 from pagedjax.entrypoints.openai.engine_process import EngineOptions, ServingInfo, engine_main
+from pagedjax.entrypoints.openai.output_delta import OutputDecoder
 
 logger = logging.getLogger("pagedjax.api_server")
 
@@ -47,7 +48,7 @@ class EngineProcess:
         from_engine_send.close()
         self.metrics = RemoteMetrics(self)
         self._send_lock = threading.Lock()
-        self._sinks: dict[str, object] = {}
+        self._sinks: dict[str, tuple[object, OutputDecoder]] = {}  # a request's sink, decoder
         self._adds: dict[str, concurrent.futures.Future] = {}
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._ids = itertools.count()
@@ -100,7 +101,7 @@ class EngineProcess:
     def submit(self, request_id: str, prompt_ids: list[int], params, sink, lora_request=None):
         """As EngineLoop.submit: the future fails with ValueError, QueueFull or RuntimeError."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._sinks[request_id] = sink
+        self._sinks[request_id] = (sink, OutputDecoder())
         self._adds[request_id] = fut
         msg = ("add", request_id, prompt_ids, _without_compiled(params), lora_request)
         self._send_unless_gone(msg)  # gone: the handler sees is_running false, as in-thread
@@ -159,9 +160,12 @@ class EngineProcess:
 
     def _deliver(self, kind: str, key, payload) -> None:
         if kind == "output":
-            sink = self._sinks.get(key)
-            if sink is None:  # aborted here already
+            entry = self._sinks.get(key)
+            if entry is None:  # aborted here already
                 return
+            sink, decoder = entry
+            if not isinstance(payload, Exception):
+                payload = decoder.decode(payload)
             if isinstance(payload, Exception) or payload.finished:
                 self._sinks.pop(key, None)  # an abort on the event loop may have taken it
             try:

@@ -13,8 +13,9 @@ Messages, API -> engine: ("add", rid, ids, params, lora), ("abort", rid), ("comm
 args), ("metrics", cid), ("start",), ("stop",). Engine -> API: ("ready", ServingInfo) or
 ("follower", None) or ("failed", message) once; then ("pass", [(kind, key, payload)]),
 ("metrics", cid, text) and ("stopped",) last. A pass's entries: ("output", rid, RequestOutput |
-Exception), ("added", rid, error | None), ("result", cid, (error | None, value)). A command that
-arrives before ("start",) (--lora-modules, while the app is built) runs at once: nothing steps yet.
+OutputDelta | Exception) (a request's first output whole, then what changed: output_delta.py),
+("added", rid, error | None), ("result", cid, (error | None, value)). A command that arrives
+before ("start",) (--lora-modules, while the app is built) runs at once: nothing steps yet.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import signal
 import threading
 
 from pagedjax.entrypoints.openai.engine_loop import ENGINE_COMMANDS, EngineLoop, QueueFull
+from pagedjax.entrypoints.openai.output_delta import OutputEncoder
 
 logger = logging.getLogger("pagedjax.api_server")
 
@@ -158,9 +160,13 @@ class EngineCore:
             self._outbox.put(("pass", [("added", rid, RemoteError.of(e))]))
             return
 
+        encoder = OutputEncoder()  # the request's outputs cross as deltas (output_delta.py)
+
         def sink(item, rid=rid):  # on the engine thread
             if isinstance(item, BaseException):
                 item = RemoteError.of(item).exception()
+            else:
+                item = encoder.encode(item)
             self._note(("output", rid, item))
 
         fut = self.loop.submit(rid, ids, params, sink, lora)
