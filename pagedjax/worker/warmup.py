@@ -171,8 +171,14 @@ class BackgroundCompile:
     engine thread where the OS allows it; ``compile`` is the runner's (it counts what compiled).
     ``num_done`` / ``num_jobs`` say how far it is."""
 
-    def __init__(self, compile: Callable[..., WarmupReport], jobs: list[Job]):
+    def __init__(
+        self,
+        compile: Callable[..., WarmupReport],
+        jobs: list[Job],
+        on_finished: Callable[[], None] | None = None,
+    ):
         self._compile = compile
+        self.on_finished = on_finished  # called on its thread once every job has gone through
         self.jobs = list(jobs)
         self.num_jobs = len(self.jobs)
         self.num_done = 0
@@ -203,15 +209,17 @@ class BackgroundCompile:
                 )
                 self.num_done += 1
                 self.num_compiled += report.num_compiled
+            if not self._stop.is_set():
+                logger.info(
+                    "background compile done: %d programs compiled in %.1f s",
+                    self.num_compiled,
+                    time.perf_counter() - start,
+                )
+                if self.on_finished is not None:
+                    self.on_finished()
         finally:
             self.seconds = time.perf_counter() - start
             self.finished.set()
-        if not self._stop.is_set():
-            logger.info(
-                "background compile done: %d programs compiled in %.1f s",
-                self.num_compiled,
-                self.seconds,
-            )
 
 
 def lower_priority() -> None:

@@ -238,3 +238,31 @@ def test_ready_moves_what_start_up_made_out_of_the_collectors_reach():
     assert gc.get_freeze_count() >= frozen + len(made)
     young = {id(o) for o in gc.get_objects()}  # every generation but the permanent one
     assert not any(id(m) in young for m in made)
+
+
+def test_what_the_background_compile_made_is_frozen_once_it_finishes():
+    """The background compile's objects (jax's caches and executables) join the permanent
+    generation when it is done, so that full collections while serving do not walk them; a
+    stopped compile freezes nothing."""
+    import gc
+
+    made = []
+
+    def job(i):
+        def lower():
+            made.extend([i] for _ in range(500))  # what compiling leaves alive
+            return jax.jit(lambda x: x * (i + 11)).lower(jnp.float32(1))
+
+        return (f"job {i}", lower)
+
+    stopped = BackgroundCompile(compile_jobs, [job(0)], startup.freeze_compiled_objects)
+    stopped.stop()
+    stopped.start()
+    assert stopped.finished.wait(60)
+    assert not made and stopped.num_done == 0
+
+    bg = BackgroundCompile(compile_jobs, [job(1), job(2)], startup.freeze_compiled_objects)
+    bg.start()
+    assert bg.finished.wait(120)
+    young = {id(o) for o in gc.get_objects()}  # every generation but the permanent one
+    assert len(made) == 1000 and not any(id(m) in young for m in made)
