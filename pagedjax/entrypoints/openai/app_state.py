@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
 
 from pagedjax.entrypoints.openai.engine_loop import EngineLoop
-from pagedjax.entrypoints.openai.offload import HEAVY_BODY_BYTES, Offload
+from pagedjax.entrypoints.openai.offload import Offload
 from pagedjax.entrypoints.openai.protocol import (
     APIError,
     ServerLimits,
@@ -120,6 +120,5 @@ async def read_json(request: Request):
         body += chunk
         if len(body) > limits.max_body_bytes:
             raise too_big
-    if len(body) > HEAVY_BODY_BYTES:
-        offload.mark_heavy()  # its parsing and tokenizing never queue small requests' work
+    offload.mark_body(len(body))  # heavy: its work never queues small requests' work
     return await offload.run(parse_json, bytes(body))

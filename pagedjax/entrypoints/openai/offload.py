@@ -13,6 +13,10 @@ with one.
 The heavy and grammar lanes' threads run at a lower scheduling priority (nice +10, as the
 background compile does), so that on a busy machine the engine's steps and the light lane get a
 core first.
+A small request (a body of at most INLINE_BODY_BYTES, ``mark_body``) does its part inline on
+the event loop instead: parsing and tokenizing a few hundred bytes takes tens of microseconds,
+while each hop to a thread waits for that thread to be scheduled and to take the GIL, which on
+a busy 2-core machine took 1-20 ms a hop (a streamed request makes one per token).
 A request is marked with ``mark_heavy()``; the mark lives in the handler's task (a ContextVar).
 Each thread encodes with its own copy of the tokenizer (a fast tokenizer shared between threads
 that encode can fail with "Already borrowed"). Bodies are serialized a slice at a time, so that
@@ -44,8 +48,9 @@ HEAVY_THREADS = max(1, _cores() // 4)
 LANES = {"light": 4, "heavy": HEAVY_THREADS, "grammar": 2}  # threads per lane
 LOW_PRIORITY_LANES = ("heavy", "grammar")
 HEAVY_BODY_BYTES = 64 * 1024  # a body over this is parsed, tokenized and answered in "heavy"
+INLINE_BODY_BYTES = 4 * 1024  # a body up to this is parsed, tokenized and answered inline
 _JSON_SLICE = 1024  # list items encoded per call of the C encoder
-_heavy: contextvars.ContextVar[bool] = contextvars.ContextVar("pagedjax_heavy", default=False)
+_lane: contextvars.ContextVar[str] = contextvars.ContextVar("pagedjax_lane", default="light")
 
 
 class Offload:
@@ -63,6 +68,8 @@ class Offload:
             )
             for lane, n in (lanes or LANES).items()
         }
+        if threading.current_thread() is threading.main_thread():  # the event loop's, inline
+            _ = self.tokenizer  # its copy made now, not by the first small request
 
     @property
     def tokenizer(self):
@@ -75,10 +82,21 @@ class Offload:
     @staticmethod
     def mark_heavy() -> None:
         """From here on, the calling request's work runs in the heavy lane."""
-        _heavy.set(True)
+        _lane.set("heavy")
+
+    @staticmethod
+    def mark_body(size: int) -> None:
+        """The calling request's lane by its body's size: inline, light or heavy."""
+        if size > HEAVY_BODY_BYTES:
+            _lane.set("heavy")
+        elif size <= INLINE_BODY_BYTES:
+            _lane.set("inline")
 
     async def run(self, fn, *args, **kwargs):
-        return await self._run("heavy" if _heavy.get() else "light", fn, *args, **kwargs)
+        lane = _lane.get()
+        if lane == "inline":
+            return fn(*args, **kwargs)
+        return await self._run(lane, fn, *args, **kwargs)
 
     async def run_grammar(self, fn, *args, **kwargs):
         return await self._run("grammar", fn, *args, **kwargs)

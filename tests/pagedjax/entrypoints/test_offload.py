@@ -36,3 +36,21 @@ def test_heavy_and_grammar_lanes_run_niced_the_light_lane_not():
         offload.close()
     assert (light, heavy, grammar) == (base, 10, 10)
     assert nice() == base  # the caller's own priority untouched
+
+
+def test_a_small_body_runs_inline_a_larger_one_on_the_light_lane_a_huge_one_on_heavy():
+    offload = Offload(None)
+    caller = threading.get_ident()
+
+    async def where(size: int) -> str:
+        Offload.mark_body(size)  # each asyncio.run is a task of its own: its own mark
+        ident, name = await offload.run(
+            lambda: (threading.get_ident(), threading.current_thread().name)
+        )
+        return "inline" if ident == caller else name.rsplit("_", 1)[0]
+
+    try:
+        lanes = [asyncio.run(where(size)) for size in (200, 4096, 4097, 64 * 1024 + 1)]
+    finally:
+        offload.close()
+    assert lanes == ["inline", "inline", "pagedjax-light", "pagedjax-heavy"]

@@ -99,10 +99,11 @@ def health_while_held(server, held: Held, send) -> tuple[bool, object]:
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_health_answers_while_a_prompt_is_tokenized(server, monkeypatch, path):
     held = Held(monkeypatch, OpenAIServing, "tokenize")
+    text = "tokenize me " * 400  # a body over INLINE_BODY_BYTES: tokenized off the event loop
     if path == "/v1/completions":
-        body = {"prompt": "tokenize me " * 100, "max_tokens": 2}
+        body = {"prompt": text, "max_tokens": 2}
     else:
-        body = {"messages": [{"role": "user", "content": "tokenize me " * 100}], "max_tokens": 2}
+        body = {"messages": [{"role": "user", "content": text}], "max_tokens": 2}
     answered, (status, reply) = health_while_held(server, held, lambda: post(server, body, path))
     assert answered, "/health waited for a prompt being tokenized"
     assert_openai_error(status, reply, 400, contains="max_model_len=96")
