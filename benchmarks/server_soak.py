@@ -8,7 +8,12 @@ Prints each round's median and max latency alone and mixed, their ratios, and th
 all rounds pooled (the target: at most 2x). Time it on a quiet machine (look at ``uptime``):
 the clients share its cores with the server.
 
-    python benchmarks/server_soak.py [--rounds 3]
+    python benchmarks/server_soak.py [--rounds 3] [--hostile all|refused|served]
+
+``--hostile refused`` sends only the classes the server refuses with a 4xx (what they cost is the
+server's isolation of bad input), ``--hostile served`` only the valid ones it answers (long choice
+lists, echo with prompt logprobs, clients that leave a stream: work the engine shares with the
+normal streams).
 """
 
 from __future__ import annotations
@@ -29,6 +34,12 @@ import server_soak  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--hostile",
+        choices=("all", "refused", "served"),
+        default="all",
+        help="every hostile class, only those refused with a 4xx, or only those served",
+    )
     args = parser.parse_args()
     alone_all, mixed_all = [], []
     with (
@@ -36,11 +47,11 @@ def main() -> None:
         server_soak.served(Path(tmp)) as (base, _proc, _log),
         concurrent.futures.ThreadPoolExecutor(8) as pool,
     ):
-        server_soak.run_mixed(base, pool, seed=0)
+        server_soak.run_mixed(base, pool, seed=0)  # every class: compiles what any mix needs
         server_soak.wait_background_compile(base)
         for r in range(args.rounds):
             _, alone = server_soak.run_normal(base, pool)
-            _, mixed, statuses, unanswered = server_soak.run_mixed(base, pool, seed=r)
+            _, mixed, statuses, unanswered = server_soak.run_mixed(base, pool, r, args.hostile)
             alone_all += alone
             mixed_all += mixed
             print(

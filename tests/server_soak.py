@@ -56,8 +56,15 @@ def gbnf_chain(rules: int) -> str:
     return "root ::= r0\n" + "\n".join(lines) + f'\nr{rules} ::= "a"\n'
 
 
-def hostile_bodies(seed: int) -> list[tuple[str, dict | bytes]]:
-    """(path, body) of each class in turn, HOSTILE in all."""
+# The classes a server answers 200 (a long choice list, echo with prompt logprobs, a client that
+# leaves a stream): valid requests whose work the engine shares with the normal streams. Every
+# other class is refused with a 4xx before it reaches the engine.
+SERVED_CLASSES = (5, 8, 9, 17)
+
+
+def hostile_bodies(seed: int, which: str = "all") -> list[tuple[str, dict | bytes]]:
+    """(path, body) of each class in turn, HOSTILE in all; ``which``: "all" classes, those
+    "served" or those "refused"."""
     chat = {"messages": [{"role": "user", "content": "Hi"}]}
     so = "structured_outputs"
     classes = [
@@ -83,6 +90,9 @@ def hostile_bodies(seed: int) -> list[tuple[str, dict | bytes]]:
         ("/v1/completions", b'{"model": "tiny-soak", "prompt": ' + b"[" * 100000),
         ("leave", {"prompt": "Hi", "max_tokens": 60, "stream": True, "ignore_eos": True}),
     ]
+    if which != "all":
+        served = which == "served"
+        classes = [c for i, c in enumerate(classes) if (i in SERVED_CLASSES) == served]
     rng = random.Random(seed)
     bodies = [classes[i % len(classes)] for i in range(HOSTILE)]
     rng.shuffle(bodies)
@@ -152,13 +162,15 @@ def wait_healthy(proc, port: int, log) -> str:
         time.sleep(0.5)
 
 
-def run_mixed(base: str, normal_pool, seed: int) -> tuple[list[str], list[float], list[int], int]:
+def run_mixed(
+    base: str, normal_pool, seed: int, which: str = "all"
+) -> tuple[list[str], list[float], list[int], int]:
     """The normal streams timed while the hostile bodies are sent (four at a time, from processes
     of their own as hostile clients are: their megabyte replies are read and freed there). Every
     client process is started before the flood, and the normal streams start once the flood is
     under way, so that they run in its midst and starting clients is not timed."""
     port = int(base.rsplit(":", 1)[1])
-    bodies = hostile_bodies(seed)
+    bodies = hostile_bodies(seed, which)
     with multiprocessing.get_context("spawn").Pool(4) as hostile_pool:
         started: set[int] = set()
         while len(started) < 4:
