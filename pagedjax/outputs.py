@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 
 from pagedjax.spec_decode.metrics import SpecDecodingStats
 
@@ -15,6 +16,56 @@ class Logprob:
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+
+
+class PromptLogprobsList(Sequence):
+    """RequestOutput.prompt_logprobs as vLLM shapes it (None for the first prompt token, then
+    per token a dict token id -> Logprob: its own and the k most likely, rank 1 = most likely),
+    kept as the arrays the engine scored and built into that list when first read. A pickle of
+    it is those arrays (kilobytes, where the built list is thousands of objects): the engine
+    process sends it that way and the API process names the tokens' text with ``bind``."""
+
+    def __init__(self, prompt, logprobs, ranks, top_ids, top_logprobs, token_text=None):
+        self.prompt = list(prompt)  # token ids
+        self.arrays = (logprobs, ranks, top_ids, top_logprobs)  # [n], [n], [n, k], [n, k]
+        self._token_text: Callable[[int], str | None] | None = token_text
+        self._entries: list | None = None
+
+    def bind(self, token_text: Callable[[int], str | None]) -> None:
+        """Name each token's text with ``token_text`` (a Logprob's decoded_token)."""
+        self._token_text, self._entries = token_text, None
+
+    def _built(self) -> list[dict[int, Logprob] | None]:
+        if self._entries is None:
+            text = self._token_text or (lambda token: None)
+            logprobs, ranks, top_ids, top_logprobs = self.arrays
+            out: list[dict[int, Logprob] | None] = [None]
+            for j in range(1, len(self.prompt)):
+                token = self.prompt[j]
+                entry = {token: Logprob(float(logprobs[j]), int(ranks[j]), text(token))}
+                ids, lps = top_ids[j].tolist(), top_logprobs[j].tolist()
+                for rank, (t, lp) in enumerate(zip(ids, lps, strict=True), 1):
+                    entry.setdefault(t, Logprob(lp, rank, text(t)))
+                out.append(entry)
+            self._entries = out
+        return self._entries
+
+    def __getitem__(self, index):
+        return self._built()[index]
+
+    def __len__(self) -> int:
+        return len(self.prompt)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return repr(self._built())
+
+    def __getstate__(self) -> dict:
+        return {"prompt": self.prompt, "arrays": self.arrays, "_token_text": None, "_entries": None}
 
 
 @dataclasses.dataclass
@@ -42,7 +93,7 @@ class RequestOutput:
     error: str | None = None
     # SamplingParams(prompt_logprobs=k): one entry per prompt token, None for the first; each the
     # token's own Logprob and the k most likely. Set once the whole prompt is scored.
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs: PromptLogprobsList | None = None
     # Its proposals, accepted tokens, acceptance rate and mean acceptance length, when the engine
     # speculates (speculative_config); None otherwise.
     spec_decoding: SpecDecodingStats | None = None

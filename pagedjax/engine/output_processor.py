@@ -12,7 +12,7 @@ from collections.abc import Collection
 from pagedjax.core import beam_search
 from pagedjax.core.sequence import Sequence
 from pagedjax.engine.request import Request, advance_grammars
-from pagedjax.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedjax.outputs import CompletionOutput, PromptLogprobsList, RequestOutput
 from pagedjax.sampling_params import SamplingParams
 
 
@@ -147,22 +147,15 @@ class OutputProcessor:
             self.prompt_logprobs(req),
         )
 
-    def prompt_logprobs(self, req: Request) -> list[dict[int, Logprob] | None] | None:
-        """vLLM's prompt_logprobs, built once the whole prompt is scored."""
+    def prompt_logprobs(self, req: Request) -> PromptLogprobsList | None:
+        """vLLM's prompt_logprobs, once the whole prompt is scored (built when first read)."""
         state = req.prompt_logprobs
         if state is None or not state.done:
             return None
         if state.output is None:
-            text = self._token_texts()
-            out: list[dict[int, Logprob] | None] = [None]
-            for j in range(1, len(state.prompt)):
-                token = state.prompt[j]
-                entry = {token: Logprob(float(state.logprobs[j]), int(state.ranks[j]), text(token))}
-                ids, lps = state.top_token_ids[j].tolist(), state.top_logprobs[j].tolist()
-                for rank, (t, lp) in enumerate(zip(ids, lps, strict=True), 1):
-                    entry.setdefault(t, Logprob(lp, rank, text(t)))
-                out.append(entry)
-            state.output = out
+            arrays = (state.logprobs, state.ranks, state.top_token_ids, state.top_logprobs)
+            copies = [a.copy() for a in arrays]  # the state's rows may be stored again
+            state.output = PromptLogprobsList(state.prompt, *copies, self._token_texts())
         return state.output
 
     def _token_texts(self):

@@ -55,6 +55,7 @@ class EngineProcess:
         self._reader: threading.Thread | None = None
         self._started = False
         self._alive = True  # until the engine process is seen gone
+        self._token_text = None  # a token's text, for prompt logprobs (once the engine is ready)
 
     def wait_ready(self) -> ServingInfo | None:
         """Block until the engine has loaded and compiled what it needs before answering; its
@@ -69,6 +70,8 @@ class EngineProcess:
             ) from None
         if kind == "failed":
             raise RuntimeError(f"the engine process could not start: {payload}")
+        if kind == "ready" and payload.tokenizer is not None:
+            self._token_text = _token_texts(copy.deepcopy(payload.tokenizer))
         self._reader = threading.Thread(target=self._read, name="pagedjax-engine-out", daemon=True)
         self._reader.start()
         return payload if kind == "ready" else None
@@ -101,7 +104,7 @@ class EngineProcess:
     def submit(self, request_id: str, prompt_ids: list[int], params, sink, lora_request=None):
         """As EngineLoop.submit: the future fails with ValueError, QueueFull or RuntimeError."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._sinks[request_id] = (sink, OutputDecoder())
+        self._sinks[request_id] = (sink, OutputDecoder(self._token_text))
         self._adds[request_id] = fut
         msg = ("add", request_id, prompt_ids, _without_compiled(params), lora_request)
         self._send_unless_gone(msg)  # gone: the handler sees is_running false, as in-thread
@@ -191,6 +194,19 @@ class EngineProcess:
             fut.set_exception(error)
         else:
             fut.set_result(value)
+
+
+def _token_texts(tokenizer):
+    """A token's text (a Logprob's decoded_token, as the engine's output processor names it),
+    cached; decoding only, so the threads that build responses may share the tokenizer."""
+    cache: dict[int, str] = {}
+
+    def text(token: int) -> str:
+        if token not in cache:
+            cache[token] = tokenizer.decode([token], skip_special_tokens=False)
+        return cache[token]
+
+    return text
 
 
 class RemoteMetrics:

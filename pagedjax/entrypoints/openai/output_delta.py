@@ -16,8 +16,9 @@ token ids that are not an extension, a text that does not extend the last one) i
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
-from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.outputs import CompletionOutput, PromptLogprobsList, RequestOutput
 
 
 @dataclasses.dataclass
@@ -104,12 +105,16 @@ def _completion_delta(new: CompletionOutput, old: CompletionOutput) -> Completio
 
 class OutputDecoder:
     """The API process's side: each RequestOutput of one request rebuilt from what the encoder
-    sent. Every output is a new object (the handlers may still hold the one before)."""
+    sent. Every output is a new object (the handlers may still hold the one before). Prompt
+    logprobs cross as arrays (PromptLogprobsList): ``token_text`` names their tokens here."""
 
-    def __init__(self):
+    def __init__(self, token_text: Callable[[int], str | None] | None = None):
         self._last: RequestOutput | None = None
+        self._token_text = token_text
 
     def decode(self, payload: RequestOutput | OutputDelta) -> RequestOutput:
+        if isinstance(payload.prompt_logprobs, PromptLogprobsList) and self._token_text:
+            payload.prompt_logprobs.bind(self._token_text)
         if isinstance(payload, RequestOutput):
             self._last = payload
             return payload

@@ -120,3 +120,33 @@ def test_each_decoded_output_is_a_new_object_and_a_delta_needs_its_first_output(
     assert first.outputs[0].logprobs is not second.outputs[0].logprobs
     with pytest.raises(ValueError, match="'r0'"):
         OutputDecoder().decode(delta)
+
+
+def test_prompt_logprobs_cross_as_arrays_and_are_named_on_the_receiving_side():
+    import numpy as np
+
+    from pagedjax.outputs import PromptLogprobsList
+
+    n, k = 80, 20
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 1000, n).tolist()
+    arrays = (
+        rng.normal(size=n).astype(np.float32),
+        rng.integers(1, 50, n).astype(np.int32),
+        rng.integers(0, 1000, (n, k)).astype(np.int32),
+        np.sort(rng.normal(size=(n, k)).astype(np.float32))[:, ::-1],
+    )
+    engine_side = PromptLogprobsList(prompt, *arrays, token_text=lambda t: f"<{t}>")
+    built = list(engine_side)  # read on the engine's side: built there
+    assert built[0] is None and len(built) == n
+    assert built[5][prompt[5]] == Logprob(float(arrays[0][5]), int(arrays[1][5]), f"<{prompt[5]}>")
+    assert min(lp.rank for lp in built[5].values()) == 1
+
+    wire = pickle.dumps(engine_side)
+    assert len(wire) * 3 < len(pickle.dumps(built))
+    api_side = pickle.loads(wire)
+    assert api_side._entries is None  # four arrays crossed, not 1,600 Logprob objects
+    assert api_side[5][prompt[5]].decoded_token is None  # not named until bound
+    dec = OutputDecoder(token_text=lambda t: f"<{t}>")
+    out = RequestOutput("r0", "p", prompt, [], True, None, api_side)
+    assert dec.decode(out).prompt_logprobs == built  # named as the engine named them
