@@ -150,3 +150,24 @@ def test_prompt_logprobs_cross_as_arrays_and_are_named_on_the_receiving_side():
     dec = OutputDecoder(token_text=lambda t: f"<{t}>")
     out = RequestOutput("r0", "p", prompt, [], True, None, api_side)
     assert dec.decode(out).prompt_logprobs == built  # named as the engine named them
+
+
+def test_an_echoed_prompts_logprobs_read_from_the_arrays_equal_those_read_from_the_entries():
+    import numpy as np
+
+    from pagedjax.entrypoints.openai.logprobs import TokenStrings, prompt_completion_logprobs
+    from pagedjax.outputs import PromptLogprobsList
+
+    n, k = 40, 5
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 30, n).tolist()  # few ids: the prompt's own token often in the top
+    top_ids = np.stack([rng.permutation(30)[:k] for _ in range(n)]).astype(np.int32)
+    top_lps = np.sort(rng.normal(size=(n, k)).astype(np.float32))[:, ::-1].copy()
+    top_lps[3, 2] = -np.inf  # floored at -9999 in JSON
+    own = rng.normal(size=n).astype(np.float32)
+    lazy = PromptLogprobsList(prompt, own, rng.integers(1, 30, n), top_ids, top_lps)
+    strings = TokenStrings(None)  # a token's text is its id: texts never collide
+    from_arrays = prompt_completion_logprobs(strings, prompt, lazy, k)
+    from_entries = prompt_completion_logprobs(strings, prompt, list(lazy), k)
+    assert from_arrays == from_entries
+    assert list(from_arrays["top_logprobs"][3].values()).count(-9999.0) == 1
