@@ -18,6 +18,22 @@ class Logprob:
     decoded_token: str | None = None
 
 
+def token_texts(tokenizer) -> Callable[[int], str | None]:
+    """A token's text decoded alone, special tokens kept (a Logprob's decoded_token), cached per
+    token; None without a tokenizer. Decoding only: threads may share the tokenizer."""
+    cache: dict[int, str | None] = {}
+
+    def text(token: int) -> str | None:
+        if token not in cache:
+            decoded = (
+                None if tokenizer is None else tokenizer.decode([token], skip_special_tokens=False)
+            )
+            cache[token] = decoded
+        return cache[token]
+
+    return text
+
+
 class PromptLogprobsList(Sequence):
     """RequestOutput.prompt_logprobs as vLLM shapes it (None for the first prompt token, then
     per token a dict token id -> Logprob: its own and the k most likely, rank 1 = most likely),

@@ -12,7 +12,7 @@ from collections.abc import Collection
 from pagedjax.core import beam_search
 from pagedjax.core.sequence import Sequence
 from pagedjax.engine.request import Request, advance_grammars
-from pagedjax.outputs import CompletionOutput, PromptLogprobsList, RequestOutput
+from pagedjax.outputs import CompletionOutput, PromptLogprobsList, RequestOutput, token_texts
 from pagedjax.sampling_params import SamplingParams
 
 
@@ -152,21 +152,10 @@ class OutputProcessor:
         state = req.prompt_logprobs
         if state is None or not state.done:
             return None
-        if state.output is None:
+        if state.output is None:  # its rows are final: a scored row is never scored again
             arrays = (state.logprobs, state.ranks, state.top_token_ids, state.top_logprobs)
-            copies = [a.copy() for a in arrays]  # the state's rows may be stored again
-            state.output = PromptLogprobsList(state.prompt, *copies, self._token_texts())
+            state.output = PromptLogprobsList(state.prompt, *arrays, token_texts(self.tokenizer))
         return state.output
-
-    def _token_texts(self):
-        cache: dict[int, str | None] = {}
-
-        def text(token: int) -> str | None:
-            if token not in cache:
-                cache[token] = None if self.tokenizer is None else self.decode([token], False)
-            return cache[token]
-
-        return text
 
     def _beam_output(self, req: Request) -> RequestOutput:
         p = req.params

@@ -24,6 +24,7 @@ from pagedjax.engine.input_processor import InputProcessor
 from pagedjax.entrypoints.openai.engine_loop import ENGINE_COMMANDS
 from pagedjax.entrypoints.openai.engine_process import EngineOptions, ServingInfo, engine_main
 from pagedjax.entrypoints.openai.output_delta import OutputDecoder
+from pagedjax.outputs import token_texts
 
 logger = logging.getLogger("pagedjax.api_server")
 
@@ -71,7 +72,7 @@ class EngineProcess:
         if kind == "failed":
             raise RuntimeError(f"the engine process could not start: {payload}")
         if kind == "ready" and payload.tokenizer is not None:
-            self._token_text = _token_texts(copy.deepcopy(payload.tokenizer))
+            self._token_text = token_texts(copy.deepcopy(payload.tokenizer))
         self._reader = threading.Thread(target=self._read, name="pagedjax-engine-out", daemon=True)
         self._reader.start()
         return payload if kind == "ready" else None
@@ -194,19 +195,6 @@ class EngineProcess:
             fut.set_exception(error)
         else:
             fut.set_result(value)
-
-
-def _token_texts(tokenizer):
-    """A token's text (a Logprob's decoded_token, as the engine's output processor names it),
-    cached; decoding only, so the threads that build responses may share the tokenizer."""
-    cache: dict[int, str] = {}
-
-    def text(token: int) -> str:
-        if token not in cache:
-            cache[token] = tokenizer.decode([token], skip_special_tokens=False)
-        return cache[token]
-
-    return text
 
 
 class RemoteMetrics:

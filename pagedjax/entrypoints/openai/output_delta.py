@@ -46,7 +46,7 @@ class OutputDelta:
     completions: list[CompletionDelta]
     finished: bool
     error: str | None
-    prompt_logprobs: list | None  # None: the same as before
+    prompt_logprobs: PromptLogprobsList | None  # None: the same as before
     spec_decoding: object
 
 
