@@ -130,16 +130,21 @@ def test_metrics_are_the_engine_processs(process_server):
     assert after["pagedjax_kv_blocks_used"] == 0
 
 
-def test_a_client_that_leaves_aborts_its_request_in_the_engine_process(process_server):
-    base, _ = process_server
-    before = wait_idle(base, key=KEY)
-    key = 'pagedjax_request_success_total{finished_reason="abort"}'
+def open_stream(base: str):
+    """(connection, response) of an 80-token greedy stream, its body not yet read."""
     port = int(base.rsplit(":", 1)[1])
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 80, "ignore_eos": True, "stream": True}
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     conn.request("POST", "/v1/completions", json.dumps(body), headers)
-    resp = conn.getresponse()
+    return conn, conn.getresponse()
+
+
+def test_a_client_that_leaves_aborts_its_request_in_the_engine_process(process_server):
+    base, _ = process_server
+    before = wait_idle(base, key=KEY)
+    key = 'pagedjax_request_success_total{finished_reason="abort"}'
+    conn, resp = open_stream(base)
     assert resp.status == 200
     resp.read1(64)
     conn.close()
@@ -213,12 +218,7 @@ def test_an_engine_that_cannot_start_raises_naming_why(tmp_path):
 def test_a_dead_engine_process_fails_streams_health_and_new_requests(process_server):
     """Last in this file: it kills the module's engine process."""
     base, process = process_server
-    port = int(base.rsplit(":", 1)[1])
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 80, "ignore_eos": True, "stream": True}
-    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    conn.request("POST", "/v1/completions", json.dumps(body), headers)
-    resp = conn.getresponse()
+    conn, resp = open_stream(base)
     first = resp.read1(64)
     assert resp.status == 200 and first
     os.kill(process.process.pid, signal.SIGKILL)
