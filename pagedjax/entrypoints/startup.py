@@ -20,6 +20,7 @@ import time
 from prometheus_client.core import GaugeMetricFamily
 
 from pagedjax.worker.warmup import BackgroundCompile, Job, WarmupReport
+from pagedjax.worker.warmup_jobs import PROMPT_ROWS
 
 logger = logging.getLogger("pagedjax.api_server")
 
@@ -143,7 +144,8 @@ def prepare(
 def _rarest_last(jobs: list[Job], done: set[str]) -> list[Job]:
     """The jobs not compiled yet, those of fewer sequences (s), narrower tables (b) and fewer
     tokens (t) first, as their names say (``model decode t16 s16 b64``): more requests meet
-    them. Ties keep their order; a name without these sizes (block copies) goes first."""
+    them; those that score prompt rows (prompt logprobs) after all others. Ties keep their
+    order; a name without these sizes (block copies) goes first."""
     rest = [job for job in jobs if job[0] not in done]
     sizes = [dict(_SIZE.findall(name)) for name, _ in rest]
     smallest: dict[str, int] = {}
@@ -154,7 +156,10 @@ def _rarest_last(jobs: list[Job], done: set[str]) -> list[Job]:
     def rank(i: int) -> float:
         return sum(math.log2(int(v) / smallest[k]) for k, v in sizes[i].items())
 
-    return [rest[i] for i in sorted(range(len(rest)), key=rank)]
+    def key(i: int) -> tuple[bool, float]:
+        return PROMPT_ROWS in rest[i][0], rank(i)
+
+    return [rest[i] for i in sorted(range(len(rest)), key=key)]
 
 
 _SIZE = re.compile(r"\b([sbt])(\d+)\b")

@@ -28,12 +28,13 @@ def _step_and_sample(
 ):
     # packed: i32[...], the step's inputs (step_program.pack_inputs); prev_tokens: i32[W], the
     # step before's tokens on the device (placeholders -1 - r read row r)
-    step_input, logit_rows, sampling = step_program.unpack_inputs(packed, layout)
+    step_input, logit_rows, targets, sampling = step_program.unpack_inputs(packed, layout)
     filled = step_program.fill_tokens(step_input.token_ids, prev_tokens)
     step_input = step_input.replace(token_ids=filled)
     model = (config, backend, mesh, packed_w, lora_slots)
     logits, kv_pool = _model_step(params, kv_pool, step_input, *model)
-    return step_program.after_model(logits, logit_rows, layout, prev_tokens, sampling), kv_pool
+    outs = step_program.after_model(logits, logit_rows, layout, prev_tokens, sampling, targets)
+    return outs, kv_pool
 
 
 # (params, pool, packed inputs, prev tokens, config, backend, mesh, weight layout, StepLayout,

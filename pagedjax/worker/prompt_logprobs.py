@@ -2,13 +2,14 @@
 
 Prompt token ``j`` (``j >= 1``) is scored by the logits at position ``j - 1``, which the step that
 computes that position produces: a prefill chunk, whether or not it finishes the prompt. Only the
-steps that hold such rows pay for them: there the model step also returns the logits of those
-rows (``logits_indices`` grows by a bucketed block of rows, so these steps run model programs of
-their own, compiled the first time a request asks), and ``prompt_logprobs`` (a small jitted
-program) scores them and hands the usual per-sequence logits on to the sampler. Steps without
-such rows run the usual programs, unchanged. The runner returns the scores with the step's output
-(``PromptScores`` per scheduled sequence) and the step loop stores them into the request's
-``PromptLogprobs``.
+steps that hold such rows pay for them: there ``logits_indices`` grows by a bucketed block of rows
+(``rows_bucket``: powers of four from 32, at most the step's token bucket, so that a prefill shape
+has a handful of such programs, ``rows_buckets``) and the step program scores them (``score``)
+beside sampling the usual per-sequence rows; the rows' targets travel in the step's packed input.
+These programs are compiled with the rest in warm-up and a server's background compile
+(worker/warmup_jobs.py), not on a request's first step. Steps without such rows run the usual
+programs, unchanged. The runner returns the scores with the step's output (``PromptScores`` per
+scheduled sequence) and the step loop stores them into the request's ``PromptLogprobs``.
 
 A cached prefix has no logits, so a request that asks for prompt logprobs does not read the shared
 prefix cache (``PromptLogprobs.cache_key``): it computes its whole prompt. After a preemption by
@@ -25,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pagedjax.utils import next_pow2
 from pagedjax.worker.sampler import TOP_LOGPROBS_WIDTH
 
 MIN_ROWS_BUCKET = 32  # smallest block of extra logits rows (bounded programs)
+ROWS_BUCKET_GROWTH = 4  # each next block of rows this many times the last
 _nonce = itertools.count()
 
 
@@ -97,6 +98,24 @@ class PromptLogprobs:
         self.next_target = max(self.next_target, stop)
 
 
+def rows_bucket(num_rows: int, num_tokens: int) -> int:
+    """The block of logits rows a step of ``num_tokens`` (padded) tokens appends for
+    ``num_rows`` prompt rows (at most one per token): the least power of ``ROWS_BUCKET_GROWTH``
+    times MIN_ROWS_BUCKET that holds them, or all the step's tokens when that is fewer."""
+    size = MIN_ROWS_BUCKET
+    while size < num_rows:
+        size *= ROWS_BUCKET_GROWTH
+    return min(size, max(num_tokens, num_rows))
+
+
+def rows_buckets(num_tokens: int) -> list[int]:
+    """Every block of rows a step of ``num_tokens`` padded tokens can append."""
+    out = [rows_bucket(1, num_tokens)]
+    while out[-1] < num_tokens:
+        out.append(rows_bucket(out[-1] + 1, num_tokens))
+    return out
+
+
 def extend_logits_rows(step_input, seqs) -> tuple[object, np.ndarray | None]:
     """The step input with the rows to score appended to ``logits_indices`` (padded to a power
     of two), and their targets (i32[P], padding 0); (step_input, None) when no row is asked."""
@@ -109,7 +128,7 @@ def extend_logits_rows(step_input, seqs) -> tuple[object, np.ndarray | None]:
         row += len(s.token_ids)
     if not rows:
         return step_input, None
-    size = next_pow2(len(rows), MIN_ROWS_BUCKET)
+    size = rows_bucket(len(rows), len(step_input.token_ids))
     padded = np.zeros((2, size), np.int32)
     padded[0, : len(rows)], padded[1, : len(rows)] = rows, targets
     indices = np.concatenate([np.asarray(step_input.logits_indices, np.int32), padded[0]])
@@ -130,16 +149,13 @@ def split_scores(seqs, out: PromptLogprobsOutput) -> list[PromptScores]:
     return scores
 
 
-@jax.jit
-def score(logits: jax.Array, targets: jax.Array):
-    """logits f32[num_seqs + P, vocab] (the sequences' last rows, then the rows to score);
-    targets i32[P] -> (logits of the sequences f32[num_seqs, vocab], PromptLogprobsOutput)."""
-    num_seqs = logits.shape[0] - targets.shape[0]
-    x = logits[num_seqs:].astype(jnp.float32)  # [P, vocab]
+def score(logits: jax.Array, targets: jax.Array) -> PromptLogprobsOutput:
+    """The prompt rows' scores, inside the step program: logits f32[P, vocab] (the rows to
+    score), targets i32[P] (the token each row predicts)."""
+    x = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(x, axis=-1)
     target = jnp.take_along_axis(x, targets[:, None], axis=-1)[:, 0]
     ranks = 1 + jnp.sum(x > target[:, None], axis=-1, dtype=jnp.int32)
     width = min(TOP_LOGPROBS_WIDTH, x.shape[1])
     top, ids = jax.lax.top_k(x, width)
-    out = PromptLogprobsOutput(target - lse, ranks, ids.astype(jnp.int32), top - lse[:, None])
-    return logits[:num_seqs], out
+    return PromptLogprobsOutput(target - lse, ranks, ids.astype(jnp.int32), top - lse[:, None])

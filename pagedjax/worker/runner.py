@@ -206,9 +206,9 @@ class Runner(LoRASlotsHolder):
         decode = drafts is None and step_input.max_query_len == 1
         if decode and sampling is not None and step_program.samples_in_step(sampling.variant):
             in_step, sampling = sampling, None
-        packed, layout = step_program.pack_inputs(step_input, logit_rows, in_step)
+        packed, layout = step_program.pack_inputs(step_input, logit_rows, in_step, targets)
         with prof.phase("device", kind):
-            args = (packed, layout, sampling, targets, drafts, draft_probs)
+            args = (packed, layout, sampling, drafts, draft_probs)
             args += () if prev_tokens is None else (prev_tokens,)
             out, tokens, scored = self._call("run_step", *args)
             if isinstance(out, jax.Array):
@@ -245,7 +245,6 @@ class Runner(LoRASlotsHolder):
         packed: np.ndarray,
         layout: step_program.StepLayout,
         sampling: SamplingInput | None,
-        targets: np.ndarray | None = None,
         drafts: np.ndarray | None = None,
         draft_probs: np.ndarray | None = None,
         prev_tokens: jax.Array | None = None,
@@ -253,17 +252,14 @@ class Runner(LoRASlotsHolder):
         """One step's programs: the step program (fill, model, and the sampling of a plain
         greedy batch or, its input packed in ``packed``, of a sampled decode step); else the
         sampler program (``sampling``) unless the batch is plain greedy; the verify program in a
-        step that verifies; prompt scoring when asked. Returns (output, tokens i32[W] or None,
-        scored)."""
+        step that verifies. A step with prompt rows scores them in the step program. Returns
+        (output, tokens i32[W] or None, the prompt rows' scores or None)."""
         if prev_tokens is None:
             prev_tokens = self._no_tokens()
         outs, self.kv_cache.pages = self._launch(
             programs.step, *self._step_operands(packed, prev_tokens, layout)
         )
-        scored = None
-        if targets is not None:  # a step that scores prompt rows (worker/prompt_logprobs.py)
-            scoring = (outs["prompt_logits"], self._put(targets))
-            _, scored = self._launch(prompt_logprobs.score, *scoring)
+        scored = outs.get("prompt_scores")  # worker/prompt_logprobs.py
         if drafts is not None:
             # Speculation: rows with a proposal verify it (VerifyOutput: SamplerOutput +
             # accepted); the logits rows are the sampler's already.

@@ -13,10 +13,12 @@ import numpy as np
 
 from pagedjax.spec_decode.rejection import verify_step
 from pagedjax.utils import next_pow2, powers_of_two
-from pagedjax.worker import programs, sampler, step_program
+from pagedjax.worker import programs, prompt_logprobs, sampler, step_program
 from pagedjax.worker.input_batch import StepShape
 from pagedjax.worker.sampler import SamplingInput, SamplingRow
 from pagedjax.worker.warmup import Job, common_shapes
+
+PROMPT_ROWS = "prompt rows"  # in the name of a job whose program scores prompt rows
 
 
 def startup_jobs(runner, max_num_seqs: int, max_num_batched_tokens: int) -> list[Job]:
@@ -43,8 +45,9 @@ def warmup_jobs(
 ) -> list[Job]:
     """Each model-step shape, each decode shape's step program with each sampler variant it can
     hold (``step_program.step_variants``), the sampler for each sequence bucket in each of its
-    variants (penalties, logit bias or allowed-token masks, greedy or sampling), and the block
-    copy / swap programs (``swap`` None: if the runner has host blocks)."""
+    variants (penalties, logit bias or allowed-token masks, greedy or sampling), the block
+    copy / swap programs (``swap`` None: if the runner has host blocks), and last each prefill
+    shape's programs that score prompt rows (``prompt_rows_jobs``)."""
     jobs = lora_jobs(runner)
     shapes = runner.step_shapes(max_num_seqs, max_num_batched_tokens)
     for shape in shapes:
@@ -68,6 +71,19 @@ def warmup_jobs(
         ids = np.full(n, -1, np.int32)
         for op in ("copy", "gather", "scatter") if swap else ("copy",):
             jobs.append((f"{op}_blocks {n}", lambda op=op, ids=ids: lower_move(op, ids)))
+    return jobs + prompt_rows_jobs(runner, shapes)
+
+
+def prompt_rows_jobs(runner, shapes: list[StepShape]) -> list[Job]:
+    """The step program of each prefill shape with each block of prompt rows it can score
+    (prompt logprobs, worker/prompt_logprobs.py's ``rows_buckets``); named "... prompt rows",
+    the rarest programs, compiled last."""
+    jobs = []
+    for shape in shapes:
+        if shape.max_query_len > 1:
+            for p in prompt_logprobs.rows_buckets(shape.num_tokens):
+                name = f"model {shape} {PROMPT_ROWS} p{p}"
+                jobs.append((name, lambda a=(shape, None, p): lower_step(runner, *a)))
     return jobs
 
 
@@ -80,16 +96,24 @@ def _step_name(shape: StepShape, variant: sampler.Variant) -> str:
     return f"step {shape} sampler {variant}"
 
 
-def lower_step(runner, shape: StepShape, variant: sampler.Variant | None = None):
+def lower_step(
+    runner, shape: StepShape, variant: sampler.Variant | None = None, prompt_rows: int = 0
+):
     """The step program of a model shape (its logits rows all sampled), sampling ``variant``
-    itself when given (a sampled decode step), else greedily."""
+    itself when given (a sampled decode step), else greedily; with ``prompt_rows`` more logits
+    rows, scored for prompt logprobs."""
     empty = runner.batcher.empty(shape)
     rows = np.zeros(len(empty.logits_indices), np.int32)
     sampling = None
     if variant is not None:
         sampling = runner.sampling_input([variant.row()], len(rows), int(variant.top_logprobs))
         assert sampling.variant == variant, (sampling.variant, variant)
-    packed, layout = step_program.pack_inputs(empty, rows, sampling)
+    targets = None
+    if prompt_rows:
+        indices = np.zeros(len(rows) + prompt_rows, np.int32)
+        empty = empty.replace(logits_indices=indices)
+        targets = np.zeros(prompt_rows, np.int32)
+    packed, layout = step_program.pack_inputs(empty, rows, sampling, targets)
     return programs.step.lower(
         runner.params,
         runner.kv_cache.pages,

@@ -116,6 +116,12 @@ def test_after_warmup_nothing_compiles(tiny):
     out = llm.generate([prompt(20)], first, use_tqdm=False)[0].outputs[0]
     assert len(out.logprobs) == 6 and all(len(lp) >= 5 for lp in out.logprobs)
     assert llm.get_stats().num_compilations == warm.num_compilations
+    # Prompt logprobs: steps that score prompt rows, whole and chunked beside other prompts.
+    scored = SamplingParams(max_tokens=3, prompt_logprobs=2)
+    scored_prompts = [np.random.default_rng(n).integers(3, 250, n).tolist() for n in (40, 7, 55)]
+    outs = llm.generate(scored_prompts, scored, use_tqdm=False)
+    assert [len(o.prompt_logprobs) for o in outs] == [40, 7, 55]
+    assert llm.get_stats().num_compilations == warm.num_compilations
     # A mixed workload: prefill, chunked prefill (40 > 64 - decodes), decode, n > 1, sampling
     # options, logprobs, penalties, a shared prefix (copy-on-write), preemption by swapping.
     shared = prompt(13)

@@ -23,6 +23,7 @@ from server_helpers import free_port, live_server, raw
 from pagedjax import LLM, SamplingParams, compilation
 from pagedjax.entrypoints import startup
 from pagedjax.entrypoints.api_server import build_app
+from pagedjax.worker import prompt_logprobs
 from pagedjax.worker.runner import Runner
 from pagedjax.worker.warmup import BackgroundCompile, compile_jobs
 
@@ -57,7 +58,7 @@ def test_a_dozen_model_programs_before_health_and_the_rest_in_the_background(que
     assert {s.num_tokens for s in picked if s.max_query_len == 1} == {8, 16, 32}
     assert {s.num_tokens for s in picked if s.max_query_len > 1} == {32, 64, 128, 256, 512}
     # Nothing rare: no penalties, masks, logprobs, speculation, block moves or long contexts.
-    rare = re.compile(r"penalt|constrain|logprob|verify|blocks|b(64|128|256|512)\b")
+    rare = re.compile(r"penalt|constrain|logprob|prompt rows|verify|blocks|b(64|128|256|512)\b")
     assert not [n for n in first if rare.search(n)]
 
     everything = _names(runner.warmup_jobs(*DEFAULT_LIMITS, swap=True))
@@ -73,6 +74,12 @@ def test_a_dozen_model_programs_before_health_and_the_rest_in_the_background(que
     model_bg = [by_name[n] for n in background if n in by_name]
     assert model_bg[0].num_seqs == 8 and model_bg[-1].num_seqs == 256
     assert model_bg[0].max_blocks < model_bg[-1].max_blocks
+    # Last, each prefill shape's programs that score prompt rows (prompt logprobs).
+    scoring = [n for n in background if "prompt rows" in n]
+    assert background[-len(scoring) :] == scoring
+    prefill = [s for s in shapes if s.max_query_len > 1]
+    assert len(scoring) == sum(len(prompt_logprobs.rows_buckets(s.num_tokens)) for s in prefill)
+    assert f"model {prefill[-1]} prompt rows p{prefill[-1].num_tokens}" in scoring
 
 
 def test_small_limits_keep_the_policy_within_the_shapes():

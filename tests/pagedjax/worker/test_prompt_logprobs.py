@@ -132,3 +132,15 @@ def test_split_scores_hands_each_scheduled_sequence_its_rows():
     assert [(s.seq_index, s.first_target) for s in scores] == [(0, 1), (2, 4)]
     assert scores[0].scores.logprobs.tolist() == [0.0, 1.0]
     assert scores[1].scores.ranks.tolist() == [3]
+
+
+def test_rows_buckets_grow_by_four_up_to_the_steps_tokens():
+    from pagedjax.worker.prompt_logprobs import rows_bucket, rows_buckets
+
+    sizes = [rows_bucket(n, 2048) for n in (1, 32, 33, 128, 129, 600)]
+    assert sizes == [32, 32, 128, 128, 512, 2048]
+    assert rows_bucket(10, 16) == 16 and rows_bucket(40, 64) == 64  # never past the step's
+    assert rows_buckets(16) == [16] and rows_buckets(64) == [32, 64]
+    assert rows_buckets(2048) == [32, 128, 512, 2048]
+    for t in (16, 32, 64, 256, 1024):  # every bucket a step of t tokens can pick is listed
+        assert {rows_bucket(n, t) for n in range(1, t + 1)} == set(rows_buckets(t))

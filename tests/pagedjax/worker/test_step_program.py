@@ -70,10 +70,11 @@ def test_inputs_and_outputs_pack_and_unpack():
     rows = np.arange(len(step.logits_indices), dtype=np.int32)[::-1].copy()
     packed, layout = step_program.pack_inputs(step, rows)
     assert packed.dtype == np.int32 and packed.ndim == 1
-    back, back_rows, no_sampling = jax.jit(step_program.unpack_inputs, static_argnums=1)(
-        packed, layout
-    )
+    back, back_rows, no_targets, no_sampling = jax.jit(
+        step_program.unpack_inputs, static_argnums=1
+    )(packed, layout)
     assert no_sampling is None and layout.sampling is None
+    assert no_targets is None and layout.num_prompt_rows == 0
     for name in ("token_ids", "positions", "slot_mapping", "block_tables", "context_lens"):
         np.testing.assert_array_equal(getattr(back, name), getattr(step, name), err_msg=name)
     np.testing.assert_array_equal(back.query_start_loc, step.query_start_loc)
@@ -84,12 +85,28 @@ def test_inputs_and_outputs_pack_and_unpack():
     sampling = SamplingInput.build([SamplingRow(0.7, top_k=3, seed=9)] * 2, len(rows), 300, 2)
     packed, layout = step_program.pack_inputs(step, rows, sampling)
     assert packed.ndim == 1 and layout.sampling is not None
-    back, back_rows, back_sampling = jax.jit(step_program.unpack_inputs, static_argnums=1)(
+    back, back_rows, _, back_sampling = jax.jit(step_program.unpack_inputs, static_argnums=1)(
         packed, layout
     )
     np.testing.assert_array_equal(back.block_tables, step.block_tables)
     np.testing.assert_array_equal(back_rows, rows)
     assert back_sampling.variant == sampling.variant
+    for a, b in zip(jax.tree.leaves(back_sampling), jax.tree.leaves(sampling), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # Prompt rows (logits_indices past the sampler's rows) carry their targets in it too.
+    extra = np.array([0, 1, 2], np.int32)
+    scored = step.replace(logits_indices=np.concatenate([step.logits_indices, extra]))
+    targets = np.array([6, 7, 0], np.int32)
+    with pytest.raises(ValueError, match="3 prompt rows .* need as many targets, got None"):
+        step_program.pack_inputs(scored, rows)
+    packed, layout = step_program.pack_inputs(scored, rows, sampling, targets)
+    assert layout.num_prompt_rows == 3 and layout.num_logits == len(rows)
+    back, back_rows, back_targets, back_sampling = jax.jit(
+        step_program.unpack_inputs, static_argnums=1
+    )(packed, layout)
+    np.testing.assert_array_equal(back.logits_indices, scored.logits_indices)
+    np.testing.assert_array_equal(back_rows, rows)
+    np.testing.assert_array_equal(back_targets, targets)
     for a, b in zip(jax.tree.leaves(back_sampling), jax.tree.leaves(sampling), strict=True):
         np.testing.assert_array_equal(a, b)
     out = SamplerOutput(
