@@ -50,6 +50,7 @@ def main() -> None:
         server_soak.run_mixed(base, pool, seed=0)  # every class: compiles what any mix needs
         server_soak.wait_background_compile(base)
         for r in range(args.rounds):
+            compiled = server_soak.compilations(base)
             _, alone = server_soak.run_normal(base, pool)
             _, mixed, statuses, unanswered = server_soak.run_mixed(base, pool, r, args.hostile)
             alone_all += alone
@@ -60,7 +61,8 @@ def main() -> None:
                 f"median {statistics.median(mixed) / statistics.median(alone):.2f}x max "
                 f"{max(mixed) / max(alone):.2f}x ({unanswered} of {len(statuses)} hostile "
                 f"bodies unanswered when the streams ended; "
-                f"{sum(s >= 500 for s in statuses)} answered 5xx)",
+                f"{sum(s >= 500 for s in statuses)} answered 5xx; "
+                f"{server_soak.compilations(base) - compiled:.0f} programs compiled in the round)",
                 flush=True,
             )
     print(

@@ -22,6 +22,7 @@ from server_helpers import (
     metrics,
     raw,
     sse_events,
+    wait_idle,
 )
 
 KEY = "soak-key"
@@ -184,6 +185,9 @@ def run_mixed(
         texts, latencies = run_normal(base, normal_pool)
         unanswered = sum(not r.ready() for r in hostile)  # still in flight when the streams ended
         statuses = [r.get(timeout=600) for r in hostile]
+    # Until the engine has let go of every request (a client that left a stream is noticed at
+    # the stream's next write): what comes next, the normal streams timed alone, runs alone.
+    wait_idle(base, timeout=120, key=KEY)
     return texts, latencies, statuses, unanswered
 
 
