@@ -75,47 +75,62 @@ def check_schema(schema: Any, kind: str = "json", name: str = "schema") -> None:
     checked by the caller on its canonical text."""
     if isinstance(schema, bool):
         return
-    for path, node, in_data in _walk(schema, kind, name):
+    for at, node, in_data in _walk(schema, kind, name):
         if isinstance(node, dict) and not in_data:
-            _check_schema_object(kind, path, node)
-    height = _height(schema, _local_refs(schema))
+            _check_schema_object(kind, at, node)
+    height, whole = _height(schema, _local_refs(schema), MAX_SCHEMA_DEPTH)
     if height > MAX_SCHEMA_DEPTH:
-        raise _refuse(kind, f"the {name}'s depth ($ref hops included)", height, MAX_SCHEMA_DEPTH)
+        value = height if whole else f"at least {height}"
+        raise _refuse(kind, f"the {name}'s depth ($ref hops included)", value, MAX_SCHEMA_DEPTH)
+
+
+def _path(at) -> str:
+    """The text of a place in a schema (``schema['a'][0]``): a place is the schema's name or
+    (its parent's place, its key), built as the walk goes and rendered only for a message."""
+    keys = []
+    while isinstance(at, tuple):
+        at, key = at
+        keys.append(f"[{key!r}]")
+    return at + "".join(reversed(keys))
 
 
 def _walk(root: Any, kind: str, name: str):
-    """(path, node, inside a data value) for every container in root, depth-first, iterative;
-    a value that is not JSON is a ValueError naming its path."""
-    stack = [(name, root, False, 1)]
+    """(place, node, inside a data value) for every container in root (its place as
+    ``_path`` reads it), depth-first, iterative; a value that is not JSON is a ValueError
+    naming its path."""
+    stack: list[tuple[Any, Any, bool, int]] = [(name, root, False, 1)]
     while stack:
-        path, node, in_data, depth = stack.pop()
+        at, node, in_data, depth = stack.pop()
         if depth > MAX_SCHEMA_DEPTH:
             raise _refuse(
                 kind, f"the {name}'s nesting depth", f"at least {depth}", MAX_SCHEMA_DEPTH
             )
-        yield path, node, in_data
-        items = node.items() if isinstance(node, dict) else enumerate(node)
-        for key, value in items:
-            if isinstance(node, dict) and not isinstance(key, str):
-                raise ValueError(
-                    f"structured_outputs.{kind}: {path} has the key {key!r}; JSON keys are strings"
-                )
-            where = f"{path}[{key!r}]"
+        yield at, node, in_data
+        is_dict = isinstance(node, dict)
+        for key, value in node.items() if is_dict else enumerate(node):
             if isinstance(value, dict | list | tuple):
-                data = in_data or (isinstance(node, dict) and key in _DATA_KEYWORDS)
-                stack.append((where, value, data, depth + 1))
-            elif isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(
-                    f"structured_outputs.{kind}: {where} is {value}, not a JSON number"
-                )
-            elif not isinstance(value, str | int | float | bool | type(None)):
+                data = in_data or (is_dict and key in _DATA_KEYWORDS)
+                stack.append(((at, key), value, data, depth + 1))
+            elif not isinstance(value, str | int | bool | type(None)) and not (
+                isinstance(value, float) and math.isfinite(value)
+            ):
+                where = _path((at, key))
+                if isinstance(value, float):
+                    raise ValueError(
+                        f"structured_outputs.{kind}: {where} is {value}, not a JSON number"
+                    )
                 raise ValueError(
                     f"structured_outputs.{kind}: {where} is a {type(value).__name__}, not a JSON "
                     "value (use a list)"
                 )
+            if is_dict and not isinstance(key, str):
+                raise ValueError(
+                    f"structured_outputs.{kind}: {_path(at)} has the key {key!r}; JSON keys are "
+                    "strings"
+                )
 
 
-def _check_schema_object(kind: str, path: str, node: dict) -> None:
+def _check_schema_object(kind: str, at, node: dict) -> None:
     types = node.get("type")
     types = types if isinstance(types, list) else [types]
     if "integer" in types or types == [None]:
@@ -123,13 +138,13 @@ def _check_schema_object(kind: str, path: str, node: dict) -> None:
             v = node.get(name)
             if isinstance(v, int | float) and not isinstance(v, bool) and abs(v) > MAX_INTEGER:
                 raise ValueError(
-                    f"structured_outputs.{kind}: {path}[{name!r}] is {v}, beyond the range of "
+                    f"structured_outputs.{kind}: {_path(at)}[{name!r}] is {v}, beyond the range of "
                     f"integer bounds kept exactly, [-2**53, 2**53] = [{-MAX_INTEGER}, "
                     f"{MAX_INTEGER}] (bounds are 64-bit floats)"
                 )
     pattern = node.get("pattern")
     if isinstance(pattern, str):
-        check_regex(pattern, kind, f"the pattern at {path}")
+        check_regex(pattern, kind, f"the pattern at {_path(at)}")
 
 
 def _local_refs(schema: Any):
@@ -152,13 +167,17 @@ def _local_refs(schema: Any):
     return resolve
 
 
-def _height(root: Any, resolve) -> int:
+def _height(root: Any, resolve, limit: int) -> tuple[int, bool]:
     """Containers on the longest path down from root, a local $ref counted as a hop into its
-    target; a path that comes back to a container on it (a recursive schema) stops there."""
+    target; a path that comes back to a container on it (a recursive schema) stops there.
+    (height, True), or (n, False) once a path of n > ``limit`` containers is found (the walk
+    stops there: the height is at least n)."""
     memo: dict[int, int] = {}
     on_path: set[int] = {id(root)}
     stack = [(root, _kids(root, resolve), 0)]
     while stack:
+        if len(stack) > limit:
+            return len(stack), False
         node, kids, i = stack[-1]
         if i == len(kids):
             stack.pop()
@@ -170,7 +189,7 @@ def _height(root: Any, resolve) -> int:
         if id(kid) not in memo and id(kid) not in on_path:
             on_path.add(id(kid))
             stack.append((kid, _kids(kid, resolve), 0))
-    return memo[id(root)]
+    return memo[id(root)], True
 
 
 def _kids(node: Any, resolve) -> list:
@@ -257,9 +276,10 @@ def check_grammar(text: str) -> None:
             if depth > MAX_NESTING:
                 raise _refuse("grammar", "the grammar's parenthesis nesting", depth, MAX_NESTING)
     _check_embedded_schemas(text)
-    chain = _longest_chain(rules)
+    chain, whole = _longest_chain(rules, MAX_RULE_CHAIN)
     if chain > MAX_RULE_CHAIN:
-        raise _refuse("grammar", "the longest chain of rule references", chain, MAX_RULE_CHAIN)
+        value = chain if whole else f"at least {chain}"
+        raise _refuse("grammar", "the longest chain of rule references", value, MAX_RULE_CHAIN)
 
 
 def _check_embedded_schemas(text: str) -> None:
@@ -286,14 +306,18 @@ def _json_end(text: str, start: int) -> int:
     return len(text)
 
 
-def _longest_chain(rules: dict[str, list[str]]) -> int:
-    """Rules on the longest path of references; a reference back onto the path is cut."""
+def _longest_chain(rules: dict[str, list[str]], limit: int) -> tuple[int, bool]:
+    """Rules on the longest path of references; a reference back onto the path is cut.
+    (length, True), or (n, False) once a path of n > ``limit`` rules is found (the search stops
+    there: the longest is at least n)."""
     memo: dict[str, int] = {}
     for start in rules:
         if start in memo:
             continue
         on_path, stack = {start}, [(start, iter(rules[start]))]
         while stack:
+            if len(stack) > limit:
+                return len(stack), False
             name, refs = stack[-1]
             ref = next(refs, None)
             if ref is None:
@@ -303,7 +327,7 @@ def _longest_chain(rules: dict[str, list[str]]) -> int:
             elif ref in rules and ref not in memo and ref not in on_path:
                 on_path.add(ref)
                 stack.append((ref, iter(rules[ref])))
-    return max(memo.values(), default=0)
+    return max(memo.values(), default=0), True
 
 
 def check_choice(choices: list[str]) -> None:
