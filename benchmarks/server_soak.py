@@ -44,13 +44,13 @@ def main() -> None:
     alone_all, mixed_all = [], []
     with (
         tempfile.TemporaryDirectory() as tmp,
-        server_soak.served(Path(tmp)) as (base, _proc, _log),
+        server_soak.served(Path(tmp)) as (base, _proc, log),
         concurrent.futures.ThreadPoolExecutor(8) as pool,
     ):
         server_soak.run_mixed(base, pool, seed=0)  # every class: compiles what any mix needs
         server_soak.wait_background_compile(base)
         for r in range(args.rounds):
-            compiled = server_soak.compilations(base)
+            compiled, logged = server_soak.compilations(base), len(log.read_bytes())
             _, alone = server_soak.run_normal(base, pool)
             _, mixed, statuses, unanswered = server_soak.run_mixed(base, pool, r, args.hostile)
             alone_all += alone
@@ -65,6 +65,9 @@ def main() -> None:
                 f"{server_soak.compilations(base) - compiled:.0f} programs compiled in the round)",
                 flush=True,
             )
+            for line in log.read_bytes()[logged:].decode(errors="replace").splitlines():
+                if "on first use" in line:  # what a step compiled (worker/runner.py)
+                    print("   ", line.strip(), flush=True)
     print(
         f"all {args.rounds} rounds: ratio mixed / alone, median "
         f"{statistics.median(mixed_all) / statistics.median(alone_all):.2f}x, 90th percentile "

@@ -154,6 +154,7 @@ class Runner(LoRASlotsHolder):
         self.num_transfers = 0  # host arrays the steps sent to the device
         self.compile_seconds = 0.0  # time spent tracing, lowering and compiling them
         self._count_lock = threading.Lock()  # the engine thread and a background compile count
+        self.warmed_up = False  # a warm-up compiled programs: a step that compiles is logged
         self.channel = channel  # set in a multi-process run
         self.profile = profile or StepProfile()
         # The profile's attention work: the native CPU kernel reads each row's own keys only.
@@ -325,6 +326,7 @@ class Runner(LoRASlotsHolder):
         with self._count_lock:
             self.num_compilations += report.num_compiled
             self.compile_seconds += report.compile_seconds
+        self.warmed_up = True
         return report
 
     def startup_jobs(self, max_num_seqs: int, max_num_batched_tokens: int) -> list[Job]:
@@ -445,6 +447,14 @@ class Runner(LoRASlotsHolder):
             with self._count_lock:
                 self.num_compilations += now[0] - compiles
                 self.compile_seconds += now[1] - seconds
+            if now[0] > compiles and self.warmed_up:  # every step in flight waited for it
+                logger.info(
+                    "%s compiled %d program(s) on first use (%.2f s; warm-up had not): %s",
+                    op,
+                    now[0] - compiles,
+                    now[1] - seconds,
+                    _describe(op, args),
+                )
         if self.call_observer is not None:
             self.call_observer(op, args, start, time.perf_counter(), out)
         return out
@@ -468,3 +478,23 @@ class Runner(LoRASlotsHolder):
 
     def free_device_memory(self) -> None:
         self.kv_cache.free()
+
+
+def _describe(op: str, args: tuple) -> str:
+    """What a device operation ran, for a log line (a step: its layout and sampler variant)."""
+    if op != "run_step":
+        return op
+    layout, sampling = args[1], args[2]
+    out = (
+        f"step t{layout.num_tokens} s{layout.num_seqs} b{layout.max_blocks} "
+        f"q{layout.max_query_len}, {layout.num_logits} sampler rows"
+    )
+    if layout.num_prompt_rows:
+        out += f", {layout.num_prompt_rows} prompt rows"
+    if layout.sampling is not None:
+        out += ", sampling in the step"
+    if sampling is not None:
+        out += f", sampler {sampling.variant}"
+    if args[3] is not None:
+        out += ", verifying proposals"
+    return out

@@ -4,6 +4,7 @@ requests served meanwhile by compiling what they need on first use."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -94,12 +95,13 @@ def tiny(tmp_path_factory):
     return tiny_llama_dir(tmp_path_factory, "tiny_startup", tokenizer=True)
 
 
-def test_a_request_needing_an_uncompiled_program_is_served_while_the_background_waits(tiny):
+def test_a_request_needing_an_uncompiled_program_is_served_while_the_background_waits(tiny, caplog):
     # A max_model_len no other test uses: the penalties sampler (its history is max_model_len
     # wide) cannot have been compiled earlier in the same process.
     llm = LLM(tiny, block_size=8, max_model_len=88, num_blocks=48, max_num_seqs=4, seed=0)
     runner = llm.runner
     programs_before, counted_before = compilation.programs_compiled(), runner.num_compilations
+    caplog.set_level(logging.INFO, logger="pagedjax.worker.runner")
     start = startup.prepare(llm)
     assert start.report.num_compiled > 0 and start.background is not None
     assert runner.num_compilations - counted_before == start.report.num_compiled
@@ -129,6 +131,9 @@ def test_a_request_needing_an_uncompiled_program_is_served_while_the_background_
             assert status == 200, reply[:500]
             assert start.background.num_done == 0  # the background still waits
             assert runner.num_compilations > compiled  # the request compiled what it needed
+            # ... and the log says which program every stream in flight waited for
+            logged = [r.getMessage() for r in caplog.records if "on first use" in r.message]
+            assert any("penalties" in m and m.startswith("run_step compiled") for m in logged)
             metrics = raw(base, "GET", "/metrics", key=None)[1].decode()
             assert re.search(r"^pagedjax_startup_seconds [1-9]", metrics, re.M), metrics[:2000]
             assert f"pagedjax_background_compile_pending {len(jobs)}.0" in metrics
