@@ -6,7 +6,6 @@ ones (logprobs, echoed prompts) on its offload pool, off the event loop.
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from pagedjax.entrypoints.openai.logprobs import (
     TextOffsets,
@@ -16,7 +15,7 @@ from pagedjax.entrypoints.openai.logprobs import (
     join_logprobs,
     prompt_completion_logprobs,
 )
-from pagedjax.entrypoints.openai.offload import dumps
+from pagedjax.entrypoints.openai.offload import dumps, dumps_bytes
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import SamplingParams
 
@@ -121,7 +120,7 @@ class Responses:
             "choices": choices,
             "usage": usage(prompts, generated),
         }
-        return dumps(body).encode()
+        return dumps_bytes(body)
 
 
 class StreamEvents:
@@ -163,7 +162,7 @@ class StreamEvents:
         return self.k is not None or self.echo is not None or out.finished
 
     def event(self, body: dict) -> str:
-        return f"data: {json.dumps(body)}\n\n"
+        return f"data: {dumps(body)}\n\n"
 
     def chunk(self, index, text, finish, lp, first=False, stop_reason=None) -> str:
         if self.chat:

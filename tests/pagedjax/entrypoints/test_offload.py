@@ -4,6 +4,7 @@ light lane and the threads that call it (the engine's and the event loop's)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 
@@ -54,3 +55,14 @@ def test_a_small_body_runs_inline_a_larger_one_on_the_light_lane_a_huge_one_on_h
     finally:
         offload.close()
     assert lanes == ["inline", "inline", "pagedjax-light", "pagedjax-heavy"]
+
+
+def test_bodies_encode_as_compact_utf8_json():
+    from pagedjax.entrypoints.openai.offload import dumps, dumps_bytes
+
+    top = [{"caf\u00e9": -0.5, " x": -1.25e-05, "\u4e2d": -9999.0} for _ in range(2500)]
+    body = {"id": "c-1", "choices": [{"logprobs": {"top_logprobs": top}, "index": 0}], 7: None}
+    text = dumps(body)
+    assert json.loads(text) == json.loads(json.dumps(body))  # int keys written as strings
+    assert "caf\u00e9" in text and ", " not in text and ": " not in text  # UTF-8, compact
+    assert dumps_bytes(body) == text.encode()
