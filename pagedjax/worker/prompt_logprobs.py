@@ -117,8 +117,9 @@ def rows_buckets(num_tokens: int) -> list[int]:
 
 
 def extend_logits_rows(step_input, seqs) -> tuple[object, np.ndarray | None]:
-    """The step input with the rows to score appended to ``logits_indices`` (padded to a power
-    of two), and their targets (i32[P], padding 0); (step_input, None) when no row is asked."""
+    """The step input with the rows to score appended to ``logits_indices`` (padded to
+    ``rows_bucket``), and their targets (i32[P], padding 0); (step_input, None) when no row is
+    asked."""
     rows, targets, row = [], [], 0
     for s in seqs:
         p = s.prompt_rows
