@@ -66,7 +66,7 @@ def main() -> None:
                 flush=True,
             )
             for line in log.read_bytes()[logged:].decode(errors="replace").splitlines():
-                if "on first use" in line:  # what a step compiled (worker/runner.py)
+                if "on first use" in line or "background compile" in line:  # what compiled
                     print("   ", line.strip(), flush=True)
     print(
         f"all {args.rounds} rounds: ratio mixed / alone, median "
