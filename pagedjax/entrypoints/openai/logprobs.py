@@ -156,19 +156,23 @@ def chat_logprobs(strings: TokenStrings, token_ids, logprobs, k: int) -> dict:
     return {"content": content}
 
 
-def prompt_completion_logprobs(strings: TokenStrings, prompt_ids, prompt_logprobs, k: int) -> dict:
+def prompt_completion_logprobs(
+    strings: TokenStrings, prompt_ids, prompt_logprobs: PromptLogprobsList, k: int
+) -> dict:
     """The echoed prompt's part of a completion's logprobs (OpenAI's legacy shape, as vLLM):
     the first token has no logprob; each other token's top_logprobs holds it and the k most
-    likely. ``prompt_logprobs`` is RequestOutput.prompt_logprobs: read from its arrays when it
-    has them (an echoed prompt's thousands of Logprob objects are then never built)."""
-    if isinstance(prompt_logprobs, PromptLogprobsList):
-        per_token = _pairs_from_arrays(prompt_ids, prompt_logprobs, k)
-    else:
-        per_token = _pairs_from_entries(prompt_ids, prompt_logprobs, k)
-    token_lps, tops = [], []
-    for pairs in per_token:
-        token_lps.append(None if pairs is None else pairs[0][1])
-        tops.append(None if pairs is None else _by_text(strings, pairs))
+    likely (logprobs floored at -9999: JSON has no -inf). Read from RequestOutput.prompt_logprobs'
+    arrays (their top columns are ranks 1, 2, ...): an echoed prompt's thousands of Logprob
+    objects are never built."""
+    logprobs, _, top_ids, top_logprobs = prompt_logprobs.arrays
+    own, ids, lps = logprobs.tolist(), top_ids[:, :k].tolist(), top_logprobs[:, :k].tolist()
+    token_lps, tops = [None], [None]
+    for j in range(1, len(prompt_ids)):
+        tid = prompt_ids[j]
+        others = [(t, max(lp, -9999.0)) for t, lp in zip(ids[j], lps[j], strict=True) if t != tid]
+        pairs = [(tid, max(own[j], -9999.0)), *others]
+        token_lps.append(pairs[0][1])
+        tops.append(_by_text(strings, pairs))
     offsets = TextOffsets(strings.tokenizer, []).feed(list(prompt_ids))
     return {
         "tokens": [strings.text(t) for t in prompt_ids],
@@ -176,30 +180,6 @@ def prompt_completion_logprobs(strings: TokenStrings, prompt_ids, prompt_logprob
         "top_logprobs": tops,
         "text_offset": offsets,
     }
-
-
-def _pairs_from_entries(prompt_ids, prompt_logprobs, k: int):
-    """Per prompt token, None (the first) or [(the token, its logprob), then the k most likely
-    other tokens by rank], logprobs floored at -9999 (JSON has no -inf)."""
-    for tid, entry in zip(prompt_ids, prompt_logprobs, strict=True):
-        if entry is None:
-            yield None
-            continue
-        top = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
-        ranked = [(t, lp) for t, lp in top if t != tid and (lp.rank or 0) <= k]
-        yield [(t, max(lp.logprob, -9999.0)) for t, lp in [(tid, entry[tid]), *ranked]]
-
-
-def _pairs_from_arrays(prompt_ids, prompt_logprobs: PromptLogprobsList, k: int):
-    """_pairs_from_entries, read from the arrays (their top columns are ranks 1, 2, ...)."""
-    logprobs, _, top_ids, top_logprobs = prompt_logprobs.arrays
-    own, ids, lps = logprobs.tolist(), top_ids[:, :k].tolist(), top_logprobs[:, :k].tolist()
-    for j, tid in enumerate(prompt_ids):
-        if j == 0:
-            yield None
-            continue
-        others = [(t, max(lp, -9999.0)) for t, lp in zip(ids[j], lps[j], strict=True) if t != tid]
-        yield [(tid, max(own[j], -9999.0)), *others]
 
 
 def join_logprobs(first: dict, second: dict | None, shift: int) -> dict:

@@ -168,6 +168,18 @@ def test_an_echoed_prompts_logprobs_read_from_the_arrays_equal_those_read_from_t
     lazy = PromptLogprobsList(prompt, own, rng.integers(1, 30, n), top_ids, top_lps)
     strings = TokenStrings(None)  # a token's text is its id: texts never collide
     from_arrays = prompt_completion_logprobs(strings, prompt, lazy, k)
-    from_entries = prompt_completion_logprobs(strings, prompt, list(lazy), k)
+    # The same read from vLLM's list of Logprob dicts: the token's own, then the others of rank
+    # at most k, floored at -9999.
+    token_lps, tops = [], []
+    for tid, entry in zip(prompt, list(lazy), strict=True):
+        if entry is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        ranked = sorted((lp.rank, t) for t, lp in entry.items() if t != tid and lp.rank <= k)
+        pairs = [(tid, entry[tid].logprob)] + [(t, entry[t].logprob) for _, t in ranked]
+        token_lps.append(max(pairs[0][1], -9999.0))
+        tops.append({strings.text(t): max(lp, -9999.0) for t, lp in pairs})
+    from_entries = {**from_arrays, "token_logprobs": token_lps, "top_logprobs": tops}
     assert from_arrays == from_entries
     assert list(from_arrays["top_logprobs"][3].values()).count(-9999.0) == 1
