@@ -63,6 +63,9 @@ class EngineLoop:
         # stats published): an engine process sends what the pass produced in one message
         self._after_pass = after_pass
         self.metrics = ServerMetrics()
+        runner = getattr(engine, "runner", None)
+        if runner is not None:  # its counts also grow on a background compile's thread
+            self.metrics.compile_counts = lambda: (runner.num_compilations, runner.compile_seconds)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._thread: threading.Thread | None = None

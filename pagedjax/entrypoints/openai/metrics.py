@@ -2,14 +2,18 @@
 
 Each app has its own registry (several apps may live in one process, as in tests). The server's
 own counters and latency histograms are ``prometheus_client`` metrics updated on the engine
-thread; the engine's state (queues, KV blocks, preemptions, compilations) is read from a
+thread; the engine's state (queues, KV blocks, preemptions) is read from a
 snapshot of ``engine.get_stats()`` that the engine thread refreshes every loop, and exposed by a
-collector at scrape time. Handlers never read the scheduler's queues.
+collector at scrape time. Handlers never read the scheduler's queues. The programs compiled and
+the seconds it took are read at scrape time instead (``compile_counts``): a server's background
+compile adds to them on a thread of its own, between the engine's passes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -65,6 +69,9 @@ class _EngineCollector:
         stats = self._metrics.engine_stats
         if stats is None:
             return
+        if self._metrics.compile_counts is not None:
+            programs, seconds = self._metrics.compile_counts()
+            stats = dataclasses.replace(stats, num_compilations=programs, compile_seconds=seconds)
         for name, help_, read in _GAUGES:
             yield GaugeMetricFamily(f"pagedjax_{name}", help_, value=read(stats))
         for name, help_, read in _COUNTERS:
@@ -197,6 +204,8 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self._engine_stats: EngineStats | None = None
         self._lora_info: tuple[list[str], list[str]] | None = None
+        # () -> (programs compiled, seconds), read at scrape time; None: the snapshot's
+        self.compile_counts: Callable[[], tuple[int, float]] | None = None
         reg.register(_EngineCollector(self))
 
     @property

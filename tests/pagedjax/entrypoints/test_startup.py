@@ -278,3 +278,29 @@ def test_what_the_background_compile_made_is_frozen_once_it_finishes():
     assert bg.finished.wait(120)
     young = {id(o) for o in gc.get_objects()}  # every generation but the permanent one
     assert len(made) == 1000 and not any(id(m) in young for m in made)
+
+
+def test_metrics_count_a_background_compile_at_once_while_the_engine_is_idle(tiny):
+    """/metrics reads the programs compiled when scraped: a background compile adds to them on
+    its own thread while the idle engine thread publishes no new stats snapshot."""
+    from pagedjax.entrypoints.openai.engine_loop import EngineLoop
+
+    llm = LLM(tiny, block_size=8, max_model_len=64, num_blocks=16, max_num_seqs=2, seed=0)
+    loop = EngineLoop(llm.engine, max_queue=4)  # not started: it publishes only once, here
+
+    def counted() -> tuple[float, float]:
+        text = loop.metrics.render().decode()
+        names = ("compilations", "compile_seconds")
+        found = [re.search(rf"^pagedjax_{name}_total (\S+)$", text, re.M) for name in names]
+        return tuple(float(m.group(1)) for m in found)
+
+    before = counted()
+    assert before == (llm.runner.num_compilations, llm.runner.compile_seconds)
+    bg = BackgroundCompile(
+        llm.runner.compile, [("job", lambda: jax.jit(lambda x: x * 13).lower(jnp.float32(1)))]
+    )
+    bg.start()
+    assert bg.finished.wait(120) and bg.num_compiled == 1
+    after = counted()
+    assert after[0] == before[0] + 1 and after[1] > before[1]
+    llm.close()
