@@ -40,7 +40,7 @@ from .loading.cache import (
 from .loading.convert import Q8Blocks, convert
 from .loading.gguf import keeps_q8_0, open_gguf
 from .loading.hf import hf_files, open_hf_dir
-from .loading.tokenizer import gguf_tokenizer, load_tokenizer
+from .loading.tokenizer import encode_text, gguf_tokenizer, load_tokenizer
 
 __all__ = [
     "DTYPES",
@@ -48,6 +48,7 @@ __all__ = [
     "Q8Blocks",
     "convert",
     "default_model_path",
+    "encode_text",
     "gguf_tokenizer",
     "load_model",
     "load_tokenizer",

@@ -3,6 +3,7 @@ file's metadata (no torch), converted once and cached."""
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from pathlib import Path
@@ -32,6 +33,49 @@ def load_tokenizer(loaded: LoadedModel):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+
+
+def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """``tokenizer(text, add_special_tokens=...)["input_ids"]``, the same ids. For transformers'
+    own fast tokenizer class, straight through its Rust backend's ``encode_batch_fast``: no
+    offsets computed and the GIL released while it runs (a 200 KB prompt: 45 ms instead of 117,
+    and a server's event loop keeps running meanwhile; the backend's ``encode`` would hold the
+    GIL throughout). Any other tokenizer, or a backend set to truncate, pad or split special
+    tokens (transformers sets those per call), goes through ``tokenizer(...)``."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (
+        _plain_fast(type(tokenizer))
+        and backend.truncation is None
+        and backend.padding is None
+        and not backend.encode_special_tokens
+        and not getattr(tokenizer, "split_special_tokens", False)
+    ):
+        return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+@functools.cache
+def _plain_fast(cls: type) -> bool:
+    """Whether ``cls`` is transformers' fast tokenizer class, or a subclass that changes none of
+    the methods between ``__call__`` and the backend's ``encode_batch``."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers import PreTrainedTokenizerFast as base
+    except ImportError:
+        return False
+    if not issubclass(cls, base) or not hasattr(Tokenizer, "encode_batch_fast"):
+        return False
+    names = (
+        "__call__",
+        "_call_one",
+        "_switch_to_input_mode",
+        "encode",
+        "encode_plus",
+        "_encode_plus",
+        "_batch_encode_plus",
+        "set_truncation_and_padding",
+    )
+    return all(getattr(cls, n, None) is getattr(base, n, None) for n in names)
 
 
 def cached_gguf_tokenizer(path: Path):

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from pagedjax.core.window import live_blocks, shared_window
+from pagedjax.models.loading.tokenizer import encode_text
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 from pagedjax.structured_output.grammar import GrammarCompiler
 from pagedjax.utils import cdiv
@@ -107,7 +108,7 @@ class InputProcessor:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
             try:
-                return prompt, self.tokenizer(prompt)["input_ids"]
+                return prompt, encode_text(self.tokenizer, prompt)
             except Exception as e:  # e.g. lone surrogates the tokenizer cannot encode
                 raise ValueError(f"the prompt cannot be tokenized: {e}") from e
         if not isinstance(prompt, list | tuple | np.ndarray):

@@ -21,6 +21,7 @@ from pagedjax.entrypoints.openai.engine_loop import EngineLoop, QueueFull
 from pagedjax.entrypoints.openai.offload import Offload
 from pagedjax.entrypoints.openai.protocol import APIError, bad_request
 from pagedjax.entrypoints.openai.responses import Echo, Responses, StreamEvents
+from pagedjax.models.loading.tokenizer import encode_text
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import SamplingParams
 
@@ -69,7 +70,7 @@ class OpenAIServing:
         if tok is None:
             raise bad_request("this model has no tokenizer; send prompts as token ids", param)
         try:
-            return tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+            return encode_text(tok, text, add_special_tokens)
         except Exception as e:  # the tokenizer refuses some text; that is the client's input
             raise bad_request(f"the tokenizer failed on this text: {e}", param) from None
 
