@@ -4,6 +4,7 @@ file's metadata (no torch), converted once and cached."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -76,6 +77,45 @@ def _plain_fast(cls: type) -> bool:
         "set_truncation_and_padding",
     )
     return all(getattr(cls, n, None) is getattr(base, n, None) for n in names)
+
+
+def max_chars_per_token(tokenizer) -> int | None:
+    """k such that a text of c characters encodes to at least c / k tokens, where the
+    tokenizer's parts guarantee one (None where they do not): a BPE model without a fused
+    unknown token (every token covers at most its own string, k the longest in the vocabulary
+    or among the added tokens), normalizers that drop no character (none, prepend, lowercase, a
+    replacement at least as long as what it replaces) and pre-tokenizers that keep every
+    character (byte-level: one per byte; metaspace, digits, punctuation, splits that keep the
+    match). A server refuses a prompt that cannot fit the context without encoding it."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "to_str"):
+        return None
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or (model.get("unk_token") and model.get("fuse_unk")):
+        return None
+    if not (_keeps_chars(spec.get("normalizer")) and _keeps_chars(spec.get("pre_tokenizer"))):
+        return None
+    lengths = [len(t) for t in model.get("vocab") or ()]
+    lengths += [len(t["content"]) for t in spec.get("added_tokens") or ()]
+    return max(lengths, default=0) or None
+
+
+def _keeps_chars(part: dict | None) -> bool:
+    """Whether a normalizer or pre-tokenizer (tokenizer.json's form) leaves at least as many
+    characters as it was given."""
+    if part is None:
+        return True
+    kind = part.get("type")
+    if kind == "Sequence":
+        inner = part.get("normalizers", part.get("pretokenizers"))
+        return inner is not None and all(_keeps_chars(p) for p in inner)
+    if kind == "Replace":
+        pattern = part.get("pattern") or {}
+        return "String" in pattern and len(part.get("content", "")) >= len(pattern["String"])
+    if kind == "Split":
+        return part.get("behavior") != "Removed"
+    return kind in ("Prepend", "Lowercase", "ByteLevel", "Metaspace", "Digits", "Punctuation")
 
 
 def cached_gguf_tokenizer(path: Path):

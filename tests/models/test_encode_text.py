@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import pytest
+from pagedjax.models.loader import default_model_path, encode_text, gguf_tokenizer
+from pagedjax.models.loading import tokenizer as tokenizer_module
 from server_helpers import CHAT_TEMPLATE, save_byte_tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from pagedjax.bench.serve_model import save_word_tokenizer
-from pagedjax.models.loader import default_model_path, encode_text, gguf_tokenizer
-from pagedjax.models.loading import tokenizer as tokenizer_module
 
 TEXTS = [
     "What is the capital of France?",
@@ -73,3 +73,42 @@ def test_a_subclass_that_changes_the_encoding_is_called_as_it_is(tmp_path):
     tok = Shouting.from_pretrained(tmp_path)
     assert not tokenizer_module._plain_fast(Shouting)
     assert encode_text(tok, "abc") == tok("abc")["input_ids"] == list(b"ABC")
+
+
+def test_a_texts_length_bounds_its_tokens_from_below(tok):
+    """``max_chars_per_token`` k: no text of c characters encodes to fewer than c / k tokens,
+    even one made of the tokenizer's longest tokens or of added tokens; the word tokenizer
+    (a word of any length may be one unknown token) gives no bound."""
+    import random
+
+    k = tokenizer_module.max_chars_per_token(tok)
+    if k is None:
+        assert type(tok.backend_tokenizer.model).__name__ == "WordLevel"
+        return
+    longest = max(tok.get_vocab(), key=len)
+    texts = [
+        tok.convert_tokens_to_string([longest]) * 50,
+        "".join(t.content for t in tok.added_tokens_decoder.values()) * 20,
+        *TEXTS,
+    ]
+    rng = random.Random(0)
+    texts += ["".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(2000)) for _ in range(3)]
+    for text in texts:
+        assert len(encode_text(tok, text, False)) * k >= len(text), text[:40]
+
+
+def test_parts_that_can_drop_characters_give_no_bound(tmp_path):
+    from tokenizers import normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+
+    assert tokenizer_module.max_chars_per_token(_byte(tmp_path)) == 7  # "<extra>"
+    changes = {
+        "normalizer": [normalizers.Strip(), normalizers.Replace("  ", " ")],
+        "pre_tokenizer": [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split(" ", "removed")],
+        "model": [BPE({"a": 0, "<unk>": 1}, [], unk_token="<unk>", fuse_unk=True)],
+    }
+    for part, values in changes.items():
+        for value in values:
+            tok = _byte(tmp_path)
+            setattr(tok.backend_tokenizer, part, value)
+            assert tokenizer_module.max_chars_per_token(tok) is None, (part, value)

@@ -21,7 +21,7 @@ from pagedjax.entrypoints.openai.engine_loop import EngineLoop, QueueFull
 from pagedjax.entrypoints.openai.offload import Offload
 from pagedjax.entrypoints.openai.protocol import APIError, bad_request
 from pagedjax.entrypoints.openai.responses import Echo, Responses, StreamEvents
-from pagedjax.models.loading.tokenizer import encode_text
+from pagedjax.models.loading.tokenizer import encode_text, max_chars_per_token
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import SamplingParams
 
@@ -60,6 +60,9 @@ class OpenAIServing:
         self.tokenizer = tokenizer  # the handlers' own copy; encoding uses offload.tokenizer
         self.responses = Responses(tokenizer, engine.eos_token_ids, model_name)
         self.max_model_len = engine.config.scheduler.max_model_len
+        # a text this many characters long or longer cannot fit max_model_len (None: no bound)
+        k = max_chars_per_token(tokenizer)
+        self.refused_chars = None if k is None else k * self.max_model_len
         self.vocab = engine.model_config.vocab_size
         self._counter = itertools.count()
 
@@ -69,6 +72,15 @@ class OpenAIServing:
         tok = self.offload.tokenizer
         if tok is None:
             raise bad_request("this model has no tokenizer; send prompts as token ids", param)
+        if self.refused_chars is not None and len(text) >= self.refused_chars:  # not encoded
+            k = self.refused_chars // self.max_model_len
+            raise bad_request(
+                f"the prompt has at least {len(text) // k} tokens ({len(text)} characters, at "
+                f"most {k} per token) and leaves no room to generate within "
+                f"max_model_len={self.max_model_len}",
+                param,
+                "context_length_exceeded",
+            )
         try:
             return encode_text(tok, text, add_special_tokens)
         except Exception as e:  # the tokenizer refuses some text; that is the client's input

@@ -42,7 +42,7 @@ def server(tmp_path_factory):
     limits = ServerLimits(max_response_logprobs=MAX_RESPONSE_LOGPROBS)
     app = build_app(llm.engine, MODEL, api_key=KEY, limits=limits)
     with live_server(app) as base:
-        yield types.SimpleNamespace(base=base)
+        yield types.SimpleNamespace(base=base, serving=app.state.serving)
 
 
 def post(server, body: dict, path="/v1/completions", timeout=60):
@@ -153,6 +153,7 @@ def test_health_answers_during_real_megabyte_prompts(server, monkeypatch):
                 spans.append((start, time.monotonic()))
 
     monkeypatch.setattr(OpenAIServing, "tokenize", timed)
+    monkeypatch.setattr(server.serving, "refused_chars", None)  # as a tokenizer with no bound
     big = {"prompt": "caf\u00e9 au lait, " * 48000, "max_tokens": 2}  # 0.96 MB as JSON
     replies = []
     senders = [threading.Thread(target=lambda: replies.append(post(server, big))) for _ in range(4)]
@@ -208,6 +209,44 @@ def test_huge_prompts_do_not_queue_small_requests(server, monkeypatch):
     status, replies = small_request_while_held(server, held, [lambda: post(server, big)] * 6)
     assert status == 200, "a small request waited behind huge prompts"
     assert [r[0] for r in replies] == [400] * 6  # over the context
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_text_too_long_for_any_tokenization_to_fit_is_refused_unencoded(
+    server, monkeypatch, path
+):
+    """The byte tokenizer's tokens are at most 7 characters ("<extra>", one token): a text of
+    7 x 96 characters is at least 96 tokens whatever it holds, refused before any encoding (96
+    "<extra>" are exactly 96); one character fewer is encoded, and refused by the engine's own
+    check."""
+    from pagedjax.entrypoints.openai import serving_engine
+
+    assert server.serving.refused_chars == 7 * MAX_MODEL_LEN
+    encoded = []
+    real = serving_engine.encode_text
+
+    def counted(tok, text, *args):
+        encoded.append(text)
+        return real(tok, text, *args)
+
+    monkeypatch.setattr(serving_engine, "encode_text", counted)
+
+    def send(text):
+        if path == "/v1/completions":
+            return post(server, {"prompt": text, "max_tokens": 2}, path)
+        return post(server, {"messages": [{"role": "user", "content": text}]}, path)
+
+    status, reply = send("<extra>" * MAX_MODEL_LEN)
+    assert_openai_error(status, reply, 400, contains="max_model_len=96")
+    error = json.loads(reply)["error"]
+    assert error["code"] == "context_length_exceeded", error
+    assert "at least 9" in error["message"], error  # 96 tokens; the chat template adds to them
+    assert not encoded
+    if path == "/v1/completions":
+        under = "<extra>" * (MAX_MODEL_LEN - 1) + "x" * 6  # 671 characters, 101 tokens
+        status, reply = send(under)
+        assert_openai_error(status, reply, 400, contains="the prompt has 101 tokens")
+        assert encoded == [under]
 
 
 # ---- responses too large to build are refused up front (item 3) -----------------------------
