@@ -43,7 +43,7 @@ device-check:
 WHEELHOUSE_PACKAGES ?= fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 \
 	annotated-types==0.8.0 typing-inspection==0.4.5 opentelemetry-api==1.45.2 uvicorn==0.54.0 \
 	httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 openai==3.57.0 jiter==0.19.0 \
-	sniffio==1.3.1 anyio==4.16.0 idna==3.20 typing-extensions==4.16.0
+	sniffio==1.3.1 anyio==4.16.0 idna==3.20 typing-extensions==4.16.0 orjson==3.13.0
 WHEEL_PLATFORMS := $(foreach n,17 24 27 28 31 34 35,--platform manylinux_2_$(n)_x86_64) \
 	--platform manylinux2014_x86_64
 wheelhouse: install

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import re
 import subprocess
 import sys
 import time
@@ -229,3 +230,25 @@ def test_probe_verdict_fails_on_a_device_where_dispatch_waited(dc):
     assert not ok and data["host_waits"] == ["top logprobs"] and "top logprobs" in summary
     data["dispatch"].pop()
     assert probe.verdict(ctx, data)[0]
+
+
+def test_every_dependency_serving_imports_is_in_the_image_or_the_wheelhouse(dc):
+    """The device image lacks some of the project's dependencies: each one that ``pagedjax
+    serve`` and ``pagedjax bench serve`` import must be a SERVE_MODULES entry (carried as a
+    wheel by ``make wheelhouse``), or stage 6 fails on the device at import."""
+    import tomllib
+
+    serve = dc.stages.serve
+    project = tomllib.loads((PACKAGE.parents[1] / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=\[ ;]", d, maxsplit=1)[0] for d in project["dependencies"]}
+    modules = {n.replace("-", "_").removesuffix("_checkpoint") for n in names}
+    code = (
+        "import sys, pagedjax.entrypoints.cli, pagedjax.entrypoints.api_server, "
+        "pagedjax.bench.serve\n"
+        "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    imported = set(r.stdout.split()) & modules
+    assert imported, r.stdout
+    assert imported - set(serve.IN_IMAGE) <= set(serve.SERVE_MODULES), imported

@@ -20,7 +20,33 @@ from ..common import TOY_NOTE, Budget, BudgetSpent, Context, StageSkipped, fmt_f
 
 WHEELHOUSE = ROOT / "wheelhouse"  # `make wheelhouse`; copied beside the checkout, never committed
 
-SERVE_MODULES = ("fastapi", "starlette", "pydantic", "uvicorn", "prometheus_client", "httpx2")
+SERVE_MODULES = (
+    "fastapi",
+    "starlette",
+    "pydantic",
+    "uvicorn",
+    "prometheus_client",
+    "httpx2",
+    "orjson",
+)
+
+# The project's dependencies that the device image holds (its package list as read on 2026-11-17):
+# every other one that serving imports must be in SERVE_MODULES, carried in the wheelhouse.
+IN_IMAGE = (
+    "jax",
+    "jaxlib",
+    "flax",
+    "orbax",
+    "transformers",
+    "numpy",
+    "safetensors",
+    "tqdm",
+    "huggingface_hub",
+    "sentencepiece",
+    "tokenizers",
+    "prometheus_client",
+    "jinja2",
+)
 
 PEER_MODULES = {"transformers": ("fastapi", "uvicorn", "pydantic", "openai")}  # its serve command
 
