@@ -8,7 +8,12 @@ Prints each round's median and max latency alone and mixed, their ratios, and th
 all rounds pooled (the target: at most 2x). Time it on a quiet machine (look at ``uptime``):
 the clients share its cores with the server.
 
-    python benchmarks/server_soak.py [--rounds 3] [--hostile all|refused|served]
+    python benchmarks/server_soak.py [--rounds 3] [--hostile all|refused|served] [--rate R]
+
+``--rate R`` sends the hostile bodies at R a second whatever the answers (an open loop): servers
+compare at the same hostile load, where the default closed loop sends a server that answers sooner
+more of them while the normal streams run (the count of bodies unanswered at their end says how
+many).
 
 ``--hostile refused`` sends only the classes the server refuses with a 4xx (what they cost is the
 server's isolation of bad input), ``--hostile served`` only the valid ones it answers (long choice
@@ -40,6 +45,13 @@ def main() -> None:
         default="all",
         help="every hostile class, only those refused with a 4xx, or only those served",
     )
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="send the hostile bodies at this many a second whatever the answers (an open loop); "
+        "default: four clients, each sending its next body when the last is answered",
+    )
     args = parser.parse_args()
     alone_all, mixed_all = [], []
     with (
@@ -52,7 +64,9 @@ def main() -> None:
         for r in range(args.rounds):
             compiled, logged = server_soak.compilations(base), len(log.read_bytes())
             _, alone = server_soak.run_normal(base, pool)
-            _, mixed, statuses, unanswered = server_soak.run_mixed(base, pool, r, args.hostile)
+            _, mixed, statuses, unanswered = server_soak.run_mixed(
+                base, pool, r, args.hostile, args.rate
+            )
             alone_all += alone
             mixed_all += mixed
             print(

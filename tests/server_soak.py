@@ -13,6 +13,7 @@ import multiprocessing
 import random
 import subprocess
 import sys
+import threading
 import time
 
 import soak_clients
@@ -164,26 +165,39 @@ def wait_healthy(proc, port: int, log) -> str:
 
 
 def run_mixed(
-    base: str, normal_pool, seed: int, which: str = "all"
+    base: str, normal_pool, seed: int, which: str = "all", rate: float | None = None
 ) -> tuple[list[str], list[float], list[int], int]:
-    """The normal streams timed while the hostile bodies are sent (four at a time, from processes
-    of their own as hostile clients are: their megabyte replies are read and freed there). Every
-    client process is started before the flood, and the normal streams start once the flood is
-    under way, so that they run in its midst and starting clients is not timed."""
+    """The normal streams timed while the hostile bodies are sent, from processes of their own
+    as hostile clients are (their megabyte replies are read and freed there): four at a time,
+    each client sending its next body when the last is answered (a closed loop: a server that
+    answers sooner is sent more), or with ``rate``, ``rate`` bodies a second whatever the
+    answers (an open loop, from up to 16 clients). Every client process is started before the
+    flood, and the normal streams start once the flood is under way, so that they run in its
+    midst and starting clients is not timed."""
     port = int(base.rsplit(":", 1)[1])
     bodies = hostile_bodies(seed, which)
-    with multiprocessing.get_context("spawn").Pool(4) as hostile_pool:
+    clients = 4 if rate is None else 16
+    with multiprocessing.get_context("spawn").Pool(clients) as hostile_pool:
         started: set[int] = set()
-        while len(started) < 4:
-            started.update(hostile_pool.map(soak_clients.ready, range(4), chunksize=1))
-        hostile = [
-            hostile_pool.apply_async(soak_clients.send, (port, KEY, path, body))
-            for path, body in bodies
-        ]
-        while sum(r.ready() for r in hostile) < 8:  # the flood under way
+        while len(started) < clients:
+            started.update(hostile_pool.map(soak_clients.ready, range(clients), chunksize=1))
+        hostile = []
+
+        def flood():
+            start = time.monotonic()
+            for i, (path, body) in enumerate(bodies):
+                if rate is not None:
+                    time.sleep(max(0.0, start + i / rate - time.monotonic()))
+                hostile.append(hostile_pool.apply_async(soak_clients.send, (port, KEY, path, body)))
+
+        feeder = threading.Thread(target=flood)
+        feeder.start()
+        while sum(r.ready() for r in list(hostile)) < 8:  # the flood under way
             time.sleep(0.01)
         texts, latencies = run_normal(base, normal_pool)
-        unanswered = sum(not r.ready() for r in hostile)  # still in flight when the streams ended
+        answered = sum(r.ready() for r in list(hostile))
+        unanswered = len(bodies) - answered  # in flight or not sent when the streams ended
+        feeder.join()
         statuses = [r.get(timeout=600) for r in hostile]
     # Until the engine has let go of every request (a client that left a stream is noticed at
     # the stream's next write): what comes next, the normal streams timed alone, runs alone.
