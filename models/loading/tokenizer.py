@@ -83,10 +83,11 @@ def max_chars_per_token(tokenizer) -> int | None:
     """k such that a text of c characters encodes to at least c / k tokens, where the
     tokenizer's parts guarantee one (None where they do not): a BPE model without a fused
     unknown token (every token covers at most its own string, k the longest in the vocabulary
-    or among the added tokens), normalizers that drop no character (none, prepend, lowercase, a
-    replacement at least as long as what it replaces) and pre-tokenizers that keep every
-    character (byte-level: one per byte; metaspace, digits, punctuation, splits that keep the
-    match). A server refuses a prompt that cannot fit the context without encoding it."""
+    or among the added tokens, none of which strips the spaces beside it), normalizers that
+    drop no character (none, prepend, lowercase, a replacement at least as long as what it
+    replaces) and pre-tokenizers that keep every character (byte-level: one per byte;
+    metaspace, digits, punctuation, splits that keep the match). A server refuses a prompt
+    that cannot fit the context without encoding it."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is None or not hasattr(backend, "to_str"):
         return None
@@ -96,8 +97,11 @@ def max_chars_per_token(tokenizer) -> int | None:
         return None
     if not (_keeps_chars(spec.get("normalizer")) and _keeps_chars(spec.get("pre_tokenizer"))):
         return None
+    added = spec.get("added_tokens") or ()
+    if any(t.get("lstrip") or t.get("rstrip") for t in added):  # one takes a run of spaces
+        return None
     lengths = [len(t) for t in model.get("vocab") or ()]
-    lengths += [len(t["content"]) for t in spec.get("added_tokens") or ()]
+    lengths += [len(t["content"]) for t in added]
     return max(lengths, default=0) or None
 
 

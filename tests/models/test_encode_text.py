@@ -98,7 +98,7 @@ def test_a_texts_length_bounds_its_tokens_from_below(tok):
 
 
 def test_parts_that_can_drop_characters_give_no_bound(tmp_path):
-    from tokenizers import normalizers, pre_tokenizers
+    from tokenizers import AddedToken, normalizers, pre_tokenizers
     from tokenizers.models import BPE
 
     assert tokenizer_module.max_chars_per_token(_byte(tmp_path)) == 7  # "<extra>"
@@ -112,3 +112,7 @@ def test_parts_that_can_drop_characters_give_no_bound(tmp_path):
             tok = _byte(tmp_path)
             setattr(tok.backend_tokenizer, part, value)
             assert tokenizer_module.max_chars_per_token(tok) is None, (part, value)
+    tok = _byte(tmp_path)  # an added token that takes the spaces before it: " " * c + "<m>"
+    tok.add_tokens([AddedToken("<m>", lstrip=True)])
+    assert len(encode_text(tok, " " * 2000 + "<m>", False)) == 1
+    assert tokenizer_module.max_chars_per_token(tok) is None
