@@ -117,9 +117,9 @@ def _keeps_chars(part: dict | None) -> bool:
     if kind == "Replace":
         pattern = part.get("pattern") or {}
         return "String" in pattern and len(part.get("content", "")) >= len(pattern["String"])
-    if kind == "Split":
+    if kind in ("Split", "Punctuation"):
         return part.get("behavior") != "Removed"
-    return kind in ("Prepend", "Lowercase", "ByteLevel", "Metaspace", "Digits", "Punctuation")
+    return kind in ("Prepend", "Lowercase", "ByteLevel", "Metaspace", "Digits")
 
 
 def cached_gguf_tokenizer(path: Path):

@@ -104,7 +104,11 @@ def test_parts_that_can_drop_characters_give_no_bound(tmp_path):
     assert tokenizer_module.max_chars_per_token(_byte(tmp_path)) == 7  # "<extra>"
     changes = {
         "normalizer": [normalizers.Strip(), normalizers.Replace("  ", " ")],
-        "pre_tokenizer": [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split(" ", "removed")],
+        "pre_tokenizer": [
+            pre_tokenizers.WhitespaceSplit(),
+            pre_tokenizers.Split(" ", "removed"),
+            pre_tokenizers.Punctuation("removed"),
+        ],
         "model": [BPE({"a": 0, "<unk>": 1}, [], unk_token="<unk>", fuse_unk=True)],
     }
     for part, values in changes.items():
