@@ -104,12 +104,20 @@ class EngineProcess:
 
     def submit(self, request_id: str, prompt_ids: list[int], params, sink, lora_request=None):
         """As EngineLoop.submit: the future fails with ValueError, QueueFull or RuntimeError."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._sinks[request_id] = (sink, OutputDecoder(self._token_text))
-        self._adds[request_id] = fut
-        msg = ("add", request_id, prompt_ids, _without_compiled(params), lora_request)
+        return self.submit_all([(request_id, prompt_ids, sink)], params, lora_request)[0]
+
+    def submit_all(self, requests: list[tuple], params, lora_request=None) -> list:
+        """As EngineLoop.submit_all: one message, the engine takes them between two steps."""
+        futs = []
+        for request_id, _, sink in requests:
+            self._sinks[request_id] = (sink, OutputDecoder(self._token_text))
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            self._adds[request_id] = fut
+            futs.append(fut)
+        adds = [(request_id, prompt_ids) for request_id, prompt_ids, _ in requests]
+        msg = ("add", adds, _without_compiled(params), lora_request)
         self._send_unless_gone(msg)  # gone: the handler sees is_running false, as in-thread
-        return fut
+        return futs
 
     def abort(self, request_id: str) -> None:
         self._sinks.pop(request_id, None)  # nothing more reaches its handler, as in-thread

@@ -100,9 +100,16 @@ class EngineLoop:
     def submit(self, request_id: str, prompt_ids: list[int], params, sink, lora_request=None):
         """Queue an add (under the LoRA adapter ``lora_request``, if given); the returned future
         fails with ValueError (bad request), QueueFull, or whatever else add_request raised."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("add", request_id, prompt_ids, params, sink, fut, lora_request))
-        return fut
+        return self.submit_all([(request_id, prompt_ids, sink)], params, lora_request)[0]
+
+    def submit_all(self, requests: list[tuple], params, lora_request=None) -> list:
+        """Queue the adds of ``requests`` ((request id, prompt ids, sink) each, all with
+        ``params``) as one command: the engine takes them between the same two steps, so that
+        the prompts of one HTTP request are prefilled together, as ``LLM.generate``'s are. One
+        future per request, each as ``submit``'s."""
+        futs = [concurrent.futures.Future() for _ in requests]
+        self._commands.put(("add", requests, params, futs, lora_request))
+        return futs
 
     def call(self, fn):
         """Run ``fn(engine)`` on the engine thread, between steps (e.g. loading a LoRA adapter);
@@ -170,7 +177,11 @@ class EngineLoop:
                 except Exception as e:
                     fut.set_exception(e)
             return
-        _, request_id, prompt_ids, params, sink, fut, lora = cmd
+        _, requests, params, futs, lora = cmd
+        for (request_id, prompt_ids, sink), fut in zip(requests, futs, strict=True):
+            self._add(request_id, prompt_ids, params, sink, fut, lora)
+
+    def _add(self, request_id: str, prompt_ids: list[int], params, sink, fut, lora) -> None:
         if not fut.set_running_or_notify_cancel():
             return
         if self.engine.get_stats().num_requests_waiting >= self.max_queue:

@@ -9,7 +9,8 @@ the same loop an in-thread server runs); the engine thread steps; the sender thr
 sends what each pass of the loop produced (its outputs, add and command results) as one message,
 so that a step's outputs cross once, not once per token. The API side is engine_client.py.
 
-Messages, API -> engine: ("add", rid, ids, params, lora), ("abort", rid), ("command", cid, name,
+Messages, API -> engine: ("add", [(rid, ids), ...], params, lora) (one HTTP request's prompts,
+taken by the engine between the same two steps), ("abort", rid), ("command", cid, name,
 args), ("metrics", cid), ("start",), ("stop",). Engine -> API: ("ready", ServingInfo) or
 ("follower", None) or ("failed", message) once; then ("pass", [(kind, key, payload)]),
 ("metrics", cid, text) and ("stopped",) last. A pass's entries: ("output", rid, RequestOutput |
@@ -153,24 +154,30 @@ class EngineCore:
             fut = self.loop.command(name, *args)
             self._when_done(fut, lambda f: ("result", cid, _outcome(f)))
 
-    def _add(self, rid: str, ids: list[int], params, lora) -> None:
+    def _add(self, adds: list[tuple[str, list[int]]], params, lora) -> None:
         try:
             self._compile_grammar(params)
         except ValueError as e:
-            self._outbox.put(("pass", [("added", rid, RemoteError.of(e))]))
+            self._outbox.put(("pass", [("added", rid, RemoteError.of(e)) for rid, _ in adds]))
             return
+        requests = [(rid, ids, self._sink(rid)) for rid, ids in adds]
+        futs = self.loop.submit_all(requests, params, lora)
+        for (rid, _), fut in zip(adds, futs, strict=True):
+            self._when_done(fut, lambda f, rid=rid: ("added", rid, _outcome(f)[0]))
 
-        encoder = OutputEncoder()  # the request's outputs cross as deltas (output_delta.py)
+    def _sink(self, rid: str):
+        """Where the engine thread hands request ``rid``'s outputs: they cross as deltas
+        (output_delta.py), with this pass's other entries."""
+        encoder = OutputEncoder()
 
-        def sink(item, rid=rid):  # on the engine thread
+        def sink(item):  # on the engine thread
             if isinstance(item, BaseException):
                 item = RemoteError.of(item).exception()
             else:
                 item = encoder.encode(item)
             self._note(("output", rid, item))
 
-        fut = self.loop.submit(rid, ids, params, sink, lora)
-        self._when_done(fut, lambda f: ("added", rid, _outcome(f)[0]))
+        return sink
 
     def _when_done(self, fut, entry) -> None:
         """Send ``entry(fut)`` once the engine thread has settled ``fut``: with that pass's

@@ -159,17 +159,17 @@ class OpenAIServing:
             raise APIError(500, "the engine thread has stopped", "server_error", "engine_error")
 
     async def start(self, prompts: list[list[int]], params: SamplingParams, lora=None) -> _Job:
-        """Submit one engine request per prompt (under the LoRA adapter ``lora``, if given)."""
+        """Submit one engine request per prompt (under the LoRA adapter ``lora``, if given), all
+        in one command: the engine takes them between the same two steps."""
         if params.logprobs is not None or params.prompt_logprobs is not None:
             self.offload.mark_heavy()  # its outputs are turned into events in the heavy lane
         job = _Job(asyncio.get_running_loop())
         base = f"{next(self._counter)}-{uuid.uuid4().hex[:8]}"
+        job.request_ids = [f"{base}-{i}" for i in range(len(prompts))]
+        requests = [(rid, ids, job.sink) for rid, ids in zip(job.request_ids, prompts, strict=True)]
         try:
-            for i, ids in enumerate(prompts):
-                rid = f"{base}-{i}"
-                fut = self.engine_loop.submit(rid, ids, params, job.sink, lora)
+            for fut in self.engine_loop.submit_all(requests, params, lora):
                 fut = asyncio.wrap_future(fut)
-                job.request_ids.append(rid)
                 while not (await asyncio.wait({fut}, timeout=_POLL_S))[0]:
                     self.check_engine_thread()
                 fut.result()

@@ -95,6 +95,13 @@ def answers(base) -> list:
     )
     assert status == 200, reply[:300]
     out.append(json.loads(reply)["choices"])
+    # several prompts in one request (one add message), a constrained pair among them
+    status, reply = completion(base, prompt=PROMPTS, max_tokens=5, temperature=0, ignore_eos=True)
+    assert status == 200, reply[:300]
+    out.append([c["text"] for c in json.loads(reply)["choices"]])
+    status, reply = completion(base, prompt=["Hi", "Yo"], max_tokens=4, structured_outputs=choice)
+    assert status == 200, reply[:300]
+    out.append([c["text"] for c in json.loads(reply)["choices"]])
     return out
 
 

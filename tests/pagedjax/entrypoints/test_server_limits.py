@@ -42,7 +42,7 @@ def server(tmp_path_factory):
     limits = ServerLimits(max_response_logprobs=MAX_RESPONSE_LOGPROBS)
     app = build_app(llm.engine, MODEL, api_key=KEY, limits=limits)
     with live_server(app) as base:
-        yield types.SimpleNamespace(base=base, serving=app.state.serving)
+        yield types.SimpleNamespace(base=base, serving=app.state.serving, engine=llm.engine)
 
 
 def post(server, body: dict, path="/v1/completions", timeout=60):
@@ -387,3 +387,27 @@ def test_nan_and_infinity_are_400s_naming_their_field(server, fields, param):
     body = b'{"model": "%s", "prompt": "Hi", %s}' % (MODEL.encode(), fields)
     status, reply = raw(server.base, "POST", "/v1/completions", body, key=KEY)
     assert_openai_error(status, reply, 400, param=param, contains="finite")
+
+
+def test_the_prompts_of_one_request_are_taken_between_the_same_two_steps(server, monkeypatch):
+    """A completion with several prompts reaches the engine as one command: every prompt is
+    added before the next step, so that they are prefilled together (as LLM.generate's are), not
+    one per step."""
+    engine, events = server.engine, []
+    real_add, real_step = engine.add_request, engine.step
+
+    def add_request(request_id, *args, **kwargs):
+        events.append(request_id)
+        return real_add(request_id, *args, **kwargs)
+
+    def step():
+        events.append("step")
+        return real_step()
+
+    monkeypatch.setattr(engine, "add_request", add_request)
+    monkeypatch.setattr(engine, "step", step)
+    status, reply = post(server, {"prompt": [f"p{i} x" for i in range(6)], "max_tokens": 3})
+    assert status == 200, reply[:300]
+    assert [c["index"] for c in json.loads(reply)["choices"]] == list(range(6))
+    adds = [i for i, e in enumerate(events) if e != "step"]
+    assert len(adds) == 6 and adds == list(range(adds[0], adds[0] + 6)), events
