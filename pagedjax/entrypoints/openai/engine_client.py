@@ -102,12 +102,9 @@ class EngineProcess:
             self.process.terminate()
             self.process.join(timeout=10)
 
-    def submit(self, request_id: str, prompt_ids: list[int], params, sink, lora_request=None):
-        """As EngineLoop.submit: the future fails with ValueError, QueueFull or RuntimeError."""
-        return self.submit_all([(request_id, prompt_ids, sink)], params, lora_request)[0]
-
-    def submit_all(self, requests: list[tuple], params, lora_request=None) -> list:
-        """As EngineLoop.submit_all: one message, the engine takes them between two steps."""
+    def submit(self, requests: list[tuple], params, lora_request=None) -> list:
+        """As EngineLoop.submit, in one message: the futures fail with ValueError, QueueFull or
+        RuntimeError."""
         futs = []
         for request_id, _, sink in requests:
             self._sinks[request_id] = (sink, OutputDecoder(self._token_text))

@@ -97,16 +97,12 @@ class EngineLoop:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
-    def submit(self, request_id: str, prompt_ids: list[int], params, sink, lora_request=None):
-        """Queue an add (under the LoRA adapter ``lora_request``, if given); the returned future
-        fails with ValueError (bad request), QueueFull, or whatever else add_request raised."""
-        return self.submit_all([(request_id, prompt_ids, sink)], params, lora_request)[0]
-
-    def submit_all(self, requests: list[tuple], params, lora_request=None) -> list:
+    def submit(self, requests: list[tuple], params, lora_request=None) -> list:
         """Queue the adds of ``requests`` ((request id, prompt ids, sink) each, all with
-        ``params``) as one command: the engine takes them between the same two steps, so that
-        the prompts of one HTTP request are prefilled together, as ``LLM.generate``'s are. One
-        future per request, each as ``submit``'s."""
+        ``params``, under the LoRA adapter ``lora_request`` if given) as one command: the engine
+        takes them between the same two steps, so that the prompts of one HTTP request are
+        prefilled together, as ``LLM.generate``'s are. One future per request; each fails with
+        ValueError (bad request), QueueFull, or whatever else add_request raised."""
         futs = [concurrent.futures.Future() for _ in requests]
         self._commands.put(("add", requests, params, futs, lora_request))
         return futs

@@ -161,7 +161,7 @@ class EngineCore:
             self._outbox.put(("pass", [("added", rid, RemoteError.of(e)) for rid, _ in adds]))
             return
         requests = [(rid, ids, self._sink(rid)) for rid, ids in adds]
-        futs = self.loop.submit_all(requests, params, lora)
+        futs = self.loop.submit(requests, params, lora)
         for (rid, _), fut in zip(adds, futs, strict=True):
             self._when_done(fut, lambda f, rid=rid: ("added", rid, _outcome(f)[0]))
 

@@ -168,7 +168,7 @@ class OpenAIServing:
         job.request_ids = [f"{base}-{i}" for i in range(len(prompts))]
         requests = [(rid, ids, job.sink) for rid, ids in zip(job.request_ids, prompts, strict=True)]
         try:
-            for fut in self.engine_loop.submit_all(requests, params, lora):
+            for fut in self.engine_loop.submit(requests, params, lora):
                 fut = asyncio.wrap_future(fut)
                 while not (await asyncio.wait({fut}, timeout=_POLL_S))[0]:
                     self.check_engine_thread()

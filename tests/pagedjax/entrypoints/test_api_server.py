@@ -328,7 +328,7 @@ def test_a_full_waiting_queue_refuses():
     loop = EngineLoop(_Engine(), max_queue=1)
     loop.start()
     try:
-        fut = loop.submit("r", [5, 6], None, sink=lambda item: None)
+        (fut,) = loop.submit([("r", [5, 6], lambda item: None)], None)
         with pytest.raises(QueueFull):
             fut.result(timeout=10)
     finally:
