@@ -60,9 +60,8 @@ class OpenAIServing:
         self.tokenizer = tokenizer  # the handlers' own copy; encoding uses offload.tokenizer
         self.responses = Responses(tokenizer, engine.eos_token_ids, model_name)
         self.max_model_len = engine.config.scheduler.max_model_len
-        # a text this many characters long or longer cannot fit max_model_len (None: no bound)
-        k = max_chars_per_token(tokenizer)
-        self.refused_chars = None if k is None else k * self.max_model_len
+        # a text of c characters is at least c / k tokens (None: no such bound)
+        self.chars_per_token = max_chars_per_token(tokenizer)
         self.vocab = engine.model_config.vocab_size
         self._counter = itertools.count()
 
@@ -72,8 +71,8 @@ class OpenAIServing:
         tok = self.offload.tokenizer
         if tok is None:
             raise bad_request("this model has no tokenizer; send prompts as token ids", param)
-        if self.refused_chars is not None and len(text) >= self.refused_chars:  # not encoded
-            k = self.refused_chars // self.max_model_len
+        k = self.chars_per_token
+        if k is not None and len(text) >= k * self.max_model_len:  # cannot fit: not encoded
             raise bad_request(
                 f"the prompt has at least {len(text) // k} tokens ({len(text)} characters, at "
                 f"most {k} per token) and leaves no room to generate within "

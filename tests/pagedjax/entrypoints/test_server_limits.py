@@ -153,7 +153,7 @@ def test_health_answers_during_real_megabyte_prompts(server, monkeypatch):
                 spans.append((start, time.monotonic()))
 
     monkeypatch.setattr(OpenAIServing, "tokenize", timed)
-    monkeypatch.setattr(server.serving, "refused_chars", None)  # as a tokenizer with no bound
+    monkeypatch.setattr(server.serving, "chars_per_token", None)  # as a tokenizer with no bound
     big = {"prompt": "caf\u00e9 au lait, " * 48000, "max_tokens": 2}  # 0.96 MB as JSON
     replies = []
     senders = [threading.Thread(target=lambda: replies.append(post(server, big))) for _ in range(4)]
@@ -221,7 +221,7 @@ def test_a_text_too_long_for_any_tokenization_to_fit_is_refused_unencoded(
     check."""
     from pagedjax.entrypoints.openai import serving_engine
 
-    assert server.serving.refused_chars == 7 * MAX_MODEL_LEN
+    assert server.serving.chars_per_token == 7
     encoded = []
     real = serving_engine.encode_text
 
