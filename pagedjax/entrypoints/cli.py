@@ -10,6 +10,7 @@ from pagedjax.config import (
     DTYPES,
     KV_CACHE_DTYPES,
     MAX_MODEL_LEN_CAP,
+    PREEMPTION_MODES,
     QUANTIZATIONS,
     CacheConfig,
     SchedulerConfig,
@@ -48,6 +49,41 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help=f"longest prompt + output (default: the model's context, at most {MAX_MODEL_LEN_CAP})",
     )
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens one step may compute (prompt chunks and decodes together; default: 2048, "
+        "or --max-model-len if larger). Fewer: running requests' tokens come sooner while "
+        "long prompts prefill; more: prompts prefill in fewer steps",
+    )
+    p.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=SchedulerConfig.enable_chunked_prefill,
+        help="split a prompt longer than the step's token budget over several steps "
+        "(default: on)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=CacheConfig.enable_prefix_caching,
+        help="reuse the KV blocks of a prompt prefix computed before (default: on)",
+    )
+    p.add_argument(
+        "--preemption-mode",
+        default=SchedulerConfig.preemption_mode,
+        choices=PREEMPTION_MODES,
+        help="how a request gives its KV blocks back when memory runs out: recomputed later, "
+        "swapped to host memory, or whichever costs less per request (auto)",
+    )
+    p.add_argument(
+        "--swap-space",
+        type=float,
+        default=CacheConfig.swap_space_gib,
+        metavar="GIB",
+        help="host memory for swapped-out KV blocks, in GiB",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--speculative-config",
@@ -91,6 +127,11 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         num_blocks=args.num_blocks,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        swap_space_gib=args.swap_space,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=args.speculative_config,

@@ -363,3 +363,27 @@ def test_served_model_aliases(server, client):
     assert r.model == MODEL and r.choices[0].text
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="other", prompt=PROMPTS[0], max_tokens=3)
+
+
+def test_cli_scheduler_and_cache_flags_reach_the_engine(monkeypatch):
+    """vLLM's scheduler and cache flags on ``serve`` and ``generate``: given, they reach LLM's
+    keyword arguments; left out, they are LLM's own defaults."""
+    import inspect
+
+    from pagedjax import LLM
+    from pagedjax.entrypoints import cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "_initialize_distributed", lambda args: True)
+    monkeypatch.setattr("pagedjax.entrypoints.api_server.serve", lambda model, **kw: seen.update(kw))
+    names = ("max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching")
+    names += ("preemption_mode", "swap_space_gib")
+    assert cli.main(["serve"]) == 0
+    defaults = inspect.signature(LLM).parameters
+    assert {k: seen[k] for k in names} == {k: defaults[k].default for k in names}
+    argv = ["serve", "--max-num-batched-tokens", "256", "--no-enable-chunked-prefill"]
+    argv += ["--no-enable-prefix-caching", "--preemption-mode", "swap", "--swap-space", "0.5"]
+    assert cli.main(argv) == 0
+    assert {k: seen[k] for k in names} == dict(zip(names, (256, False, False, "swap", 0.5)))
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--preemption-mode", "drop"])
