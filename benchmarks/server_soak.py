@@ -8,7 +8,8 @@ Prints each round's median and max latency alone and mixed, their ratios, and th
 all rounds pooled (the target: at most 2x). Time it on a quiet machine (look at ``uptime``):
 the clients share its cores with the server.
 
-    python benchmarks/server_soak.py [--rounds 3] [--hostile all|refused|served] [--rate R]
+    python benchmarks/server_soak.py [--rounds 3] [--hostile all|refused|served|ordinary|K]
+        [--rate R]
 
 ``--rate R`` sends the hostile bodies at R a second whatever the answers (an open loop): servers
 compare at the same hostile load, where the default closed loop sends a server that answers sooner
@@ -18,7 +19,9 @@ many).
 ``--hostile refused`` sends only the classes the server refuses with a 4xx (what they cost is the
 server's isolation of bad input), ``--hostile served`` only the valid ones it answers (long choice
 lists, echo with prompt logprobs, clients that leave a stream: work the engine shares with the
-normal streams).
+normal streams), ``--hostile K`` only class K (its index in ``tests/server_soak.py``).
+``--hostile ordinary`` is the control: the same clients sending the normal streams' own request,
+so that what a class costs the normal streams reads against what ordinary load costs them.
 """
 
 from __future__ import annotations
@@ -41,9 +44,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--hostile",
-        choices=("all", "refused", "served"),
+        choices=("all", "refused", "served", "ordinary", *map(str, range(server_soak.CLASSES))),
         default="all",
-        help="every hostile class, only those refused with a 4xx, or only those served",
+        help="every hostile class, only those refused with a 4xx, only those served, one class "
+        "by its index, or ordinary requests (the normal streams' own, as a control)",
     )
     parser.add_argument(
         "--rate",

@@ -62,11 +62,16 @@ def gbnf_chain(rules: int) -> str:
 # leaves a stream): valid requests whose work the engine shares with the normal streams. Every
 # other class is refused with a 4xx before it reaches the engine.
 SERVED_CLASSES = (5, 8, 9, 17)
+CLASSES = 18  # hostile_bodies' classes
 
 
 def hostile_bodies(seed: int, which: str = "all") -> list[tuple[str, dict | bytes]]:
     """(path, body) of each class in turn, HOSTILE in all; ``which``: "all" classes, those
-    "served" or those "refused"."""
+    "served" or those "refused", one class by its index ("8"), or "ordinary": the normal
+    streams' own request, HOSTILE times (the control: what the same clients cost the normal
+    streams when what they send is ordinary work)."""
+    if which == "ordinary":
+        return [("/v1/completions", normal_body(i)) for i in range(HOSTILE)]
     chat = {"messages": [{"role": "user", "content": "Hi"}]}
     so = "structured_outputs"
     classes = [
@@ -92,7 +97,10 @@ def hostile_bodies(seed: int, which: str = "all") -> list[tuple[str, dict | byte
         ("/v1/completions", b'{"model": "tiny-soak", "prompt": ' + b"[" * 100000),
         ("leave", {"prompt": "Hi", "max_tokens": 60, "stream": True, "ignore_eos": True}),
     ]
-    if which != "all":
+    assert len(classes) == CLASSES
+    if which.isdigit():
+        classes = [classes[int(which)]]
+    elif which != "all":
         served = which == "served"
         classes = [c for i, c in enumerate(classes) if (i in SERVED_CLASSES) == served]
     rng = random.Random(seed)
@@ -106,8 +114,8 @@ def hostile_bodies(seed: int, which: str = "all") -> list[tuple[str, dict | byte
     return out
 
 
-def normal_stream(base: str, i: int) -> tuple[str, float]:
-    body = {
+def normal_body(i: int) -> dict:
+    return {
         "model": MODEL,
         "prompt": PROMPTS[i % len(PROMPTS)],
         "max_tokens": NORMAL_TOKENS,
@@ -115,6 +123,10 @@ def normal_stream(base: str, i: int) -> tuple[str, float]:
         "ignore_eos": True,
         "stream": True,
     }
+
+
+def normal_stream(base: str, i: int) -> tuple[str, float]:
+    body = normal_body(i)
     start = time.monotonic()
     status, reply = raw(base, "POST", "/v1/completions", body, key=KEY, timeout=300)
     latency = time.monotonic() - start
