@@ -375,7 +375,9 @@ def test_cli_scheduler_and_cache_flags_reach_the_engine(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(cli, "_initialize_distributed", lambda args: True)
-    monkeypatch.setattr("pagedjax.entrypoints.api_server.serve", lambda model, **kw: seen.update(kw))
+    monkeypatch.setattr(
+        "pagedjax.entrypoints.api_server.serve", lambda model, **kw: seen.update(kw)
+    )
     names = ("max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching")
     names += ("preemption_mode", "swap_space_gib")
     assert cli.main(["serve"]) == 0
@@ -384,6 +386,8 @@ def test_cli_scheduler_and_cache_flags_reach_the_engine(monkeypatch):
     argv = ["serve", "--max-num-batched-tokens", "256", "--no-enable-chunked-prefill"]
     argv += ["--no-enable-prefix-caching", "--preemption-mode", "swap", "--swap-space", "0.5"]
     assert cli.main(argv) == 0
-    assert {k: seen[k] for k in names} == dict(zip(names, (256, False, False, "swap", 0.5)))
+    assert {k: seen[k] for k in names} == dict(
+        zip(names, (256, False, False, "swap", 0.5), strict=True)
+    )
     with pytest.raises(SystemExit):
         cli.main(["serve", "--preemption-mode", "drop"])
