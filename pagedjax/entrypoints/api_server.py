@@ -87,6 +87,7 @@ def serve(
     try:
         app = build_app(llm.engine, names, **app_kwargs)
         app.state.engine_loop.attach_startup(start)
+        app.state.offload.checker.start()  # its workers ready before big bodies come
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:
         if app is not None and app.state.engine_loop.is_running:  # a step outlived shutdown
@@ -109,6 +110,7 @@ def _serve_engine_process(
             process.process.join()
             return
         app = build_app(RemoteEngine(info, process), names, **app_kwargs)
+        app.state.offload.checker.start()  # its workers ready before big bodies come
         uvicorn.run(app, host=host, port=port, log_level=options.log_level)
     finally:
         if process.process.is_alive():

@@ -61,8 +61,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,
         default=SchedulerConfig.enable_chunked_prefill,
-        help="split a prompt longer than the step's token budget over several steps "
-        "(default: on)",
+        help="split a prompt longer than the step's token budget over several steps (default: on)",
     )
     p.add_argument(
         "--enable-prefix-caching",

@@ -25,6 +25,7 @@ def _load(model, served_model_name, llm_kwargs, server_kwargs, startup_kwargs):
     start = startup.prepare(llm, **startup_kwargs)
     app = build_app(llm.engine, served_model_name, **server_kwargs)
     app.state.engine_loop.attach_startup(start)
+    app.state.offload.checker.start()  # its workers ready before big bodies come
     return llm, app
 
 

@@ -14,13 +14,14 @@ from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
 
 from pagedjax.entrypoints.openai.engine_loop import EngineLoop
-from pagedjax.entrypoints.openai.offload import Offload
+from pagedjax.entrypoints.openai.offload import INLINE_BODY_BYTES, Offload
 from pagedjax.entrypoints.openai.protocol import (
     APIError,
     ServerLimits,
     bad_request,
     parse_json,
     parse_request,
+    structured_outputs,
 )
 from pagedjax.entrypoints.openai.serving_engine import OpenAIServing
 from pagedjax.entrypoints.openai.serving_models import ServedModels, model_not_found
@@ -71,7 +72,13 @@ def check_key(request: Request) -> None:
         )
 
 
-__all__ = ["check_key", "install", "model_not_found", "read_json", "read_request"]
+__all__ = [
+    "check_key",
+    "install",
+    "model_not_found",
+    "read_constrained",
+    "read_json",
+]
 
 
 def parse_for_model(models: ServedModels, model_cls, data):
@@ -82,15 +89,34 @@ def parse_for_model(models: ServedModels, model_cls, data):
     return req
 
 
-async def read_request(request: Request, model_cls):
-    """The body parsed strictly as ``model_cls``, on the offload threads."""
+async def read_constrained(request: Request, model_cls):
+    """(request, its structured-output constraint or None, the field it came from): the body
+    parsed strictly as ``model_cls`` and its constraint checked against its limits; a body of
+    more than INLINE_BODY_BYTES in the body-check process (body_check.py), so that no walk
+    over it holds the event loop's GIL."""
     state = request.app.state
-    data = await read_json(request)
-    return await state.offload.run(parse_for_model, state.models, model_cls, data)
+    body = await read_body(request)
+    if len(body) > INLINE_BODY_BYTES:
+        req, constraint, field = await state.offload.checker.check(model_cls, body)
+        state.models.resolve(req.model)
+        return req, constraint, field
+    data = await state.offload.run(parse_json, body)
+    req = await state.offload.run(parse_for_model, state.models, model_cls, data)
+    rf = req.response_format
+    if req.structured_outputs is not None or (rf is not None and rf.get("type") != "text"):
+        return req, *await state.offload.run_grammar(structured_outputs, req)
+    return req, *structured_outputs(req)
 
 
 async def read_json(request: Request):
     """The body, parsed strictly; it must arrive within ``limits.body_timeout_s``."""
+    body = await read_body(request)
+    return await request.app.state.offload.run(parse_json, body)
+
+
+async def read_body(request: Request) -> bytes:
+    """The body's bytes; it must arrive within ``limits.body_timeout_s``. Sets the request's
+    offload lane by its size (``Offload.mark_body``)."""
     limits: ServerLimits = request.app.state.limits
     offload: Offload = request.app.state.offload
     too_big = APIError(
@@ -121,4 +147,4 @@ async def read_json(request: Request):
         if len(body) > limits.max_body_bytes:
             raise too_big
     offload.mark_body(len(body))  # heavy: its work never queues small requests' work
-    return await offload.run(parse_json, bytes(body))
+    return bytes(body)

@@ -17,6 +17,8 @@ A small request (a body of at most INLINE_BODY_BYTES, ``mark_body``) does its pa
 the event loop instead: parsing and tokenizing a few hundred bytes takes tens of microseconds,
 while each hop to a thread waits for that thread to be scheduled and to take the GIL, which on
 a busy 2-core machine took 1-20 ms a hop (a streamed request makes one per token).
+A larger body is parsed, and its constraint's limits checked, in a process (``checker``,
+body_check.py): those walks hold the GIL, which the threads here share with the event loop.
 A request is marked with ``mark_heavy()``; the mark lives in the handler's task (a ContextVar).
 Each thread encodes with its own copy of the tokenizer (a fast tokenizer shared between threads
 that encode can fail with "Already borrowed"). Bodies are serialized by orjson, which holds the
@@ -37,6 +39,7 @@ import threading
 
 import orjson
 
+from pagedjax.entrypoints.openai.body_check import BodyChecker
 from pagedjax.worker.warmup import lower_priority
 
 
@@ -72,6 +75,8 @@ class Offload:
         }
         if threading.current_thread() is threading.main_thread():  # the event loop's, inline
             _ = self.tokenizer  # its copy made now, not by the first small request
+        # Bodies over INLINE_BODY_BYTES are parsed and checked in a process (body_check.py)
+        self.checker = BodyChecker(HEAVY_THREADS)
 
     @property
     def tokenizer(self):
@@ -110,6 +115,7 @@ class Offload:
     def close(self) -> None:
         for pool in self._pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
+        self.checker.close()
 
 
 def dumps(value) -> str:

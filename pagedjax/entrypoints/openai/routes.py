@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from pagedjax.entrypoints.openai.app_state import check_key, read_json, read_request
+from pagedjax.entrypoints.openai.app_state import check_key, read_constrained, read_json
 from pagedjax.entrypoints.openai.metrics import CONTENT_TYPE
 from pagedjax.entrypoints.openai.protocol import (
     ChatRequest,
@@ -29,7 +29,6 @@ from pagedjax.entrypoints.openai.protocol import (
     logit_bias,
     parse_body,
     sampling_params,
-    structured_outputs,
 )
 from pagedjax.entrypoints.openai.serving_engine import Echo
 from pagedjax.entrypoints.openai.tools import template_messages, tool_mode
@@ -172,7 +171,7 @@ async def completions(request: Request):
     check_key(request)
     state = request.app.state
     serving, limits = state.serving, state.limits
-    req = await read_request(request, CompletionRequest)
+    req, constraint, constraint_field = await read_constrained(request, CompletionRequest)
     lora = state.models.resolve(req.model)  # a LoRA adapter's name runs under it
     texts, prompts = _split_prompt(req.prompt)
     count = len(texts or prompts)
@@ -187,7 +186,6 @@ async def completions(request: Request):
     if max_tokens is None:
         max_tokens = max(serving.max_model_len - max(len(x) for x in prompts), 1)
     echo_only = req.echo and max_tokens == 0  # the engine makes one token, never shown
-    constraint, constraint_field = await _off_the_loop(serving, structured_outputs, req)
     await serving.check_constraint(constraint, constraint_field)
     extra = {"logit_bias": logit_bias(req, serving.vocab), "structured_outputs": constraint}
     if req.echo and req.logprobs is not None:
@@ -208,22 +206,10 @@ async def completions(request: Request):
     )
 
 
-async def _off_the_loop(serving, constrain, req, *args):
-    """``constrain(req, *args)``: checking a constraint's limits walks its whole schema or
-    grammar, so a request that gives one has it checked on the grammar lane; one that gives none
-    (most) is answered here, without a hop to another thread."""
-    rf = req.response_format
-    given = req.structured_outputs is not None or (rf is not None and rf.get("type") != "text")
-    if given or getattr(req, "tools", None):
-        return await serving.offload.run_grammar(constrain, req, *args)
-    return constrain(req, *args)
-
-
-def _chat_constraint(req, tool_config):
-    """(constraint, its field, the tools shown to the template, the tool mode) of a chat request:
-    its structured output, or the schema its tool choice imposes. Walks whole schemas: run it
-    off the event loop."""
-    constraint, field = structured_outputs(req)
+def _chat_tools(req, tool_config, constraint, field):
+    """(constraint, its field, the tools shown to the template, the tool mode) of a chat request
+    whose own structured output is ``constraint`` (from ``field``): it, or the schema its tool
+    choice imposes. Walks the tools' schemas: off the event loop when there are tools."""
     shown_tools, tools = tool_mode(req, tool_config, constraint)
     if tools is not None and tools.constraint is not None:  # "required" or named
         constraint, field = tools.constraint, "tools"
@@ -235,13 +221,17 @@ async def chat_completions(request: Request):
     check_key(request)
     state = request.app.state
     serving, limits, tokenizer = state.serving, state.limits, state.tokenizer
-    req = await read_request(request, ChatRequest)
+    req, constraint, constraint_field = await read_constrained(request, ChatRequest)
     lora = state.models.resolve(req.model)  # a LoRA adapter's name runs under it
     if tokenizer is None or tokenizer.chat_template is None:
         raise bad_request("this model's tokenizer has no chat template")
-    constraint, constraint_field, shown_tools, tools = await _off_the_loop(
-        serving, _chat_constraint, req, state.tool_config
-    )
+    args = (req, state.tool_config, constraint, constraint_field)
+    if req.tools:
+        constraint, constraint_field, shown_tools, tools = await serving.offload.run_grammar(
+            _chat_tools, *args
+        )
+    else:
+        constraint, constraint_field, shown_tools, tools = _chat_tools(*args)
     messages = template_messages(chat_messages(req))
     ids = await serving.chat_prompt_ids(messages, shown_tools)
     if req.max_completion_tokens is not None:

@@ -258,8 +258,9 @@ def test_sigterm_finishes_open_streams_and_stops_the_engine_process(model_dir, t
                         break
                 except OSError:
                     time.sleep(0.5)
-            engines = [c for c in _children(proc.pid) if b"spawn_main" in _cmdline(c)]
-            assert len(engines) == 1, engines  # the engine process
+            # the engine process and the body-check worker (openai/body_check.py)
+            spawned = [c for c in _children(proc.pid) if b"spawn_main" in _cmdline(c)]
+            assert len(spawned) == 2, spawned
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
             body = {"model": MODEL, "prompt": "Hi", "max_tokens": 60, "ignore_eos": True}
             headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
@@ -276,7 +277,7 @@ def test_sigterm_finishes_open_streams_and_stops_the_engine_process(model_dir, t
     assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events[-3:]
     assert sum(len(e["choices"][0]["text"]) for e in events[:-1] if e["choices"]) > 0
     assert events[-2]["choices"][0]["finish_reason"] == "length"
-    assert not _alive(engines[0])  # the engine process stopped too
+    assert not any(_alive(c) for c in spawned)  # the engine process stopped too, the worker
 
 
 def _alive(pid: int) -> bool:
