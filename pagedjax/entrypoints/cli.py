@@ -49,6 +49,42 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help=f"longest prompt + output (default: the model's context, at most {MAX_MODEL_LEN_CAP})",
     )
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    _add_scheduler_args(p)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s dict as JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\'',
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule and dispatch each step while the one before runs on the device, where "
+        "that cannot change results (default: on)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split weights and KV heads across this many devices",
+    )
+    multi = p.add_argument_group(
+        "multi-process (multi-host)",
+        "run the same command on every host; process 0 schedules (and serves HTTP), the others "
+        "follow it. Defaults come from PAGEDJAX_COORDINATOR_ADDRESS, PAGEDJAX_NUM_PROCESSES and "
+        "PAGEDJAX_PROCESS_ID; --tensor-parallel-size must then count the devices of all hosts",
+    )
+    multi.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0")
+    multi.add_argument("--num-processes", type=int, default=None, help="processes in the job")
+    multi.add_argument("--process-id", type=int, default=None, help="this one's, 0 .. N-1")
+
+
+def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's scheduler and KV-cache flags."""
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -83,37 +119,6 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="GIB",
         help="host memory for swapped-out KV blocks, in GiB",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--speculative-config",
-        type=_speculative_config,
-        default=None,
-        metavar="JSON",
-        help='speculative decoding, vLLM\'s dict as JSON, e.g. \'{"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\'',
-    )
-    p.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="schedule and dispatch each step while the one before runs on the device, where "
-        "that cannot change results (default: on)",
-    )
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="split weights and KV heads across this many devices",
-    )
-    multi = p.add_argument_group(
-        "multi-process (multi-host)",
-        "run the same command on every host; process 0 schedules (and serves HTTP), the others "
-        "follow it. Defaults come from PAGEDJAX_COORDINATOR_ADDRESS, PAGEDJAX_NUM_PROCESSES and "
-        "PAGEDJAX_PROCESS_ID; --tensor-parallel-size must then count the devices of all hosts",
-    )
-    multi.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0")
-    multi.add_argument("--num-processes", type=int, default=None, help="processes in the job")
-    multi.add_argument("--process-id", type=int, default=None, help="this one's, 0 .. N-1")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
