@@ -294,6 +294,28 @@ class BlockManager(PrefixCacheMixin, SwapMixin, BlockPool):
         need = self._append_need(seqs, self.block_tables, lambda b: self.blocks[b].ref_count)
         return need <= self.get_num_free_blocks()
 
+    def append_decode_slot(self, seq: Sequence) -> bool:
+        """A decode's fast path (most steps of most sequences): the slot of seq's one new token
+        in its last block, when that block has room and seq alone holds it; then nothing is
+        copied and no block taken, exactly what ``can_append_slots`` and ``append_slots`` would
+        find and do. False (nothing changed) when the general path must run: a new block, a
+        shared block to copy, a sliding window, a sequence more than one token ahead."""
+        table = self.block_tables.get(seq.seq_id)
+        if self.sliding_window is not None or not table:
+            return False
+        last = self.blocks[table[-1]]
+        covered = (len(table) - 1) * self.block_size + last.num_tokens
+        if (
+            last.num_tokens >= self.block_size
+            or last.ref_count != 1
+            or covered != seq.num_computed_tokens
+            or seq.get_len() != covered + 1
+        ):
+            return False
+        last.num_tokens += 1
+        self._add_tokens(1)
+        return True
+
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
         """Give seq slots up to seq.get_len(). Every shared block the next step writes into (from
         token num_computed_tokens on) is first copied: returns the (src, dst) copies to perform."""

@@ -224,14 +224,21 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Decodes first (one token each, after securing a slot), then prompt chunks."""
         queue = sorted(self.running, key=lambda g: g.arrival_time)
-        for group in queue:  # before any is preempted: only live blocks are swapped out
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                self.bm.release_outside_window(seq)  # blocks before the window (if any)
+        if self.bm.sliding_window is not None:
+            for group in queue:  # before any is preempted: only live blocks are swapped out
+                for seq in group.get_seqs(SequenceStatus.RUNNING):
+                    self.bm.release_outside_window(seq)  # blocks before the window
         kept, prefilling = [], []
         while queue:
             group = queue.pop(0)
             if self.longrope.crosses(group):
                 self._recompute(group)
+                continue
+            seqs = group.get_seqs(SequenceStatus.RUNNING)
+            if len(seqs) == 1 and self.bm.append_decode_slot(seqs[0]):  # most decodes
+                kept.append(group)
+                out.chunks.append(SeqChunk(group, seqs[0], 1))
+                budget -= 1
                 continue
             while not self.bm.can_append_slots(group):
                 victim = self._pick_victim(queue, group)

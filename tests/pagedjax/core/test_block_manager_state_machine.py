@@ -3,6 +3,7 @@ BlockManager, with a simulated KV pool: the runner's copies are applied, each st
 tokens' KV, and every computed token must read back as the KV of its own prefix (with a sliding
 window: every token the next step can still read; the blocks before the window are released)."""
 
+import copy
 from collections import Counter
 
 import hypothesis.strategies as st
@@ -156,7 +157,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
             pass
         seqs = []
         for group in self.groups_with(RUNNING):
-            if self.bm.can_append_slots(group):
+            if self.decode_fast_path(group):
+                seqs += group.get_seqs(RUNNING)
+            elif self.bm.can_append_slots(group):
                 seqs += self.schedule(group)
         for j, seq in enumerate(seqs):
             table = self.bm.get_block_table(seq)
@@ -175,6 +178,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 seq.append_token_id(tokens[j % len(tokens)])
         self.bm.record_usage()
         assert 0.0 <= self.bm.get_stats().kv_utilization <= 1.0
+
+    def decode_fast_path(self, group) -> bool:
+        """The scheduler's fast path for a one-sequence group: where append_decode_slot takes
+        it, the block manager must be as can_append_slots and append_slots would leave it (on a
+        copy), with nothing to copy; where it does not, unchanged."""
+        seqs = group.get_seqs(RUNNING)
+        if len(seqs) != 1:
+            return False
+        before, general = self.snapshot(), copy.deepcopy(self.bm)
+        if not self.bm.append_decode_slot(seqs[0]):
+            assert self.snapshot() == before
+            return False
+        assert general.can_append_slots(group) and general.append_slots(seqs[0]) == []
+        assert state(general) == self.snapshot()
+        self.covered[seqs[0].seq_id] = self.target(seqs[0])
+        return True
 
     def schedule(self, group):
         seqs = group.get_seqs(RUNNING)
