@@ -65,6 +65,8 @@ class PrefixCacheMixin:
         bs = self.block_size
         num_full = min(seq.num_computed_tokens // bs, self._num_table_tokens(table) // bs)
         start = self._num_hashed_blocks[seq.seq_id]
+        if num_full <= start:  # no block filled since the last call (most decode steps)
+            return
         tokens = seq.get_token_ids()
         extra = self._cache_key(seq, seq.num_computed_tokens)
         for i in range(start, num_full):

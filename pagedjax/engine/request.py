@@ -29,6 +29,10 @@ class Request:
     error: str | None = None  # why the engine ended it, if it did (its output carries this)
     prompt_logprobs: PromptLogprobs | None = None  # set when its params ask for them
     grammar: RequestGrammar | None = None  # its structured output's state, if it has one
+    # (vocab size, the sampling row fields of its parameters): built on first use
+    _row_cache: tuple[int, dict] | None = dataclasses.field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self):
         so = getattr(self.params, "structured_outputs", None)
@@ -66,29 +70,44 @@ class Request:
 
     def sampling_rows(self, chunk: SeqChunk, vocab_size: int) -> list[SamplingRow]:
         """The chunk's rows for the on-device sampler (one per token it samples)."""
-        p, seq = self.params, chunk.seq
+        seq, num_samples = chunk.seq, chunk.num_samples
         if self.is_beam_search:
-            return [SamplingRow(position=seq.get_len())] * chunk.num_samples
-        indices = range(chunk.num_samples) if chunk.num_samples > 1 else [seq.sample_index]
-        penalties = p.uses_penalties
+            return [SamplingRow(position=seq.get_len())] * num_samples
+        if not num_samples:
+            return []
+        indices = range(num_samples) if num_samples > 1 else [seq.sample_index]
+        fields = self._row_fields(vocab_size)
+        penalties = self.params.uses_penalties
         return [
             SamplingRow(
-                temperature=float(p.temperature) if p.temperature >= SAMPLING_EPS else 0.0,
-                top_k=min(max(p.top_k, 0), vocab_size),
-                top_p=float(p.top_p),
-                min_p=float(p.min_p),
+                **fields,
                 seed=(self.seed + i * GOLDEN) % 2**32,
                 position=seq.get_len(),
-                presence_penalty=float(p.presence_penalty),
-                frequency_penalty=float(p.frequency_penalty),
-                repetition_penalty=float(p.repetition_penalty),
                 prompt_token_ids=seq.prompt_token_ids if penalties else (),
                 output_token_ids=seq.output_token_ids if penalties else (),
-                logit_bias=tuple((p.logit_bias or {}).items()),
                 token_bitmask=self.grammar.mask(seq) if self.grammar is not None else None,
             )
-            for i in (indices if chunk.num_samples else ())
+            for i in indices
         ]
+
+    def _row_fields(self, vocab_size: int) -> dict:
+        """The sampling row fields that come from the request's parameters alone (built once:
+        the parameters do not change while it runs)."""
+        if self._row_cache is not None and self._row_cache[0] == vocab_size:
+            return self._row_cache[1]
+        p = self.params
+        fields = dict(
+            temperature=float(p.temperature) if p.temperature >= SAMPLING_EPS else 0.0,
+            top_k=min(max(p.top_k, 0), vocab_size),
+            top_p=float(p.top_p),
+            min_p=float(p.min_p),
+            presence_penalty=float(p.presence_penalty),
+            frequency_penalty=float(p.frequency_penalty),
+            repetition_penalty=float(p.repetition_penalty),
+            logit_bias=tuple((p.logit_bias or {}).items()),
+        )
+        self._row_cache = (vocab_size, fields)
+        return fields
 
 
 def advance_grammars(pairs: Iterable[tuple[Request, Sequence]]) -> None:
