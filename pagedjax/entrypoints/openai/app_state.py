@@ -97,9 +97,8 @@ async def read_constrained(request: Request, model_cls):
     state = request.app.state
     body = await read_body(request)
     if len(body) > INLINE_BODY_BYTES:
-        req, constraint, field = await state.offload.checker.check(model_cls, body)
-        state.models.resolve(req.model)
-        return req, constraint, field
+        resolve = lambda req: state.models.resolve(req.model)  # noqa: E731
+        return await state.offload.checker.check(model_cls, body, resolve)
     data = await state.offload.run(parse_json, body)
     req = await state.offload.run(parse_for_model, state.models, model_cls, data)
     rf = req.response_format

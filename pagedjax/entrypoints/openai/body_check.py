@@ -62,8 +62,10 @@ def _ready() -> int:
 
 
 def check_body(model_cls, body: bytes):
-    """In a worker: (request, (constraint, its field), None), or (None, None, the APIError's
-    arguments) for a body that is refused."""
+    """In a worker: (the request or None, (constraint, its field) or None, the arguments of the
+    APIError to raise or None). A body that does not parse has no request; a request whose
+    constraint is refused has the error and no constraint (the server names an unknown model
+    first, as it does for a small body)."""
     from pagedjax.entrypoints.openai.protocol import (
         APIError,
         parse_json,
@@ -71,11 +73,12 @@ def check_body(model_cls, body: bytes):
         structured_outputs,
     )
 
+    req = None
     try:
         req = parse_request(model_cls, parse_json(body))
         return req, structured_outputs(req), None
     except APIError as e:
-        return None, None, (e.status, e.message, e.type, e.code, e.param)
+        return req, None, (e.status, e.message, e.type, e.code, e.param)
 
 
 class BodyChecker:
@@ -115,9 +118,10 @@ class BodyChecker:
                 )
             return self._pool
 
-    async def check(self, model_cls, body: bytes):
-        """(request, constraint, its field) of ``body`` parsed as ``model_cls``; a refused body
-        raises the APIError the threads would have raised."""
+    async def check(self, model_cls, body: bytes, resolve=lambda req: None):
+        """(request, constraint, its field) of ``body`` parsed as ``model_cls``, ``resolve(req)``
+        called before a refused constraint is raised (the served model's name is checked first,
+        as for a small body); a refused body raises the APIError the threads would have raised."""
         from pagedjax.entrypoints.openai.protocol import APIError
 
         for _ in range(2):  # a pool found broken before this body was sent: a new one
@@ -137,6 +141,8 @@ class BodyChecker:
                 500, f"the body-check process died: {e}", "server_error", "body_check_failed"
             ) from None
         self.num_checked += 1
+        if req is not None:
+            resolve(req)
         if err is not None:
             raise APIError(*err)
         return req, *constraint

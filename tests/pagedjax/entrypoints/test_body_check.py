@@ -68,6 +68,10 @@ CASES = [
         {"prompt": "Hi", "response_format": {"type": "json_object"}, "structured_outputs": {}},
     ),
     ("/v1/completions", {"prompt": "Hi", "model": "no-such-model"}),
+    (  # the model named before the constraint is checked
+        "/v1/completions",
+        {"prompt": "Hi", "model": "no-such-model", "structured_outputs": {"nope": 1}},
+    ),
 ]
 
 
