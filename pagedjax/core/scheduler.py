@@ -20,7 +20,7 @@ from pagedjax.core.block_manager import AllocStatus, BlockManager
 from pagedjax.core.in_flight import InFlight
 from pagedjax.core.longrope import LongRopeSwitch
 from pagedjax.core.lora_admission import LoRAAdmission
-from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus, append_sampled
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 
 _FINISHED_STATUS = {
@@ -44,19 +44,6 @@ def check_stop(
     if seq.get_output_len() >= p.max_tokens or seq.get_len() >= max_model_len:
         return "length"
     return None
-
-
-def append_sampled(seq: Sequence, p: SamplingParams, result, row: int) -> None:
-    """Append row ``row`` of the sampler's ``result`` to seq, with the logprobs p asks for."""
-    token, logprob = int(result.tokens[row]), float(result.logprobs[row])
-    seq.append_token_id(token, logprob)
-    if p.logprobs is not None:
-        top = zip(
-            result.top_token_ids[row, : p.logprobs].tolist(),
-            result.top_logprobs[row, : p.logprobs].tolist(),
-            strict=True,
-        )
-        seq.logprobs.append({token: logprob, **dict(top)})
 
 
 @dataclasses.dataclass

@@ -179,3 +179,16 @@ class SequenceGroup:
 
     def is_finished(self) -> bool:
         return all(seq.is_finished() for seq in self.seqs_dict.values())
+
+
+def append_sampled(seq: Sequence, p: SamplingParams, result, row: int) -> None:
+    """Append row ``row`` of the sampler's ``result`` to seq, with the logprobs p asks for."""
+    token, logprob = int(result.tokens[row]), float(result.logprobs[row])
+    seq.append_token_id(token, logprob)
+    if p.logprobs is not None:
+        top = zip(
+            result.top_token_ids[row, : p.logprobs].tolist(),
+            result.top_logprobs[row, : p.logprobs].tolist(),
+            strict=True,
+        )
+        seq.logprobs.append({token: logprob, **dict(top)})

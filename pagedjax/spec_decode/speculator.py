@@ -26,8 +26,8 @@ import dataclasses
 import weakref
 from collections.abc import Callable
 
-from pagedjax.core.scheduler import SeqChunk, append_sampled, check_stop
-from pagedjax.core.sequence import Sequence, SequenceGroup
+from pagedjax.core.scheduler import SeqChunk, check_stop
+from pagedjax.core.sequence import Sequence, SequenceGroup, append_sampled
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.spec_decode.config import SpeculativeConfig
 from pagedjax.spec_decode.metrics import SpecDecodingStats
