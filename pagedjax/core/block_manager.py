@@ -304,7 +304,7 @@ class BlockManager(PrefixCacheMixin, SwapMixin, BlockPool):
         if self.sliding_window is not None or not table:
             return False
         last = self.blocks[table[-1]]
-        covered = (len(table) - 1) * self.block_size + last.num_tokens
+        covered = self._num_table_tokens(table)
         if (
             last.num_tokens >= self.block_size
             or last.ref_count != 1
