@@ -24,17 +24,13 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
 
+    def __init__(self, *_):
+        # A plain attribute: read for every sequence several times a step, where a set lookup
+        # would call Enum's Python-level __hash__.
+        self.finished = self._name_.startswith("FINISHED_")
+
     def is_finished(self) -> bool:
-        return self in _FINISHED
-
-
-_FINISHED = frozenset(
-    {
-        SequenceStatus.FINISHED_STOPPED,
-        SequenceStatus.FINISHED_LENGTH_CAPPED,
-        SequenceStatus.FINISHED_ABORTED,
-    }
-)
+        return self.finished
 
 
 class Sequence:
@@ -114,7 +110,7 @@ class Sequence:
         return cdiv(self.get_len(), self.block_size)
 
     def is_finished(self) -> bool:
-        return self.status.is_finished()
+        return self.status.finished
 
     def fork(self, new_seq_id: int) -> Sequence:
         """A copy with its own token lists (the block tables are forked by the BlockManager)."""
@@ -178,7 +174,7 @@ class SequenceGroup:
         return sum(seq.status is status for seq in self.seqs_dict.values())
 
     def is_finished(self) -> bool:
-        return all(seq.is_finished() for seq in self.seqs_dict.values())
+        return all(seq.status.finished for seq in self.seqs_dict.values())
 
 
 def append_sampled(seq: Sequence, p: SamplingParams, result, row: int) -> None:
