@@ -4,7 +4,7 @@ from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.entrypoints.llm import LLM
 from pagedjax.lora.request import LoRARequest
 from pagedjax.outputs import CompletionOutput, EngineStats, RequestOutput
-from pagedjax.sampling_params import BeamSearchParams, SamplingParams
+from pagedjax.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
@@ -14,5 +14,6 @@ __all__ = [
     "LLMEngine",
     "LoRARequest",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 
 from pagedjax.structured_output.grammar import StructuredOutputsParams
@@ -23,7 +24,21 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-__all__ = ["BeamSearchParams", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["BeamSearchParams", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
+
+
+class RequestOutputKind(enum.Enum):
+    """What the engine returns for a request at each step (vLLM's)."""
+
+    CUMULATIVE = 0  # everything so far, at every step it ran in
+    DELTA = 1  # only what is new since its last output (text, token ids, logprobs)
+    FINAL_ONLY = 2  # nothing until it finishes, then everything
+
+
+def _check_output_kind(obj, kinds=tuple(RequestOutputKind)) -> None:
+    if not isinstance(obj.output_kind, RequestOutputKind) or obj.output_kind not in kinds:
+        names = ", ".join(f"RequestOutputKind.{k.name}" for k in kinds)
+        _bad(obj, "output_kind", f"must be one of {names}")
 
 
 @dataclasses.dataclass
@@ -49,6 +64,7 @@ class SamplingParams:
     # Constrain the output to a JSON schema, a regex, a choice or a grammar (structured_output.py)
     structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         if not _is_int(self.n) or not 1 <= self.n <= MAX_INT32:
@@ -107,6 +123,7 @@ class SamplingParams:
             self.structured_outputs, StructuredOutputsParams
         ):
             _bad(self, "structured_outputs", "must be None or StructuredOutputsParams")
+        _check_output_kind(self)
 
     @property
     def greedy(self) -> bool:
@@ -130,6 +147,8 @@ class BeamSearchParams:
     max_tokens: int
     ignore_eos: bool = False
     length_penalty: float = 1.0  # score = cumulative logprob / output_length ** length_penalty
+    # Beams are ranked anew at every step, so their outputs come whole (no DELTA)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
@@ -138,6 +157,7 @@ class BeamSearchParams:
             _bad(self, "max_tokens", f"must be an integer in [1, {MAX_INT32}]")
         if not _is_number(self.length_penalty):
             _bad(self, "length_penalty", "must be a finite number")
+        _check_output_kind(self, (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY))
 
     @property
     def max_num_seqs(self) -> int:

@@ -13,7 +13,7 @@ from pagedjax.core import beam_search
 from pagedjax.core.sequence import Sequence
 from pagedjax.engine.request import Request, advance_grammars
 from pagedjax.outputs import CompletionOutput, PromptLogprobsList, RequestOutput, token_texts
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
 
 def find_stop_string(text: str, searched: int, stops: list[str]) -> int:
@@ -120,22 +120,21 @@ class OutputProcessor:
         return seq.stop_reason if seq.finish_reason == "stop" else None
 
     def make_output(self, req: Request) -> RequestOutput:
+        """The request's output as its params' ``output_kind`` asks: everything so far
+        (CUMULATIVE, FINAL_ONLY) or what is new since its last output (DELTA)."""
         if req.is_beam_search:
             return self._beam_output(req)
-        seqs = sorted(req.group.get_seqs(), key=lambda s: s.sample_index)
-        want_logprobs = req.params.logprobs is not None
-        completions = [
-            CompletionOutput(
-                index=s.sample_index,
-                text=s.text,
-                token_ids=list(s.output_token_ids),
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=list(s.logprobs) if want_logprobs else None,
-                finish_reason=s.finish_reason,
-                stop_reason=self.stop_reason(req, s),
-            )
-            for s in seqs
-        ]
+        seqs = req.group.get_seqs()
+        if len(seqs) > 1:
+            seqs.sort(key=lambda s: s.sample_index)
+        p = req.params
+        completion = self._delta if p.output_kind is RequestOutputKind.DELTA else self._whole
+        completions = [completion(req, s, p.logprobs is not None) for s in seqs]
+        prompt_logprobs = self.prompt_logprobs(req)
+        if p.output_kind is RequestOutputKind.DELTA and prompt_logprobs is not None:
+            if req.sent_prompt_logprobs:
+                prompt_logprobs = None  # a delta carries them once
+            req.sent_prompt_logprobs = True
         finished = req.group.is_finished()  # before its first token a request has one seq
         return RequestOutput(
             req.request_id,
@@ -144,7 +143,38 @@ class OutputProcessor:
             completions,
             finished,
             req.error,
-            self.prompt_logprobs(req),
+            prompt_logprobs,
+        )
+
+    def _whole(self, req: Request, s: Sequence, want_logprobs: bool) -> CompletionOutput:
+        return CompletionOutput(
+            index=s.sample_index,
+            text=s.text,
+            token_ids=list(s.output_token_ids),
+            cumulative_logprob=s.cumulative_logprob,
+            logprobs=list(s.logprobs) if want_logprobs else None,
+            finish_reason=s.finish_reason,
+            stop_reason=self.stop_reason(req, s),
+        )
+
+    def _delta(self, req: Request, s: Sequence, want_logprobs: bool) -> CompletionOutput:
+        """What seq has that its last output did not (vLLM's DELTA). While it runs, the last
+        characters that could still begin a stop string are held back: a stop string found
+        later cuts the text there, never before what was sent."""
+        num_tokens, num_chars = req.sent.get(s.seq_id, (0, 0))
+        end = len(s.text)
+        if s.finish_reason is None and req.params.stop:
+            hold = max(len(stop) for stop in req.params.stop) - 1
+            end = max(end - hold, num_chars)
+        req.sent[s.seq_id] = (len(s.output_token_ids), end)
+        return CompletionOutput(
+            index=s.sample_index,
+            text=s.text[num_chars:end],
+            token_ids=s.output_token_ids[num_tokens:],
+            cumulative_logprob=s.cumulative_logprob,
+            logprobs=s.logprobs[num_tokens:] if want_logprobs else None,
+            finish_reason=s.finish_reason,
+            stop_reason=self.stop_reason(req, s),
         )
 
     def prompt_logprobs(self, req: Request) -> PromptLogprobsList | None:

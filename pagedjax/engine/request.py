@@ -29,6 +29,10 @@ class Request:
     error: str | None = None  # why the engine ended it, if it did (its output carries this)
     prompt_logprobs: PromptLogprobs | None = None  # set when its params ask for them
     grammar: RequestGrammar | None = None  # its structured output's state, if it has one
+    # What its outputs carried so far, for RequestOutputKind.DELTA: seq id -> (output tokens,
+    # characters of text), and whether its prompt logprobs went out
+    sent: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict, repr=False)
+    sent_prompt_logprobs: bool = dataclasses.field(default=False, repr=False)
     # (vocab size, the sampling row fields of its parameters): built on first use
     _row_cache: tuple[int, dict] | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False

@@ -12,6 +12,7 @@ import logging
 
 from pagedjax.engine.request import Request
 from pagedjax.outputs import RequestOutput
+from pagedjax.sampling_params import RequestOutputKind
 from pagedjax.worker.prompt_logprobs import PromptScores
 
 logger = logging.getLogger("pagedjax.engine.llm_engine")
@@ -49,9 +50,12 @@ class RequestTable:
             req.prompt_logprobs.store(scores.first_target, scores.scores)
 
     def emit(self, request_id: str) -> RequestOutput | None:
-        """The request's output now (None if it is gone); a finished request leaves the table."""
+        """The request's output now (None if it is gone, or if it runs on and asked only for its
+        final output); a finished request leaves the table."""
         req = self.requests.get(request_id)
         if req is None:
+            return None
+        if req.params.output_kind is RequestOutputKind.FINAL_ONLY and not req.group.is_finished():
             return None
         try:
             output = self.output_processor.make_output(req)

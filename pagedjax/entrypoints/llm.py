@@ -15,7 +15,7 @@ from pagedjax.lora.request import LoRARequest
 from pagedjax.models.loader import default_model_path, load_model
 from pagedjax.models.sharding import tensor_parallel_mesh
 from pagedjax.outputs import EngineStats, RequestOutput
-from pagedjax.sampling_params import BeamSearchParams, SamplingParams
+from pagedjax.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedjax.worker.runner import Runner
 
 Prompt = str | list[int]
@@ -223,6 +223,9 @@ class LLM:
                     prepared.append(self.engine.prepare_request(request_id, prompt, p, lora))
                 except ValueError as e:
                     raise ValueError(f"prompt {i}: {e}") from None
+                # Only the final outputs are read here (vLLM's LLM asks the same): the engine's
+                # own copy of the params, so no output is built at the steps in between.
+                prepared[-1][2].output_kind = RequestOutputKind.FINAL_ONLY
             for request_id, request in zip(ids, prepared, strict=True):
                 self.engine.enqueue(request_id, *request)
                 added.append(request_id)
