@@ -6,7 +6,7 @@ ms per decode step (min and median over repeats of a block of steps) and, from t
 programs dispatched and the host arrays transferred per step (the runner's counts).
 
     python benchmarks/engine_host_cost.py [--steps 32] [--repeats 7] [--batches 1 64] [--quick]
-                                          [--sampled]
+                                          [--sampled] [--final-only]
 
 Time it on a quiet machine: other jobs' load shows up directly in these figures. To compare with
 an older checkout in the same sitting, run this same file from that checkout's root, with
@@ -72,15 +72,23 @@ def make_llm(loaded: LoadedModel, batch: int, max_model_len: int, async_scheduli
         module.load_model = original
 
 
-def measure(llm: LLM, batch: int, steps: int, repeats: int, sampled: bool = False) -> dict:
+def measure(
+    llm: LLM, batch: int, steps: int, repeats: int, sampled: bool = False, final_only=False
+) -> dict:
     """Per-step ms (each repeat times ``steps`` decode steps) and per-step counts. ``sampled``:
-    every request samples (temperature 0.8, top-p 0.9, its own seed), else greedy."""
+    every request samples (temperature 0.8, top-p 0.9, its own seed), else greedy.
+    ``final_only``: the requests ask for their final output alone (``LLM.generate``'s), else
+    for every step's (a server's)."""
     engine, runner = llm.engine, llm.engine.runner
     max_tokens = steps * (repeats + 1) + 4
     if sampled:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.9, ignore_eos=True)
     else:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    if final_only:
+        from pagedjax import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.FINAL_ONLY
     rng = np.random.default_rng(batch)
     for i in range(batch):
         engine.add_request(f"r{i}", rng.integers(3, 250, PROMPT_LEN).tolist(), params)
@@ -121,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sampled", action="store_true", help="also time batches that sample (temperature 0.8)"
     )
+    parser.add_argument(
+        "--final-only",
+        action="store_true",
+        help="also time greedy batches whose requests ask for their final output alone "
+        "(RequestOutputKind.FINAL_ONLY, what LLM.generate asks for), async scheduling on",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.repeats = 4, 2
@@ -128,21 +142,23 @@ def main(argv: list[str] | None = None) -> int:
           f"{jax.default_backend()}")  # fmt: skip
     loaded = tiny_model()
     max_model_len = PROMPT_LEN + args.steps * (args.repeats + 2) + 8
-    print(f"{'rows':>7s} {'batch':>5s} {'async':>5s} {'min ms':>8s} {'median ms':>10s} "
-          f"{'programs':>9s} {'transfers':>10s}  (per decode step)")  # fmt: skip
-    for sampled in (False, True) if args.sampled else (False,):
-        for batch in args.batches:
-            for async_scheduling in (True, False):
-                llm = make_llm(loaded, batch, max_model_len, async_scheduling)
-                try:
-                    r = measure(llm, batch, args.steps, args.repeats, sampled)
-                finally:
-                    llm.close()
-                print(
-                    f"{'sampled' if sampled else 'greedy':>7s} {batch:5d} "
-                    f"{'on' if async_scheduling else 'off':>5s} {r['min_ms']:8.3f} "
-                    f"{r['median_ms']:10.3f} {r['programs']:9.2f} {r['transfers']:10.2f}"
-                )
+    print(f"{'rows':>7s} {'batch':>5s} {'async':>5s} {'outputs':>7s} {'min ms':>8s} "
+          f"{'median ms':>10s} {'programs':>9s} {'transfers':>10s}  (per decode step)")  # fmt: skip
+    runs = [(s, b, a, False) for s in (False, True)[: 1 + args.sampled] for b in args.batches
+            for a in (True, False)]  # fmt: skip
+    runs += [(False, b, True, True) for b in args.batches if args.final_only]
+    for sampled, batch, async_scheduling, final_only in runs:
+        llm = make_llm(loaded, batch, max_model_len, async_scheduling)
+        try:
+            r = measure(llm, batch, args.steps, args.repeats, sampled, final_only)
+        finally:
+            llm.close()
+        print(
+            f"{'sampled' if sampled else 'greedy':>7s} {batch:5d} "
+            f"{'on' if async_scheduling else 'off':>5s} {'final' if final_only else 'every':>7s} "
+            f"{r['min_ms']:8.3f} {r['median_ms']:10.3f} {r['programs']:9.2f} "
+            f"{r['transfers']:10.2f}"
+        )
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     return 0
 
