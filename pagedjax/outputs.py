@@ -97,6 +97,16 @@ class CompletionOutput:
     stop_reason: int | str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class RequestMetrics:
+    """When the engine took a request and when its first output token came (``time.monotonic``
+    seconds, this process's clock); a server measures time to first token from these, also for
+    a request that asked for its final output alone."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+
+
 @dataclasses.dataclass
 class RequestOutput:
     request_id: str
@@ -113,6 +123,7 @@ class RequestOutput:
     # Its proposals, accepted tokens, acceptance rate and mean acceptance length, when the engine
     # speculates (speculative_config); None otherwise.
     spec_decoding: SpecDecodingStats | None = None
+    metrics: RequestMetrics | None = None
 
 
 @dataclasses.dataclass
@@ -143,6 +154,7 @@ class EngineStats:
     attention_padding_ratio: float = 1.0
     spec_decoding: SpecDecodingStats | None = None  # all requests' counts, when it speculates
     num_overlapped_steps: int = 0  # dispatched while the step before ran (async scheduling)
+    num_generation_tokens: int = 0  # output tokens generated, every request's, since the start
     # With the step profile's timing on (engine.profile.enabled): per step kind ("prefill",
     # "mixed", "decode") its steps, host_ms and device_ms per step, bytes_per_step (weights once +
     # the KV pages read) and mbu (bytes / device time / copy bandwidth); mbu over every step, and
@@ -179,6 +191,7 @@ class EngineStats:
             attention_padding_ratio=profile.attention_padding_ratio,
             spec_decoding=spec.stats.copy() if (spec := scheduler.speculator) else None,
             num_overlapped_steps=num_overlapped_steps,
+            num_generation_tokens=scheduler.num_generation_tokens,
             step_kinds=profile.per_kind() if profile.copy_bytes_per_s else {},
             mbu=profile.mbu(),
             copy_gbps=profile.copy_bytes_per_s / 1e9 if profile.copy_bytes_per_s else None,

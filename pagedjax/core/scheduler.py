@@ -158,6 +158,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swapped = 0
         self.num_aborted = 0  # groups the scheduler gave up on (with a reason)
+        self.num_generation_tokens = 0  # output tokens appended (and beam tokens), ever
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.speculator = speculator
@@ -383,6 +384,7 @@ class Scheduler:
     def _append(self, group, seq: Sequence, result, row: int, update: StepUpdate) -> None:
         p: SamplingParams = group.sampling_params
         append_sampled(seq, p, result, row)
+        self.num_generation_tokens += 1
         reason = check_stop(seq, p, self.eos_token_ids, self.max_model_len)
         if reason is not None:
             self.finish_seq(seq, reason)
@@ -403,6 +405,7 @@ class Scheduler:
                 for token, lp in picks[1:]:
                     self.fork(group, seq, 0).append_token_id(token, lp)
                 seq.append_token_id(*picks[0])
+                self.num_generation_tokens += len(picks)
         if step.done:
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 group.finished_beams.append((list(seq.output_token_ids), seq.cumulative_logprob))

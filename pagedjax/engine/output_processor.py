@@ -144,6 +144,7 @@ class OutputProcessor:
             finished,
             req.error,
             prompt_logprobs,
+            metrics=req.metrics,
         )
 
     def _whole(self, req: Request, s: Sequence, want_logprobs: bool) -> CompletionOutput:
@@ -217,7 +218,13 @@ class OutputProcessor:
             for i, (tokens, cum) in enumerate(beam_search.best_hypotheses(p, hyps))
         ]
         return RequestOutput(
-            req.request_id, req.prompt, req.prompt_token_ids, completions, finished, req.error
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            completions,
+            finished,
+            req.error,
+            metrics=req.metrics,
         )
 
 

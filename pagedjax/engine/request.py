@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Iterable
 
 from pagedjax.core.scheduler import SeqChunk
 from pagedjax.core.sequence import Sequence, SequenceGroup
+from pagedjax.outputs import RequestMetrics
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 from pagedjax.structured_output.grammar import RequestGrammar
 from pagedjax.structured_output.masks import advance_together
@@ -29,6 +31,9 @@ class Request:
     error: str | None = None  # why the engine ended it, if it did (its output carries this)
     prompt_logprobs: PromptLogprobs | None = None  # set when its params ask for them
     grammar: RequestGrammar | None = None  # its structured output's state, if it has one
+    metrics: RequestMetrics = dataclasses.field(
+        default_factory=lambda: RequestMetrics(time.monotonic()), repr=False, compare=False
+    )
     # What its outputs carried so far, for RequestOutputKind.DELTA: seq id -> (output tokens,
     # characters of text), and whether its prompt logprobs went out
     sent: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict, repr=False)
@@ -93,6 +98,11 @@ class Request:
             )
             for i in indices
         ]
+
+    def got_tokens(self, now: float) -> None:
+        """Its sequences got tokens in a step that finished at ``now``."""
+        if self.metrics.first_token_time is None:
+            self.metrics = RequestMetrics(self.metrics.arrival_time, now)
 
     def _row_fields(self, vocab_size: int) -> dict:
         """The sampling row fields that come from the request's parameters alone (built once:

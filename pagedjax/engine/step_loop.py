@@ -223,6 +223,9 @@ class StepLoop:
                 requests.fail(requests[request_id], error)
             pairs = [(requests[g.request_id], s) for g, s in (update.new_tokens if update else ())]
             pairs = [(req, seq) for req, seq in pairs if req.error is None]
+            now = time.monotonic()
+            for req, _ in pairs:
+                req.got_tokens(now)
             for (req, seq), why in zip(pairs, self.check_stops(pairs), strict=True):
                 if isinstance(why, Exception):
                     requests.fail(req, why)

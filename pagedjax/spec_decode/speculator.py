@@ -142,6 +142,7 @@ class Speculator:
         start = seq.num_computed_tokens  # position of the last token, whose K/V this step wrote
         for j, row in enumerate(rows):
             append_sampled(seq, p, result, row)
+            sched.num_generation_tokens += 1
             # Tokens with K/V: the last one, and the accepted proposals among those appended.
             computed = start + 1 + min(j + 1, num_accepted)
             why = check_stop(seq, p, sched.eos_token_ids, sched.max_model_len)

@@ -204,11 +204,12 @@ class EngineLoop:
                 continue
             num = sum(len(c.token_ids) for c in out.outputs)
             longest = max((len(c.token_ids) for c in out.outputs), default=0)
-            m.generation_tokens.inc(num - t.num_tokens)
             m.lora_generation_tokens(t.lora_name, num - t.num_tokens)
             if t.first_token is None and num:
-                t.first_token = now
-                m.ttft.observe(now - t.arrival)
+                # the engine's time: a request that asked for its final output alone has none before
+                first = out.metrics.first_token_time if out.metrics is not None else None
+                t.first_token = now if first is None else first
+                m.ttft.observe(t.first_token - t.arrival)
             if out.finished:
                 if longest > 1:
                     m.tpot.observe((now - t.first_token) / (longest - 1))

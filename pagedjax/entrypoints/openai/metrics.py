@@ -162,6 +162,7 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             "pagedjax_generation_tokens", "Tokens generated.", registry=reg
         )
+        self._generation_base: int | None = None  # the engine's count at the last publish
         self.request_errors = Counter(
             "pagedjax_request_errors", "Requests the engine finished with an error.", registry=reg
         )
@@ -214,7 +215,13 @@ class ServerMetrics:
             return self._engine_stats
 
     def publish(self, stats: EngineStats) -> None:
-        """Called by the engine thread with a fresh ``engine.get_stats()``."""
+        """Called by the engine thread with a fresh ``engine.get_stats()``. Tokens generated
+        are the engine's count, step by step, whatever each request asked to be returned when
+        (those before the first publish, the start's warm-up, are not the server's)."""
+        count, base = stats.num_generation_tokens, self._generation_base
+        if base is not None and count > base:
+            self.generation_tokens.inc(count - base)
+        self._generation_base = count  # lower after a loaded engine state: counted from there
         with self._lock:
             self._engine_stats = stats
 

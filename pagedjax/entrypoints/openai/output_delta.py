@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from pagedjax.outputs import CompletionOutput, PromptLogprobsList, RequestOutput
+from pagedjax.outputs import CompletionOutput, PromptLogprobsList, RequestMetrics, RequestOutput
 
 
 @dataclasses.dataclass
@@ -48,6 +48,7 @@ class OutputDelta:
     error: str | None
     prompt_logprobs: PromptLogprobsList | None  # None: the same as before
     spec_decoding: object
+    metrics: RequestMetrics | None = None  # None: the same as before
 
 
 class OutputEncoder:
@@ -75,6 +76,7 @@ class OutputEncoder:
             out.error,
             None if same_prompt_logprobs else out.prompt_logprobs,
             out.spec_decoding,
+            None if out.metrics is last.metrics else out.metrics,
         )
 
 
@@ -136,6 +138,7 @@ class OutputDecoder:
             payload.error,
             prompt_logprobs,
             payload.spec_decoding,
+            last.metrics if payload.metrics is None else payload.metrics,
         )
         self._last = out
         return out

@@ -5,6 +5,7 @@ the finished output alone; LLM.generate asks for FINAL_ONLY on its own copy of t
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 from server_helpers import byte_llm
@@ -133,6 +134,17 @@ def test_generate_reads_final_outputs_and_leaves_the_callers_params(llm, monkeyp
     monkeypatch.undo()
     stepped = run(llm, [p] * 3)
     assert [whole(o) for o in outs] == [whole(stepped[r][-1]) for r in ("r0", "r1", "r2")]
+
+
+def test_outputs_carry_the_engines_first_token_time(llm):
+    base = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    t0 = time.monotonic()
+    outs = run(llm, [base, with_kind(base, FINAL_ONLY), with_kind(base, DELTA)])
+    for steps in outs.values():
+        first = [o.metrics.first_token_time for o in steps if o.outputs[0].token_ids]
+        m = steps[-1].metrics
+        assert t0 <= m.arrival_time < m.first_token_time <= time.monotonic()
+        assert first[0] == m.first_token_time  # stamped once, in the step of the first token
 
 
 @pytest.mark.parametrize("kind", ["delta", 1, None])

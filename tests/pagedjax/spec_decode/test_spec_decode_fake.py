@@ -73,10 +73,14 @@ def _completions(outputs):
 @pytest.mark.parametrize("seed", range(48))
 def test_outputs_identical_with_and_without_speculation(seed):
     engine_kw, spec, prompts, params = _workload(seed)
-    plain = run(spec_engine(None, **engine_kw), prompts, params)
+    plain_engine = spec_engine(None, **engine_kw)
+    plain = run(plain_engine, prompts, params)
     engine = spec_engine(spec, **engine_kw)
     fast = run(engine, prompts, params)
     assert _completions(fast) == _completions(plain)
+    generated = sum(len(c.token_ids) for o in plain.values() for c in o.outputs)
+    for e in (plain_engine, engine):  # each output token once, through preemption and speculation
+        assert e.get_stats().num_generation_tokens == generated
     total = engine.get_stats().spec_decoding
     per_request = [o.spec_decoding for o in fast.values()]
     assert sum(s.num_drafts for s in per_request) == total.num_drafts
