@@ -9,6 +9,7 @@ are out, with an error event and ``[DONE]``; it never takes another request with
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -23,7 +24,7 @@ from pagedjax.entrypoints.openai.protocol import APIError, bad_request
 from pagedjax.entrypoints.openai.responses import Echo, Responses, StreamEvents
 from pagedjax.models.loading.tokenizer import encode_text, max_chars_per_token
 from pagedjax.outputs import RequestOutput
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["Echo", "OpenAIServing"]
 
@@ -224,7 +225,11 @@ class OpenAIServing:
         lora=None,
     ):
         """Answer ``req``: streamed or whole; ``tools`` (a tools.ToolMode) takes the choices'
-        tool calls out of their text; ``lora``: the LoRA adapter its ``model`` named."""
+        tool calls out of their text; ``lora``: the LoRA adapter its ``model`` named. A whole
+        answer reads only the finished outputs, so its requests ask for nothing else (vLLM's
+        FINAL_ONLY): no output is built, sent or awaited at the steps in between."""
+        if not req.stream:
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         job = await self.start(prompts, params, lora)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         now = int(time.time())
