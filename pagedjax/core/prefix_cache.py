@@ -61,11 +61,13 @@ class PrefixCacheMixin:
         cache. Call after each executed step; a block is a prefix hit only once marked."""
         if not self.enable_prefix_caching:
             return
-        table = self._device_table(seq)
         bs = self.block_size
-        num_full = min(seq.num_computed_tokens // bs, self._num_table_tokens(table) // bs)
         start = self._num_hashed_blocks[seq.seq_id]
-        if num_full <= start:  # no block filled since the last call (most decode steps)
+        if seq.num_computed_tokens // bs <= start:  # no block filled since the last call
+            return  # (most decode steps)
+        table = self._device_table(seq)
+        num_full = min(seq.num_computed_tokens // bs, self._num_table_tokens(table) // bs)
+        if num_full <= start:
             return
         tokens = seq.get_token_ids()
         extra = self._cache_key(seq, seq.num_computed_tokens)

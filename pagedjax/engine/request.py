@@ -84,9 +84,12 @@ class Request:
             return [SamplingRow(position=seq.get_len())] * num_samples
         if not num_samples:
             return []
-        indices = range(num_samples) if num_samples > 1 else [seq.sample_index]
         fields = self._row_fields(vocab_size)
         penalties = self.params.uses_penalties
+        if num_samples == 1 and not penalties and self.grammar is None:  # most decode rows
+            seed = (self.seed + seq.sample_index * GOLDEN) % 2**32
+            return [SamplingRow(**fields, seed=seed, position=seq.get_len())]
+        indices = range(num_samples) if num_samples > 1 else [seq.sample_index]
         return [
             SamplingRow(
                 **fields,

@@ -171,14 +171,15 @@ class StepLoop:
         """Start the chunks of requests whose sampling rows build; None if none runs. With
         overlap the runner dispatches without waiting, else it runs ``execute`` as ever (also
         while the step profile times phases: its split needs the device waited for)."""
-        requests, bm = self.requests, self.scheduler.bm
-        sched, ran, num_top = [], [], 0
+        requests, by_id, bm = self.requests, self.requests.requests, self.scheduler.bm
+        sched, ran, num_top, failed = [], [], 0, False
         for c in chunks:
-            req = requests[c.group.request_id]
+            req = by_id[c.group.request_id]
             try:
                 rows = req.sampling_rows(c, self.vocab_size)
             except Exception as err:
                 requests.fail(req, err)
+                failed = True
                 continue
             num_top = max(num_top, req.num_top_logprobs if rows else 0)
             start, table = c.seq.num_computed_tokens, bm.get_block_table(c.seq)
@@ -187,10 +188,12 @@ class StepLoop:
             prompt_rows, seq_id = req.prompt_rows(c), c.seq.seq_id
             sched.append(ScheduledSeq(ids, start, table, rows, prompt_rows, spec, seq_id, slot))
             ran.append(c)
-        keep = [i for i, c in enumerate(ran) if requests[c.group.request_id].error is None]
-        if not keep:
+        seqs = sched
+        if failed:  # a failed request's other chunks stay out too
+            keep = [i for i, c in enumerate(ran) if by_id[c.group.request_id].error is None]
+            seqs, ran = [sched[i] for i in keep], [ran[i] for i in keep]
+        if not seqs:
             return None
-        seqs, ran = [sched[i] for i in keep], [ran[i] for i in keep]
         prefill = all(c.num_tokens - len(c.spec_token_ids) > 1 for c in ran)
         start = time.perf_counter()
         on_device = self.enabled and (prev is not None or not self.profile.enabled)
