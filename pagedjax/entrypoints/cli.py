@@ -341,6 +341,9 @@ def _add_generate_parser(sub) -> None:
 
 def _add_serve_parser(sub) -> None:
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    srv.add_argument(
+        "model_tag", nargs="?", default=None, help="the model, as `vllm serve MODEL` (or --model)"
+    )
     _add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000)
@@ -455,6 +458,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_serve_parser(sub)
     _add_bench_parser(sub)
     args = parser.parse_args(argv)
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            parser.error(f"the model is given twice: {tag!r} and --model {args.model!r}")
+        args.model = tag
     try:
         return args.func(args)
     except ValueError as e:

@@ -391,3 +391,22 @@ def test_cli_scheduler_and_cache_flags_reach_the_engine(monkeypatch):
     )
     with pytest.raises(SystemExit):
         cli.main(["serve", "--preemption-mode", "drop"])
+
+
+def test_cli_serve_takes_the_model_as_vllm_serve_does(monkeypatch, capsys):
+    """``pagedjax serve MODEL`` as ``vllm serve MODEL``, the same as ``--model MODEL``; both at
+    once must agree."""
+    from pagedjax.entrypoints import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_initialize_distributed", lambda args: True)
+    monkeypatch.setattr(
+        "pagedjax.entrypoints.api_server.serve", lambda model, **kw: seen.append(model)
+    )
+    assert cli.main(["serve", "some/model", "--port", "9"]) == 0
+    assert cli.main(["serve", "--model", "some/model"]) == 0
+    assert cli.main(["serve", "some/model", "--model", "some/model"]) == 0
+    assert seen == ["some/model"] * 3
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "one/model", "--model", "another/model"])
+    assert "'one/model' and --model 'another/model'" in capsys.readouterr().err
