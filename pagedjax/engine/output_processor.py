@@ -135,17 +135,8 @@ class OutputProcessor:
             if req.sent_prompt_logprobs:
                 prompt_logprobs = None  # a delta carries them once
             req.sent_prompt_logprobs = True
-        finished = req.group.is_finished()  # before its first token a request has one seq
-        return RequestOutput(
-            req.request_id,
-            req.prompt,
-            req.prompt_token_ids,
-            completions,
-            finished,
-            req.error,
-            prompt_logprobs,
-            metrics=req.metrics,
-        )
+        # before its first token a request has one seq
+        return _request_output(req, completions, req.group.is_finished(), prompt_logprobs)
 
     def _whole(self, req: Request, s: Sequence, want_logprobs: bool) -> CompletionOutput:
         return CompletionOutput(
@@ -217,15 +208,20 @@ class OutputProcessor:
             )
             for i, (tokens, cum) in enumerate(beam_search.best_hypotheses(p, hyps))
         ]
-        return RequestOutput(
-            req.request_id,
-            req.prompt,
-            req.prompt_token_ids,
-            completions,
-            finished,
-            req.error,
-            metrics=req.metrics,
-        )
+        return _request_output(req, completions, finished)
+
+
+def _request_output(req: Request, completions, finished: bool, prompt_logprobs=None):
+    return RequestOutput(
+        req.request_id,
+        req.prompt,
+        req.prompt_token_ids,
+        completions,
+        finished,
+        req.error,
+        prompt_logprobs,
+        metrics=req.metrics,
+    )
 
 
 def _take_complete_text(seq: Sequence, num_ids: int, prefix: str, full: str) -> None:
