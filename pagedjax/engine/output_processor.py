@@ -135,7 +135,6 @@ class OutputProcessor:
             if req.sent_prompt_logprobs:
                 prompt_logprobs = None  # a delta carries them once
             req.sent_prompt_logprobs = True
-        # before its first token a request has one seq
         return _request_output(req, completions, req.group.is_finished(), prompt_logprobs)
 
     def _whole(self, req: Request, s: Sequence, want_logprobs: bool) -> CompletionOutput:
