@@ -135,6 +135,13 @@ class SamplingParams:
         return self.n
 
     @property
+    def stop_hold(self) -> int:
+        """Characters at the end of a running text that a stop string found at a later token
+        could still cut (one less than the longest stop string; 0 without): a stream holds
+        them back."""
+        return max((len(s) for s in self.stop), default=1) - 1
+
+    @property
     def uses_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty) or (
             self.repetition_penalty != 1.0

@@ -154,9 +154,8 @@ class OutputProcessor:
         later cuts the text there, never before what was sent."""
         num_tokens, num_chars = req.sent.get(s.seq_id, (0, 0))
         end = len(s.text)
-        if s.finish_reason is None and req.params.stop:
-            hold = max(len(stop) for stop in req.params.stop) - 1
-            end = max(end - hold, num_chars)
+        if s.finish_reason is None:
+            end = max(end - req.params.stop_hold, num_chars)
         req.sent[s.seq_id] = (len(s.output_token_ids), end)
         return CompletionOutput(
             index=s.sample_index,

@@ -148,7 +148,7 @@ class StreamEvents:
         self.prompts, self.params, self.k, self.echo = prompts, params, k, echo
         self.n = params.n
         # a stop string may be forming in the last characters: they wait for the next token
-        self.hold = max((len(s) for s in params.stop), default=1) - 1
+        self.hold = params.stop_hold
         self.echoed: set[int] = set()  # choices whose echoed prompt is sent
         self.sent_text: dict[int, int] = {}
         self.sent_tokens: dict[int, int] = {}
