@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 import uuid
 
@@ -34,16 +35,57 @@ _POLL_S = 0.25  # how often a waiting handler checks that its client is still th
 
 
 class _Job:
-    """One HTTP request's engine requests (one per prompt) and the queue their outputs land on."""
+    """One HTTP request's engine requests (one per prompt) and what their outputs left for its
+    handler. Outputs are cumulative, so a handler that falls behind its engine reads each
+    request's latest output alone (vLLM's RequestOutputCollector): one event for the tokens of
+    several steps, one wake-up of the event loop for all that arrived while it was busy."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.queue: asyncio.Queue = asyncio.Queue()
+    def __init__(self, loop: asyncio.AbstractEventLoop, coalesce: bool = True):
         self.loop = loop
+        self.coalesce = coalesce  # False: every output is kept (outputs that are not cumulative)
         self.request_ids: list[str] = []
         self.finished: set[str] = set()
+        self._lock = threading.Lock()
+        self._items: list = []  # outputs and exceptions, in arrival order
+        self._slot: dict[str, int] = {}  # a request's output still unread: its place in _items
+        self._ready = asyncio.Event()
+        self._woken = False  # a wake-up is on its way to the event loop
+        self._held: list = []  # taken by the handler, handed out at its next call
 
     def sink(self, item) -> None:  # called on the engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        with self._lock:
+            slot = self._slot.get(item.request_id) if isinstance(item, RequestOutput) else None
+            if slot is not None:
+                self._items[slot] = item  # it supersedes the unread one
+            else:
+                if isinstance(item, RequestOutput) and self.coalesce:
+                    self._slot[item.request_id] = len(self._items)
+                self._items.append(item)
+            if self._woken:
+                return
+            self._woken = True
+        self.loop.call_soon_threadsafe(self._ready.set)
+
+    async def wait(self, timeout: float) -> list:
+        """What arrived since the last call (waiting up to ``timeout`` seconds for something);
+        [] if nothing did."""
+        if self._held:
+            items, self._held = self._held, []
+            return items
+        if not self._ready.is_set():
+            try:
+                await asyncio.wait_for(self._ready.wait(), timeout)
+            except TimeoutError:
+                return []
+        with self._lock:
+            items, self._items, self._slot = self._items, [], {}
+            self._woken = False
+            self._ready.clear()
+        return items
+
+    def hold(self, items: list) -> None:
+        """Give back ``items`` (taken by ``wait``) for its next call."""
+        self._held = items + self._held
 
     @property
     def done(self) -> bool:
@@ -163,7 +205,7 @@ class OpenAIServing:
         in one command: the engine takes them between the same two steps."""
         if params.logprobs is not None or params.prompt_logprobs is not None:
             self.offload.mark_heavy()  # its outputs are turned into events in the heavy lane
-        job = _Job(asyncio.get_running_loop())
+        job = _Job(asyncio.get_running_loop(), params.output_kind == RequestOutputKind.CUMULATIVE)
         base = f"{next(self._counter)}-{uuid.uuid4().hex[:8]}"
         job.request_ids = [f"{base}-{i}" for i in range(len(prompts))]
         requests = [(rid, ids, job.sink) for rid, ids in zip(job.request_ids, prompts, strict=True)]
@@ -183,29 +225,36 @@ class OpenAIServing:
             raise
         return job
 
-    async def next_output(self, request: Request, job: _Job) -> RequestOutput | None:
-        """The next output, or None if the client went away (its requests are then aborted).
-        A request the engine failed raises APIError."""
+    async def next_outputs(self, request: Request, job: _Job) -> list[RequestOutput] | None:
+        """The outputs that arrived since the last call (each request's latest), waiting for
+        one; None if the client went away (its requests are then aborted). A request the engine
+        failed raises APIError (after the outputs before it were read)."""
         while True:
-            try:
-                item = await asyncio.wait_for(job.queue.get(), _POLL_S)
-            except TimeoutError:
+            items = await job.wait(_POLL_S)
+            if not items:
                 if await request.is_disconnected():
                     return None
                 self.check_engine_thread()
                 continue
-            if isinstance(item, Exception):
-                raise APIError(500, f"the engine failed: {item}", "server_error", "engine_error")
-            if item.finished:
-                job.finished.add(item.request_id)
-            if item.error is not None:
-                raise APIError(
-                    500,
-                    f"the request failed in the engine: {item.error}",
-                    "server_error",
-                    "request_failed",
-                )
-            return item
+            for i, item in enumerate(items):
+                failed = isinstance(item, Exception) or item.error is not None
+                if failed and i:  # the outputs before it first
+                    job.hold(items[i:])
+                    return items[:i]
+                if isinstance(item, Exception):
+                    raise APIError(
+                        500, f"the engine failed: {item}", "server_error", "engine_error"
+                    )
+                if item.finished:
+                    job.finished.add(item.request_id)
+                if item.error is not None:
+                    raise APIError(
+                        500,
+                        f"the request failed in the engine: {item.error}",
+                        "server_error",
+                        "request_failed",
+                    )
+            return items
 
     def abort_unfinished(self, job: _Job) -> None:
         for rid in job.request_ids:
@@ -254,11 +303,10 @@ class OpenAIServing:
         finals: dict[str, RequestOutput] = {}
         try:
             while not job.done:
-                out = await self.next_output(request, job)
-                if out is None:
+                outs = await self.next_outputs(request, job)
+                if outs is None:
                     return PlainTextResponse("", status_code=499)
-                if out.finished:
-                    finals[out.request_id] = out
+                finals.update((out.request_id, out) for out in outs if out.finished)
         finally:
             self.abort_unfinished(job)
         ordered = [finals[r] for r in job.request_ids]
@@ -284,15 +332,16 @@ class OpenAIServing:
             for e in events.opening():
                 yield e
             while not job.done:
-                out = await self.next_output(request, job)
-                if out is None:
+                outs = await self.next_outputs(request, job)
+                if outs is None:
                     return  # the client left; nobody reads a [DONE]
-                if events.is_heavy(out):
-                    batch = await self.offload.run(events.events, out)
-                else:
-                    batch = events.events(out)
-                for e in batch:
-                    yield e
+                for out in outs:
+                    if events.is_heavy(out):
+                        batch = await self.offload.run(events.events, out)
+                    else:
+                        batch = events.events(out)
+                    for e in batch:
+                        yield e
             if include_usage:
                 yield events.usage_event()
         except APIError as e:  # after the headers: OpenAI's error, as an event

@@ -1,0 +1,115 @@
+"""A stream's handler reads what arrived for its requests since it last looked, each request's
+latest output alone (vLLM's RequestOutputCollector): a handler that falls behind its engine sends
+the tokens of several steps in one event, and nothing is lost or sent twice."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import types
+
+import pytest
+from server_helpers import KEY, MODEL, byte_llm, live_server, wait_idle
+from test_final_only import BODY, NUM_TOKENS, post, stream_text
+
+from pagedjax import SamplingParams
+from pagedjax.entrypoints.api_server import build_app
+from pagedjax.entrypoints.openai.protocol import APIError
+from pagedjax.entrypoints.openai.responses import StreamEvents
+from pagedjax.entrypoints.openai.serving_engine import OpenAIServing, _Job
+from pagedjax.outputs import CompletionOutput, RequestOutput
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    llm = byte_llm(tmp_path_factory, "collector")
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+    ref = llm.generate([BODY["prompt"]], params)[0].outputs[0]
+    with live_server(build_app(llm.engine, MODEL, api_key=KEY)) as base:
+        yield base, ref
+
+
+def test_a_stream_that_falls_behind_sends_the_latest_output_whole(served, monkeypatch):
+    base, ref = served
+    wait_idle(base)
+    entered, release = threading.Event(), threading.Event()
+    seen = []  # the tokens of each output the handler turned into events
+    original = StreamEvents.events
+
+    def held(self, out):
+        seen.append(len(out.outputs[0].token_ids))
+        if len(seen) == 1:  # the first output: hold its handler until the engine is done
+            entered.set()
+            release.wait(60)
+        return original(self, out)
+
+    monkeypatch.setattr(StreamEvents, "events", held)
+    result = {}
+    body = {**BODY, "stream": True, "logprobs": 1}
+    worker = threading.Thread(target=lambda: result.update(reply=post(base, body)))
+    worker.start()
+    try:
+        assert entered.wait(60), "the stream never reached its first output"
+        wait_idle(base)  # every token generated while the handler was held
+    finally:
+        release.set()
+        worker.join(60)
+    status, reply = result["reply"]
+    assert status == 200, reply[:300]
+    assert len(seen) == 2 and seen[-1] == NUM_TOKENS  # the rest arrived as one output
+    assert stream_text(reply) == ref.text
+    events = [line[6:] for line in reply.decode().splitlines() if line.startswith("data: {")]
+    tokens = [t for e in events for t in (json.loads(e)["choices"][0]["logprobs"] or {})["tokens"]]
+    assert len(tokens) == NUM_TOKENS  # every token's logprobs, each once
+
+
+def output(rid: str, ids: list[int], error: str | None = None) -> RequestOutput:
+    finish = "abort" if error else None
+    c = CompletionOutput(0, "x" * len(ids), ids, None, None, finish)
+    return RequestOutput(rid, None, [1], [c], error is not None, error)
+
+
+def read_all(items: list, coalesce: bool = True) -> list:
+    """What successive handler reads return after ``items`` arrived from the engine thread (an
+    APIError's code for a read that raised)."""
+
+    async def run():
+        job = _Job(asyncio.get_running_loop(), coalesce)
+        job.request_ids = sorted({x.request_id for x in items if isinstance(x, RequestOutput)})
+        sender = threading.Thread(target=lambda: [job.sink(x) for x in items])
+        sender.start()
+        sender.join()
+        serving = types.SimpleNamespace(check_engine_thread=lambda: None)
+
+        async def gone():  # once nothing is left to read
+            return True
+
+        request = types.SimpleNamespace(is_disconnected=gone)
+        reads = []
+        while True:
+            try:
+                got = await OpenAIServing.next_outputs(serving, request, job)
+            except APIError as e:
+                return [*reads, e.body()["error"]["code"]]
+            if got is None:
+                return reads
+            reads.append([(x.request_id, x.outputs[0].token_ids) for x in got])
+
+    return asyncio.run(run())
+
+
+def test_each_request_latest_output_in_arrival_order():
+    items = [output("a", [5]), output("b", [6]), output("a", [5, 7]), output("a", [5, 7, 8])]
+    assert read_all(items) == [[("a", [5, 7, 8]), ("b", [6])]]
+    # outputs that are not cumulative are all kept
+    assert read_all(items, coalesce=False) == [
+        [("a", [5]), ("b", [6]), ("a", [5, 7]), ("a", [5, 7, 8])]
+    ]
+
+
+def test_the_outputs_before_a_failure_are_read_before_it():
+    items = [output("a", [5]), output("b", [6], error="boom"), output("a", [5, 7])]
+    assert read_all(items) == [[("a", [5, 7])], "request_failed"]
+    items = [output("a", [5]), RuntimeError("step failed")]
+    assert read_all(items) == [[("a", [5])], "engine_error"]
