@@ -82,7 +82,29 @@ def gguf_reader(path: str | Path):
 def _reader(path: str, mtime_ns: int, size: int):
     from gguf import GGUFReader
 
-    return GGUFReader(path)
+    try:
+        return _fast_reader(GGUFReader)(path)
+    except (TypeError, AttributeError):  # a gguf whose reader no longer reads through ``_get``
+        return GGUFReader(path)
+
+
+def _fast_reader(base: type) -> type:
+    """gguf's GGUFReader reading its fields and tensor infos from a plain array view of the
+    mapped file: the same parse, about 4x faster on a large vocabulary (each of its 200,000
+    or so small reads would make a ``np.memmap`` view, whose Python-level bookkeeping is most
+    of the time)."""
+
+    class FastReader(base):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            count, dtype = int(count), np.dtype(dtype)
+            arr = plain[offset : offset + dtype.itemsize * count].view(dtype)[:count]
+            order = self.byte_order if override_order is None else override_order
+            return arr.view(dtype.newbyteorder(order))
+
+    return FastReader
 
 
 def open_gguf(path: Path, keep_q8_0: bool = False):

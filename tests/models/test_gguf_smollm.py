@@ -100,3 +100,19 @@ def test_cli_generate(gguf_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "Paris" in out and "KV pool: 63 blocks x 16 tokens" in out
+
+
+def test_the_fast_reader_reads_what_ggufs_reader_reads(gguf_path):
+    import gguf
+    from pagedjax.models.loading.gguf import _fast_reader
+
+    ours, theirs = _fast_reader(gguf.GGUFReader)(gguf_path), gguf.GGUFReader(gguf_path)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        assert ours.fields[name].contents() == field.contents(), name
+        assert ours.fields[name].types == field.types, name
+    assert ours.data_offset == theirs.data_offset
+    assert len(ours.tensors) == len(theirs.tensors) == 272
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.name, a.tensor_type, list(a.shape)) == (b.name, b.tensor_type, list(b.shape))
+        assert a.data_offset == b.data_offset and np.array_equal(a.data, b.data), a.name
