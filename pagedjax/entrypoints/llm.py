@@ -15,6 +15,7 @@ from pagedjax.lora.request import LoRARequest
 from pagedjax.models.loader import default_model_path, load_model
 from pagedjax.models.sharding import tensor_parallel_mesh
 from pagedjax.outputs import EngineStats, RequestOutput
+from pagedjax.pallas_kernels import native
 from pagedjax.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedjax.worker.runner import Runner
 
@@ -73,6 +74,7 @@ class LLM:
         max_cpu_loras: int | None = None,
     ):
         compilation.enable_persistent_cache()  # before anything compiles, the loader included
+        native.prebuild()  # the CPU kernels compile while the model loads (seconds, once)
         mesh = tensor_parallel_mesh(tensor_parallel_size)
         loaded = load_model(
             model or default_model_path(),

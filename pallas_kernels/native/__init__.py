@@ -14,6 +14,7 @@ take their plain XLA path. ``PAGEDJAX_NATIVE=0`` turns the kernels off.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import functools
@@ -39,6 +40,7 @@ FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fno-math-er
 _lock = threading.Lock()
 _loaded: dict[str, Library | None] = {}
 _registered: set[str] = set()  # FFI targets registered in this process (XLA keeps them for good)
+_started: dict[Path, tuple] = {}  # builds ``prebuild`` started, by output, not yet finished
 
 
 @dataclass(frozen=True)
@@ -118,20 +120,55 @@ def _finish(job: tuple[subprocess.Popen, list[str], str], out: Path) -> None:
 
 
 def _build_missing() -> None:
-    """Compile every source beside this file that the cache lacks, all at once: a process's
-    first kernel would otherwise wait for one build, and the next kernel for another (each
-    about 5 s on 2 cores). A failure here is left for that kernel's own ``load`` to report."""
+    """Compile every source beside this file that the cache lacks, all at once (those
+    ``prebuild`` started are waited for): a process's first kernel would otherwise wait for one
+    build, and the next kernel for another (each about 5 s on 2 cores). A failure here is left
+    for that kernel's own ``load`` to report."""
+    for job, out in _start_missing():
+        with contextlib.suppress(OSError, RuntimeError):
+            _finish(job, out)
+
+
+def _start_missing() -> list[tuple[tuple, Path]]:
+    """The build of each source the cache lacks, started (or the one ``prebuild`` started)."""
     cxx = compiler()
     if cxx is None:
-        return
+        return []
     jobs = []
     for source in sorted(SOURCE_DIR.glob("*.cc")):
         out, _ = _output(source.stem, cxx)
-        if not out.exists():
-            jobs.append((_start_compile(source.stem, cxx, out), out))
-    for job, out in jobs:
-        with contextlib.suppress(OSError, RuntimeError):
-            _finish(job, out)
+        job = _started.pop(out, None)
+        if job is None and not out.exists():
+            job = _start_compile(source.stem, cxx, out)
+        if job is not None:
+            jobs.append((job, out))
+    return jobs
+
+
+def prebuild() -> None:
+    """Start building, in the background, the sources the cache lacks, so that they compile
+    while the caller does other work (the model's load): the first ``load`` then waits only for
+    what is left. Nothing when native kernels are off or already loaded in this process."""
+    if not enabled():
+        return
+    with _lock:
+        if _loaded or _started:
+            return
+        with contextlib.suppress(OSError):
+            _started.update((out, job) for job, out in _start_missing())
+
+
+@atexit.register
+def _drop_started() -> None:
+    """A build started but never waited for (the process ends first): stopped, its temporary
+    file removed."""
+    for proc, _, tmp in _started.values():
+        with contextlib.suppress(OSError):
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    _started.clear()
 
 
 def _build(name: str, symbols: tuple[str, ...]) -> Library:
@@ -140,7 +177,7 @@ def _build(name: str, symbols: tuple[str, ...]) -> Library:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     out, key = _output(name, cxx)
     if not out.exists():
-        _finish(_start_compile(name, cxx, out), out)
+        _finish(_started.pop(out, None) or _start_compile(name, cxx, out), out)
     lib = ctypes.cdll.LoadLibrary(str(out))
     targets = {}
     for symbol in symbols:

@@ -488,3 +488,32 @@ def test_a_tied_table_is_packed_with_the_layers_when_its_rows_allow(vocab):
         one = jax.tree.map(lambda a: a[:1], step).replace(query_start_loc=step.query_start_loc[:2])
         alone = run(packed, (pool, pool + 1), one, c, "reference", None, layout)
         np.testing.assert_array_equal(np.asarray(alone[0])[0], np.asarray(fast[0])[0])
+
+
+def test_a_prebuild_compiles_while_the_caller_goes_on(monkeypatch, tmp_path):
+    monkeypatch.setenv(native.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_started", {})
+    native.prebuild()  # returns at once: the compilers run in the background
+    started = dict(native._started)
+    sources = sorted(p.stem for p in native.SOURCE_DIR.glob("*.cc"))
+    assert sorted(out.name.rsplit("-", 1)[0] for out in started) == sources
+    assert all(proc.poll() is None or proc.returncode == 0 for proc, _, _ in started.values())
+    lib = native.load("matmul_cpu", SYMBOLS)  # waits for those builds, starts none
+    assert lib is not None and lib.path in started and not native._started
+    built = sorted(p.name for p in (tmp_path / "native").iterdir())
+    assert built == sorted(out.name for out in started)  # no temporary left behind
+    native.prebuild()  # loaded already: nothing to start
+    assert not native._started
+
+
+def test_a_prebuild_nobody_waits_for_is_stopped_at_exit(monkeypatch, tmp_path):
+    monkeypatch.setenv(native.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_started", {})
+    native.prebuild()
+    procs = [proc for proc, _, _ in native._started.values()]
+    assert procs and list((tmp_path / "native").glob(".*.so"))  # their files being written
+    native._drop_started()  # what runs at the process's exit
+    assert all(proc.returncode is not None for proc in procs)
+    assert not list((tmp_path / "native").iterdir()) and not native._started
