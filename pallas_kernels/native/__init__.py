@@ -4,9 +4,11 @@ On a CPU, XLA's own code for the paged attention and for the layer scan's matmul
 memory than the work needs (docs/BENCHMARKS.md, "Where a decode step's time goes"). The kernels
 here read each byte once. A kernel's source ``NAME.cc`` is compiled with the system's C++
 compiler into ``$PAGEDJAX_CACHE_DIR/native`` (default ``~/.cache/pagedjax/native``) the first time
-a process asks for it, keyed by the source and the headers beside it, the flags, jaxlib's
-version and this CPU's model and flags, then loaded and its handlers registered as FFI targets
-for the "cpu" platform. ``on_cpu`` calls a kernel only where the program runs on a CPU.
+a process asks for it (or earlier: ``prebuild``, which ``LLM()`` calls before it loads the
+model, starts the compilers in the background), keyed by the source and the headers beside it,
+the flags, jaxlib's version and this CPU's model and flags, then loaded and its handlers
+registered as FFI targets for the "cpu" platform. ``on_cpu`` calls a kernel only where the
+program runs on a CPU.
 
 Where no compiler is found or the build fails, ``load`` warns once and returns None, and callers
 take their plain XLA path. ``PAGEDJAX_NATIVE=0`` turns the kernels off.
