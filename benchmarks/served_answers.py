@@ -6,7 +6,7 @@ the CPU seconds the server's processes spent over the timed batches (``ps``: the
 with ``--engine-process``, the engine process).
 
     python benchmarks/served_answers.py [--engine-process] [--stream] [--concurrency 32]
-                                        [--max-tokens 100] [--batches 8]
+                                        [--max-tokens 100] [--batches 8] [--logprobs K]
 
 The server is ``pagedjax serve`` of the checkout this file sits in. To compare with an older
 checkout in the same sitting, copy this file into that checkout's ``benchmarks/`` and run it
@@ -68,9 +68,13 @@ def start_server(model_dir: str, port: int, engine_process: bool) -> subprocess.
     raise RuntimeError("the server did not answer /health within 10 minutes")
 
 
-def clients(port: int, concurrency: int, max_tokens: int, stream: bool, batches: int) -> None:
+def clients(
+    port: int, concurrency: int, max_tokens: int, stream: bool, batches: int, logprobs: int | None
+) -> None:
     """The client process: one untimed batch (first-use compiles), then ``batches`` timed."""
     body = {"model": MODEL, "prompt": "z" * 20, "max_tokens": max_tokens, "temperature": 0}
+    if logprobs is not None:
+        body["logprobs"] = logprobs
     data = json.dumps(body | {"ignore_eos": True, "stream": stream}).encode()
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 
@@ -97,10 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=100)
     parser.add_argument("--batches", type=int, default=8, help="timed batches")
+    parser.add_argument("--logprobs", type=int, default=None, help="each answer's top logprobs")
     parser.add_argument("--client", type=int, default=None, help=argparse.SUPPRESS)  # its port
     args = parser.parse_args(argv)
     if args.client is not None:
-        clients(args.client, args.concurrency, args.max_tokens, args.stream, args.batches)
+        clients(
+            args.client, args.concurrency, args.max_tokens, args.stream, args.batches, args.logprobs
+        )
         return 0
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     from server_helpers import make_byte_model
@@ -114,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = [sys.executable, __file__, "--client", str(port), "--batches", str(args.batches)]
         argv += ["--concurrency", str(args.concurrency), "--max-tokens", str(args.max_tokens)]
         argv += ["--stream"] * args.stream
+        if args.logprobs is not None:
+            argv += ["--logprobs", str(args.logprobs)]
         with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as client:
             lines = iter(client.stdout.readline, "")
             if next(lines, "").strip() != "warm":  # the untimed batch (first-use compiles)
@@ -127,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         server.terminate()
         server.wait(60)
     kind = "streamed" if args.stream else "whole"
+    if args.logprobs is not None:
+        kind += f" (logprobs {args.logprobs})"
     mode = "engine process" if args.engine_process else "engine thread"
     print(
         f"{mode}, {kind} answers, {2 * args.concurrency} x {args.max_tokens} tokens per batch at "
