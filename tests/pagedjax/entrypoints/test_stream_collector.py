@@ -57,7 +57,8 @@ def test_a_stream_that_falls_behind_sends_the_latest_output_whole(served, monkey
         worker.join(60)
     status, reply = result["reply"]
     assert status == 200, reply[:300]
-    assert len(seen) == 2 and seen[-1] == NUM_TOKENS  # the rest arrived as one output
+    # the rest arrived as one output (or all of it, if the engine finished before the first read)
+    assert len(seen) <= 2 and seen[-1] == NUM_TOKENS
     assert stream_text(reply) == ref.text
     events = [line[6:] for line in reply.decode().splitlines() if line.startswith("data: {")]
     tokens = [t for e in events for t in (json.loads(e)["choices"][0]["logprobs"] or {})["tokens"]]
