@@ -12,7 +12,8 @@ data, never a Python branch per layer: the attention window (Gemma's alternating
 layers, Qwen's max_window_layers), the rope table (Gemma 3's local base), and for MoE families
 the row of the layer's MLP stack and its kind (models/moe.py). Unrolled (``layers_{i}``, one
 parameter tree per layer; every other platform's), each layer's dots read whole arrays and the
-same differences are Python values (``layer_data``).
+same differences are Python values (``layer_data``), but the layer's index: one traced layer
+function serves every layer of a kind (``_unrolled_layers``).
 
 Variants, by config field: q/k norms (Qwen3, Gemma 3); Gemma's (1 + weight) norms, four per layer,
 embedding scale, GeGLU, query_pre_attn_scalar and soft caps; MoE MLPs; partial rotary and
@@ -22,6 +23,7 @@ ReLU MLP with biases, post-norm layers and embedding projections.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -284,13 +286,44 @@ def _scanned_layers(model: DecoderModel, x, kv_pool, cos, sin, step: StepInput, 
 
 def _unrolled_layers(model: DecoderModel, x, kv_pool, cos, sin, step: StepInput, lora=None):
     """The layers one after another, each over its own parameters (``layers_{i}``): every
-    kernel is a whole array the dot reads where it lies, with no slice of a stack to copy."""
+    kernel is a whole array the dot reads where it lies, with no slice of a stack to copy.
+
+    Each layer is a call of one jitted layer function (``decoder_layer``) on its own parameter
+    tree, with its index a traced argument (it only offsets the layer's pages in the one pool,
+    as the scan's does) and ``layer_data``'s other values static: the layer is traced and
+    lowered once per distinct kind (one for most models, two for alternating windows), not once
+    per layer, which was most of a step program's tracing at 30 layers. XLA inlines the calls and
+    folds each index: the compiled program is the one the layers traced one by one gave."""
     c = model.config
+    if model.is_initializing():  # the parameters are created by tracing every layer
+        for i in range(c.num_layers):
+            layer = DecoderLayer(
+                c, model.dtype, model.backend, model.mesh, model.layout, False, name=f"layers_{i}"
+            )
+            (x, kv_pool), _ = layer((x, kv_pool), layer_data(c, i), cos, sin, step, None, lora)
+        return x, kv_pool
+    params = model.variables["params"]
+    module = DecoderLayer(
+        c, model.dtype, model.backend, model.mesh, model.layout, False, parent=None
+    )
+    kinds: dict[tuple, object] = {}  # a layer kind (its static data) -> its jitted function
     for i in range(c.num_layers):
-        layer = DecoderLayer(
-            c, model.dtype, model.backend, model.mesh, model.layout, False, name=f"layers_{i}"
-        )
-        (x, kv_pool), _ = layer((x, kv_pool), layer_data(c, i), cos, sin, step, None, lora)
+        kind = tuple(sorted((k, v) for k, v in layer_data(c, i).items() if k != "layer"))
+        if kind not in kinds:
+            kinds[kind] = jax.jit(functools.partial(decoder_layer, module, dict(kind)))
+        args = (x, kv_pool, np.int32(i), cos, sin, step, lora)
+        x, kv_pool = kinds[kind](params[f"layers_{i}"], *args)
+    return x, kv_pool
+
+
+def decoder_layer(
+    module: DecoderLayer, data: dict, params, x, kv_pool, layer, cos, sin, step, lora
+):
+    """One unrolled layer (``module``, unbound) over its parameters: ``(x, kv_pool)`` after it;
+    ``data``: the layer's static ``layer_data`` but its index, ``layer`` (i32[])."""
+    per_layer = {**data, "layer": layer}
+    carry = (x, kv_pool)
+    (x, kv_pool), _ = module.apply({"params": params}, carry, per_layer, cos, sin, step, None, lora)
     return x, kv_pool
 
 

@@ -157,3 +157,33 @@ def test_unrolled_step_reads_weights_in_place(monkeypatch):
     assert layer_loop.is_per_layer(split)
     assert weight_copies(_decode_hlo(split, c), shapes) == []
     assert weight_copies(_decode_hlo(stacked, c), shapes)
+
+
+@pytest.mark.parametrize(
+    "name,kinds",
+    [("llama_gqa", 1), ("gemma2", 2), ("qwen2_moe", 2)],  # windows alternate; a dense MoE layer
+)
+def test_unrolled_layers_are_traced_once_per_kind(name, kinds, tmp_path, monkeypatch):
+    """A step over unrolled layers traces each kind of layer once (its index is traced), not
+    each layer: the tracing of a deep model's step stays that of a few layers."""
+    from pagedjax.models import decoder
+
+    c = tiny_config(name, tmp_path, num_hidden_layers=6)
+    traced, per_step = [], []
+    layer_call = decoder.DecoderLayer.__call__
+    unrolled = decoder._unrolled_layers
+
+    def counting_call(self, *args, **kwargs):
+        traced.append(1)
+        return layer_call(self, *args, **kwargs)
+
+    def counting_loop(*args, **kwargs):
+        start = len(traced)
+        out = unrolled(*args, **kwargs)
+        per_step.append(len(traced) - start)
+        return out
+
+    monkeypatch.setattr(decoder.DecoderLayer, "__call__", counting_call)
+    monkeypatch.setattr(decoder, "_unrolled_layers", counting_loop)
+    run_logits(c, random_params(c), "unrolled", monkeypatch)
+    assert per_step and set(per_step) == {kinds}, per_step  # one per kind in every program
