@@ -296,12 +296,7 @@ def _unrolled_layers(model: DecoderModel, x, kv_pool, cos, sin, step: StepInput,
     folds each index: the compiled program is the one the layers traced one by one gave."""
     c = model.config
     if model.is_initializing():  # the parameters are created by tracing every layer
-        for i in range(c.num_layers):
-            layer = DecoderLayer(
-                c, model.dtype, model.backend, model.mesh, model.layout, False, name=f"layers_{i}"
-            )
-            (x, kv_pool), _ = layer((x, kv_pool), layer_data(c, i), cos, sin, step, None, lora)
-        return x, kv_pool
+        return _layers_one_by_one(model, x, kv_pool, cos, sin, step, lora)
     params = model.variables["params"]
     module = DecoderLayer(
         c, model.dtype, model.backend, model.mesh, model.layout, False, parent=None
@@ -313,6 +308,17 @@ def _unrolled_layers(model: DecoderModel, x, kv_pool, cos, sin, step: StepInput,
             kinds[kind] = jax.jit(functools.partial(decoder_layer, module, dict(kind)))
         args = (x, kv_pool, np.int32(i), cos, sin, step, lora)
         x, kv_pool = kinds[kind](params[f"layers_{i}"], *args)
+    return x, kv_pool
+
+
+def _layers_one_by_one(model: DecoderModel, x, kv_pool, cos, sin, step: StepInput, lora=None):
+    """Each unrolled layer traced as a submodule of its own (``layers_{i}``)."""
+    c = model.config
+    for i in range(c.num_layers):
+        layer = DecoderLayer(
+            c, model.dtype, model.backend, model.mesh, model.layout, False, name=f"layers_{i}"
+        )
+        (x, kv_pool), _ = layer((x, kv_pool), layer_data(c, i), cos, sin, step, None, lora)
     return x, kv_pool
 
 

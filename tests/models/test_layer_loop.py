@@ -5,6 +5,7 @@ unrolled program reads every weight where it lies."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import re
@@ -187,3 +188,38 @@ def test_unrolled_layers_are_traced_once_per_kind(name, kinds, tmp_path, monkeyp
     monkeypatch.setattr(decoder, "_unrolled_layers", counting_loop)
     run_logits(c, random_params(c), "unrolled", monkeypatch)
     assert per_step and set(per_step) == {kinds}, per_step  # one per kind in every program
+
+
+def _instructions(hlo: str) -> collections.Counter:
+    """A compiled program's instructions, without names, metadata or the source-frame tables."""
+    lines = []
+    for line in hlo.splitlines():
+        if " = " not in line or re.match(r"^\s*\d+ ", line):
+            continue
+        line = re.sub(r",?\s*(stack_frame_id=\d+|metadata=\{[^}]*\})", "", line)
+        lines.append(re.sub(r"%[\w.\-]+", "%x", line).strip().rstrip(","))
+    return collections.Counter(lines)
+
+
+def test_layers_traced_once_compile_to_the_program_traced_layer_by_layer(tmp_path, monkeypatch):
+    """XLA inlines the layer calls and folds each layer's index: the compiled decode and prefill
+    steps are instruction for instruction those of the layers traced one by one."""
+    from pagedjax.models import decoder
+
+    from pagedjax.worker.warmup_jobs import lower_step
+
+    c = tiny_config("gemma2", tmp_path, num_hidden_layers=4)
+    monkeypatch.setenv(layer_loop.ENV_LAYER_LOOP, "unrolled")
+    runner = Runner(c, random_params(c), num_blocks=32, block_size=BLOCK, max_model_len=64)
+    shapes = runner.step_shapes(4, 64)
+    shapes = [next(s for s in shapes if s.max_query_len == 1), shapes[-1]]  # decode, prefill
+    once = [_instructions(lower_step(runner, s).compile().as_text()) for s in shapes]
+    traced = []
+    by_layer = decoder._layers_one_by_one
+    monkeypatch.setattr(
+        decoder, "_unrolled_layers", lambda *a, **k: traced.append(1) or by_layer(*a, **k)
+    )
+    jax.clear_caches()
+    one_by_one = [_instructions(lower_step(runner, s).compile().as_text()) for s in shapes]
+    assert len(traced) == len(shapes) and all(sum(o.values()) > 100 for o in once)
+    assert once == one_by_one
