@@ -179,7 +179,7 @@ def _build(name: str, symbols: tuple[str, ...]) -> Library:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     out, key = _output(name, cxx)
     if not out.exists():
-        _finish(_started.pop(out, None) or _start_compile(name, cxx, out), out)
+        _finish(_start_compile(name, cxx, out), out)
     lib = ctypes.cdll.LoadLibrary(str(out))
     targets = {}
     for symbol in symbols:
