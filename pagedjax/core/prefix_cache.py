@@ -63,10 +63,11 @@ class PrefixCacheMixin:
             return
         bs = self.block_size
         start = self._num_hashed_blocks[seq.seq_id]
-        if seq.num_computed_tokens // bs <= start:  # no block filled since the last call
-            return  # (most decode steps)
+        filled = seq.num_computed_tokens // bs
+        if filled <= start:  # no block filled since the last call (most decode steps)
+            return
         table = self._device_table(seq)
-        num_full = min(seq.num_computed_tokens // bs, self._num_table_tokens(table) // bs)
+        num_full = min(filled, self._num_table_tokens(table) // bs)
         if num_full <= start:
             return
         tokens = seq.get_token_ids()
