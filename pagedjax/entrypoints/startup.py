@@ -20,7 +20,7 @@ import time
 from prometheus_client.core import GaugeMetricFamily
 
 from pagedjax.worker.warmup import BackgroundCompile, Job, WarmupReport
-from pagedjax.worker.warmup_jobs import PROMPT_ROWS
+from pagedjax.worker.warmup_jobs import PROMPT_ROWS, plain_traffic
 
 logger = logging.getLogger("pagedjax.api_server")
 
@@ -138,14 +138,18 @@ def prepare(
         return Startup(report)
     done = {name for name, _ in first}
     rest = _rarest_last(runner.warmup_jobs(*limits, swap=swap), done)
-    return Startup(report, BackgroundCompile(runner.compile, rest, freeze_compiled_objects))
+    nearest = NearTraffic(runner.batcher.shapes_built)
+    background = BackgroundCompile(runner.compile, rest, freeze_compiled_objects, prefer=nearest)
+    return Startup(report, background)
 
 
 def _rarest_last(jobs: list[Job], done: set[str]) -> list[Job]:
-    """The jobs not compiled yet, those of fewer sequences (s), narrower tables (b) and fewer
-    tokens (t) first, as their names say (``model decode t16 s16 b64``): more requests meet
-    them; those that score prompt rows (prompt logprobs) after all others. Ties keep their
-    order; a name without these sizes (block copies) goes first."""
+    """The jobs not compiled yet: first the programs plain requests run (``plain_traffic``:
+    model steps, default sampling), then the rarer ones (penalties, masks, logprobs, block
+    moves), then those that score prompt rows (prompt logprobs). Within each, those of fewer
+    sequences (s), narrower tables (b) and fewer tokens (t) first, as their names say (``model
+    decode t16 s16 b64``): more requests meet them. Ties keep their order; a name without these
+    sizes (block copies) goes first."""
     rest = [job for job in jobs if job[0] not in done]
     sizes = [dict(_SIZE.findall(name)) for name, _ in rest]
     smallest: dict[str, int] = {}
@@ -156,10 +160,62 @@ def _rarest_last(jobs: list[Job], done: set[str]) -> list[Job]:
     def rank(i: int) -> float:
         return sum(math.log2(int(v) / smallest[k]) for k, v in sizes[i].items())
 
-    def key(i: int) -> tuple[bool, float]:
-        return PROMPT_ROWS in rest[i][0], rank(i)
+    def key(i: int) -> tuple[int, float]:
+        name = rest[i][0]
+        return 2 if PROMPT_ROWS in name else 0 if plain_traffic(name) else 1, rank(i)
 
     return [rest[i] for i in sorted(range(len(rest)), key=key)]
 
 
 _SIZE = re.compile(r"\b([sbt])(\d+)\b")
+
+
+class NearTraffic:
+    """The background compile's choice of its next program (``BackgroundCompile.prefer``): of
+    those plain requests run (``plain_traffic``), one at most ``MAX_STEPS`` buckets above a shape
+    the steps have used (``shapes``, the runner's ``InputBatcher.shapes_built``): a batch grows
+    by more sequences, tokens or context, and meets these next. Nearest first; None when no
+    program is that near (the queue's order then)."""
+
+    MAX_STEPS = 2  # buckets up, summed over sequences, tokens and table width
+
+    def __init__(self, shapes: list):
+        self.shapes = shapes  # appended on the engine thread; read here as a copy
+        self._sizes: dict[str, tuple[bool | None, dict[str, int]] | None] = {}
+
+    def __call__(self, jobs: list[Job]) -> int | None:
+        used = [
+            (s.max_query_len == 1, {"t": s.num_tokens, "s": s.num_seqs, "b": s.max_blocks})
+            for s in list(self.shapes)
+        ]
+        best: tuple[float, int] | None = None
+        for i, (name, _) in enumerate(jobs):
+            job = self._job_sizes(name)
+            if job is None:
+                continue
+            steps = min((_steps_up(u, job) for u in used), default=math.inf)
+            if steps <= self.MAX_STEPS and (best is None or steps < best[0]):
+                best = (steps, i)
+        return None if best is None else best[1]
+
+    def _job_sizes(self, name: str) -> tuple[bool | None, dict[str, int]] | None:
+        if name not in self._sizes:
+            sizes = {k: int(v) for k, v in _SIZE.findall(name)}
+            # A step's kind (decode or not); a sampler's (sizes: s alone) serves either.
+            kind = "decode" in name.split() if "t" in sizes else None
+            plain = plain_traffic(name) and "s" in sizes
+            self._sizes[name] = (kind, sizes) if plain else None
+        return self._sizes[name]
+
+
+def _steps_up(used: tuple[bool, dict[str, int]], job: tuple[bool | None, dict[str, int]]) -> float:
+    """Buckets (powers of two) from a used shape up to a job's, summed over the job's sizes; inf
+    if the kinds differ (decode or not) or a size is smaller. A decode step's tokens are its
+    sequences: counted once."""
+    (decode, u), (kind, j) = used, job
+    if kind is not None and kind != decode:
+        return math.inf
+    keys = [k for k in j if not (k == "t" and decode)]
+    if any(j[k] < u[k] for k in keys):
+        return math.inf
+    return sum(math.log2(j[k] / u[k]) for k in keys)

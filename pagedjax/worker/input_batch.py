@@ -85,6 +85,10 @@ class InputBatcher:
         self.logits_per_seq = logits_per_seq
         self.max_blocks_per_seq = cdiv(max_model_len, block_size)
         self.min_blocks_bucket = min(self.max_blocks_per_seq, cdiv(MIN_CONTEXT_BUCKET, block_size))
+        # The shapes ``build`` has produced, in the order first seen (appended on the engine
+        # thread; a background compile reads a copy to compile what the traffic needs next).
+        self.shapes_built: list[StepShape] = []
+        self._built: set[tuple[int, int, int, int]] = set()
 
     # The attention kernels size their grids by the longest query, so it is bucketed; the
     # reference attention's work follows the real rows whatever that bound, so the runner turns
@@ -166,6 +170,10 @@ class InputBatcher:
         if self.lora:  # padding rows: slot 0
             lora_slot = np.zeros(num_tokens_b, np.int32)
             lora_slot[:num_tokens] = np.repeat([s.lora_slot for s in seqs], q_lens)
+        max_q = 1 if decode else self.max_query_bucket(max_q, num_tokens_b)
+        if (shape := (num_tokens_b, num_seqs_b, max_blocks_b, max_q)) not in self._built:
+            self._built.add(shape)
+            self.shapes_built.append(StepShape(*shape))
         return StepInput(
             token_ids=token_ids,
             positions=positions,
@@ -174,7 +182,7 @@ class InputBatcher:
             context_lens=context_lens,
             query_start_loc=qsl,
             logits_indices=logits_indices,
-            max_query_len=1 if decode else self.max_query_bucket(max_q, num_tokens_b),
+            max_query_len=max_q,
             lora_slot=lora_slot,
         )
 

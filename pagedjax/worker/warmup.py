@@ -169,16 +169,20 @@ def _collect(futures, report: WarmupReport, bar, skip_failures: bool) -> None:
 class BackgroundCompile:
     """Compiles ``jobs`` one at a time on a thread of its own, at a lower CPU priority than the
     engine thread where the OS allows it; ``compile`` is the runner's (it counts what compiled).
-    ``num_done`` / ``num_jobs`` say how far it is."""
+    ``prefer(jobs)``, if given, picks the next job among those left (its index; None: the first
+    left), so that what the traffic needs next can jump the queue. ``num_done`` / ``num_jobs``
+    say how far it is; ``jobs`` are those left."""
 
     def __init__(
         self,
         compile: Callable[..., WarmupReport],
         jobs: list[Job],
         on_finished: Callable[[], None] | None = None,
+        prefer: Callable[[list[Job]], int | None] | None = None,
     ):
         self._compile = compile
         self.on_finished = on_finished  # called on its thread once every job has gone through
+        self.prefer = prefer
         self.jobs = list(jobs)
         self.num_jobs = len(self.jobs)
         self.num_done = 0
@@ -197,13 +201,23 @@ class BackgroundCompile:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def _next(self) -> int:
+        if self.prefer is None:
+            return 0
+        try:
+            i = self.prefer(self.jobs)
+        except Exception:  # the queue's own order then
+            logger.exception("choosing the next program to compile failed; compiling in order")
+            self.prefer = None
+            return 0
+        return 0 if i is None else i
+
     def _run(self) -> None:
         lower_priority()
         start = time.perf_counter()
         try:
-            for name, lower in self.jobs:
-                if self._stop.is_set():
-                    break
+            while self.jobs and not self._stop.is_set():
+                name, lower = self.jobs.pop(self._next())
                 report = self._compile(
                     [(name, lower)], workers=1, progress=False, stop=self._stop, skip_failures=True
                 )

@@ -8,6 +8,8 @@ compiled before a server answers; ``warmup_jobs``: every program within a worklo
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 
@@ -19,6 +21,21 @@ from pagedjax.worker.sampler import SamplingInput, SamplingRow
 from pagedjax.worker.warmup import Job, common_shapes
 
 PROMPT_ROWS = "prompt rows"  # in the name of a job whose program scores prompt rows
+DEFAULT_SAMPLING = sampler.Variant(random=True)  # temperature alone (lower_default_sample's rows)
+
+
+_DEFAULT_SAMPLER = re.compile(
+    rf"(step \S.* sampler|sampler s\d+) {re.escape(str(DEFAULT_SAMPLING))}"
+)
+
+
+def plain_traffic(name: str) -> bool:
+    """Whether the job ``name`` compiles a program that plain requests run: a model step (which
+    samples a greedy batch itself), a decode step that samples default sampling rows, or the
+    sampler of default rows (after a prefill step)."""
+    if name.startswith("model "):
+        return PROMPT_ROWS not in name
+    return _DEFAULT_SAMPLER.fullmatch(name) is not None
 
 
 def startup_jobs(runner, max_num_seqs: int, max_num_batched_tokens: int) -> list[Job]:
@@ -30,7 +47,7 @@ def startup_jobs(runner, max_num_seqs: int, max_num_batched_tokens: int) -> list
     common = common_shapes(runner.batcher, shapes)
     jobs = [(f"model {s}", lambda s=s: lower_step(runner, s)) for s in common]
     jobs += lora_jobs(runner)
-    default = sampler.Variant(random=True)  # temperature alone (lower_default_sample's rows)
+    default = DEFAULT_SAMPLING
     for s in common:
         if s.max_query_len == 1:  # a decode step sampling default rows: one program
             jobs.append((_step_name(s, default), lambda s=s: lower_step(runner, s, default)))

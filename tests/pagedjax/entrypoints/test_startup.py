@@ -25,8 +25,10 @@ from pagedjax import LLM, SamplingParams, compilation
 from pagedjax.entrypoints import startup
 from pagedjax.entrypoints.api_server import build_app
 from pagedjax.worker import prompt_logprobs
+from pagedjax.worker.input_batch import StepShape
 from pagedjax.worker.runner import Runner
 from pagedjax.worker.warmup import BackgroundCompile, compile_jobs
+from pagedjax.worker.warmup_jobs import plain_traffic
 
 # The server's defaults for a model with an 8192-token context: 256 sequences, 8192 tokens.
 DEFAULT_LIMITS = (256, 8192)
@@ -71,6 +73,11 @@ def test_a_dozen_model_programs_before_health_and_the_rest_in_the_background(que
     assert {f"model {s}" for s in shapes} <= set(background) | set(first)
     assert {"copy_blocks 8", "gather_blocks 8", "scatter_blocks 8"} <= set(background)
     assert any("penalties" in n for n in background)
+    # First what plain requests run (model steps, default sampling), then the rare programs.
+    plain = [plain_traffic(n) for n in background if "prompt rows" not in n]
+    assert plain == sorted(plain, reverse=True) and 0 < sum(plain) < len(plain)
+    rare_kind = re.compile(r"penalt|constrain|logprob|prompt rows|verify|blocks")
+    assert not [n for n in background[: sum(plain)] if rare_kind.search(n)]
     # The background starts where requests are likeliest: few sequences, short contexts.
     model_bg = [by_name[n] for n in background if n in by_name]
     assert model_bg[0].num_seqs == 8 and model_bg[-1].num_seqs == 256
@@ -304,3 +311,59 @@ def test_metrics_count_a_background_compile_at_once_while_the_engine_is_idle(tin
     after = counted()
     assert after[0] == before[0] + 1 and after[1] > before[1]
     llm.close()
+
+
+def test_the_background_compiles_next_what_the_traffic_grows_into():
+    """A step's shape makes the plain programs a bucket or two above it jump the queue (more
+    sequences, tokens or context: what the same traffic meets next), nearest first; rare
+    programs and far shapes keep the queue's order."""
+    used: list[StepShape] = []
+    prefer = startup.NearTraffic(used)
+    names = [
+        "sampler s8 penalties",
+        "model decode t8 s8 b16",
+        "model prefill q512 t512 s16 b32",
+        "model decode t64 s64 b32",
+        "step decode t64 s64 b32 sampler top_logprobs",  # rare: never jumps
+        "model decode t32 s32 b32",
+        "sampler s32 sampling min_p",  # the default rows' sampler, for any kind of step
+        "model prefill q256 t256 s8 b16",
+    ]
+    jobs = [(n, None) for n in names]
+    assert prefer(jobs) is None  # no step yet: the queue's order
+    used.append(StepShape(16, 16, 32, 1))  # a decode step of 16 sequences
+    order = []
+    while (i := prefer(jobs)) is not None:
+        order.append(jobs.pop(i)[0])
+    assert order == [
+        "model decode t32 s32 b32",
+        "sampler s32 sampling min_p",
+        "model decode t64 s64 b32",
+    ]
+    used.append(StepShape(128, 8, 16, 128))  # one prompt of up to 128 tokens
+    assert jobs[prefer(jobs)][0] == "model prefill q256 t256 s8 b16"
+
+
+def test_a_background_compile_follows_its_preference_and_survives_a_broken_one():
+    compiled = []
+
+    def job(i):
+        def lower():
+            compiled.append(i)
+            return jax.jit(lambda x: x * (i + 17)).lower(jnp.float32(1))
+
+        return (f"job {i}", lower)
+
+    bg = BackgroundCompile(compile_jobs, [job(i) for i in range(4)], prefer=lambda jobs: -1)
+    bg.start()
+    assert bg.finished.wait(120)
+    assert compiled == [3, 2, 1, 0] and bg.num_done == 4 and not bg.jobs
+
+    def broken(jobs):
+        raise RuntimeError("no choice")
+
+    compiled.clear()
+    bg = BackgroundCompile(compile_jobs, [job(i) for i in range(4, 7)], prefer=broken)
+    bg.start()
+    assert bg.finished.wait(120)
+    assert compiled == [4, 5, 6] and bg.prefer is None  # the queue's order, after a log line
