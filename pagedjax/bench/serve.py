@@ -39,7 +39,7 @@ from pathlib import Path
 
 from pagedjax.bench import serve_metrics as metrics
 from pagedjax.bench.serve_args import build_parser, extra_body, validate_args
-from pagedjax.bench.serve_client import Target, probe_and_warm, run_requests
+from pagedjax.bench.serve_client import Target, probe_and_warm, run_requests, warm_up
 from pagedjax.bench.serve_peers import (
     RunningServer,
     ServerSettings,
@@ -132,17 +132,34 @@ def _prompts_per_value(args, values: list) -> list[int]:
     (one count per value, each at most --num-prompts: the workload's first ones)."""
     if not args.sweep_num_prompts:
         return [args.num_prompts] * len(values)
-    counts = _numbers(args.sweep_num_prompts, "--sweep-num-prompts", int)
-    if len(counts) != len(values) or values == [None]:
-        raise ValueError(
-            f"--sweep-num-prompts needs one count per sweep value ({len(values)} values), "
-            f"got {args.sweep_num_prompts!r}"
-        )
+    counts = _per_value(args.sweep_num_prompts, "--sweep-num-prompts", values, low=1)
     if max(counts) > args.num_prompts:
         raise ValueError(
             f"--sweep-num-prompts {args.sweep_num_prompts!r}: each count must be at most "
             f"--num-prompts ({args.num_prompts})"
         )
+    return counts
+
+
+def _warmups_per_value(args, values: list) -> list[int] | None:
+    """--sweep-num-warmups: the warm-up requests of each sweep value; None if not given."""
+    if not args.sweep_num_warmups:
+        return None
+    return _per_value(args.sweep_num_warmups, "--sweep-num-warmups", values, low=0)
+
+
+def _per_value(text: str, flag: str, values: list, low: int) -> list[int]:
+    """One count per sweep value (a comma-separated list)."""
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes a comma-separated list of numbers, got {text!r}") from None
+    if len(counts) != len(values) or values == [None]:
+        raise ValueError(
+            f"{flag} needs one count per sweep value ({len(values)} values), got {text!r}"
+        )
+    if min(counts) < low:
+        raise ValueError(f"{flag} counts must be >= {low}, got {text!r}")
     return counts
 
 
@@ -161,19 +178,32 @@ def bench_server(
 ) -> dict:
     """Probe, warm up, then the timed runs against one server: per sweep value, one run per
     workload (``workloads``: --repeats lists of requests, the random ones each drawn with its own
-    seed, so that a repeat does not resend the prompts a prefix cache has just seen)."""
+    seed, so that a repeat does not resend the prompts a prefix cache has just seen). With
+    --sweep-num-warmups each value is warmed up at its own concurrency first, with the prompts
+    of a seed no timed run uses (the server's warm-up is then the first value's)."""
     from tqdm import tqdm
 
     requests = workloads[0]
-    found, warm = asyncio.run(
-        probe_and_warm(target, requests, args.num_warmups, args.request_timeout)
-    )
+    per_value = _warmups_per_value(args, values)
+    first = args.num_warmups if per_value is None else 0
+    found, warm = asyncio.run(probe_and_warm(target, requests, first, args.request_timeout))
     _note_probe(name, found, eos_free)
+    warm_requests = (
+        None if per_value is None else build_workload(args, tokenizer, args.seed + args.repeats)
+    )
     rows, sent, failed = [], 0, 0
-    for value, count in zip(values, _prompts_per_value(args, values), strict=True):
+    counts = _prompts_per_value(args, values)
+    for i, (value, count) in enumerate(zip(values, counts, strict=True)):
         rate = value if knob == "request_rate" else args.request_rate
         conc = value if knob == "max_concurrency" else args.max_concurrency
         label = name + (f" {knob}={value}" if knob else "")
+        row_warm = []
+        if per_value is not None and per_value[i]:
+            row_warm = asyncio.run(
+                warm_up(target, warm_requests, per_value[i], conc, args.request_timeout)
+            )
+            _count_output_tokens(row_warm, tokenizer)
+            warm = warm or row_warm
         runs = []
         for rep, workload in enumerate(workloads):
             reqs = workload[:count]
@@ -197,6 +227,8 @@ def bench_server(
             runs.append(metrics.summarize(results, duration, slo))
         row = metrics.pick_median_run(runs)
         row.update(server=name, request_rate=rate, max_concurrency=conc, burstiness=args.burstiness)
+        if per_value is not None:
+            row["warmup"] = metrics.warmup_summary(row_warm)
         rows.append(row)
     _count_output_tokens(warm, tokenizer)
     return {
@@ -331,6 +363,7 @@ def execute(args) -> dict | None:
     slo = metrics.parse_slo(args.slo)
     knob, values = _sweep(args)
     _prompts_per_value(args, values)  # a bad --sweep-num-prompts fails before any server starts
+    _warmups_per_value(args, values)  # and so does a bad --sweep-num-warmups
     arrival_times(1, args.request_rate, args.burstiness, 0)  # validates rate and burstiness
     if args.compare or args.peer or args.start_pagedjax:
         result = run_compare(args, slo, knob, values)

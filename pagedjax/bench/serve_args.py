@@ -78,6 +78,13 @@ def _add_traffic_args(p: argparse.ArgumentParser) -> None:
         help="e.g. 8,32,64: prompts per sweep value (the workload's first; default all)",
     )
     t.add_argument(
+        "--sweep-num-warmups",
+        default=None,
+        help="e.g. 1,16,64: warm-up requests per sweep value, sent at its concurrency before its "
+        "timed runs (prompts of a seed no timed run uses); default: --num-warmups before the "
+        "first value only, one at a time",
+    )
+    t.add_argument(
         "--repeats",
         type=int,
         default=1,

@@ -253,6 +253,24 @@ async def run_requests(
         return list(results), time.perf_counter() - start
 
 
+async def warm_up(
+    target: Target,
+    requests: list[BenchRequest],
+    num: int,
+    max_concurrency: int | None,
+    timeout_s: float,
+) -> list[RequestResult]:
+    """``num`` of ``requests`` (the first ones, again from the first if there are fewer) sent
+    at once, at most ``max_concurrency`` in flight (vLLM's warm-up): what a row's batch sizes
+    compile or allocate on first use is done before the row is timed."""
+    chosen = [requests[i % len(requests)] for i in range(num)]
+    arrivals = np.zeros(num)
+    results, _ = await run_requests(
+        target, chosen, arrivals, max_concurrency=max_concurrency, timeout_s=timeout_s
+    )
+    return results
+
+
 async def probe_and_warm(
     target: Target, requests: list[BenchRequest], num_warmups: int, timeout_s: float
 ) -> tuple[ProbeResult, list[RequestResult]]:

@@ -140,7 +140,11 @@ def serve_common_argv(ctx: Context, model_dir: Path, scratch: Path) -> list[str]
         *("--random-output-len", str(sv.output_len), "--num-prompts", str(max(sv.num_prompts))),
         *("--sweep-concurrency", ",".join(map(str, sv.concurrency))),
         *("--sweep-num-prompts", ",".join(map(str, sv.num_prompts))),
-        *("--num-warmups", "2", "--seed", "0", "--request-timeout", f"{sv.request_timeout_s:g}"),
+        # Each row is warmed up by a wave at its own concurrency (vLLM's warm-up): the programs
+        # of its batch sizes are compiled before it is timed (the start's own cost is stage 6's
+        # ready time and the servers' logs).
+        *("--sweep-num-warmups", ",".join(map(str, sv.concurrency))),
+        *("--seed", "0", "--request-timeout", f"{sv.request_timeout_s:g}"),
         *("--disable-tqdm", "--log-dir", str(ctx.out / "serve_logs")),
         *("--plot", str(scratch / "sweep.png")),  # one server's; the stage draws both together
     ]

@@ -40,11 +40,13 @@ STUB = textwrap.dedent(
     ap.add_argument("--usage", action="store_true")
     ap.add_argument("--delay", type=float, default=0.0)
     ap.add_argument("--record", default=None)
+    ap.add_argument("--requests", default=None)  # a JSON line per request: size, in flight, prompt
     a = ap.parse_args()
     if a.mode == "exit":
         print("stub: refusing to start", flush=True)
         sys.exit(3)
     counter, lock = itertools.count(), threading.Lock()
+    in_flight = [0]
 
     def record(what):
         if a.record:
@@ -72,6 +74,20 @@ STUB = textwrap.dedent(
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with lock:
+                in_flight[0] += 1
+                if a.requests:
+                    n = body.get("max_tokens") or body.get("max_completion_tokens")
+                    line = {"n": n, "in_flight": in_flight[0], "prompt": body.get("prompt")}
+                    with open(a.requests, "a") as f:
+                        f.write(json.dumps(line) + "\\n")
+            try:
+                self.answer(body)
+            finally:
+                with lock:
+                    in_flight[0] -= 1
+
+        def answer(self, body):
             if a.mode == "refuse-eos":
                 bad = {"ignore_eos", "min_tokens"} & set(body)
                 if bad:
@@ -480,3 +496,29 @@ def test_slo_parsing():
     for bad in ("ttft", "itl=5", "ttft=x", "tpot=-1"):
         with pytest.raises(ValueError, match="--slo"):
             serve_metrics.parse_slo(bad)
+
+
+def test_each_sweep_value_warms_up_at_its_own_concurrency(stub_script, tiny_dir, tmp_path, capsys):
+    log = tmp_path / "requests.jsonl"
+    with StubServer(stub_script, "--usage", "--delay", "0.05", "--requests", str(log)) as stub:
+        res = bench_json(
+            capsys,
+            *("--base-url", stub.base, "--tokenizer", tiny_dir, "--sweep-concurrency", "1,3"),
+            *("--sweep-num-warmups", "1,3", "--num-prompts", "3"),
+            *("--dataset-name", "random", "--random-input-len", "5", "--random-output-len", "4"),
+        )
+    seen = [json.loads(line) for line in log.read_text().splitlines()]
+    probe, sent = seen[0], seen[1:]
+    assert probe["n"] == 2 and len(sent) == 1 + 3 + 3 + 3
+    warm1, timed1, warm3, timed3 = sent[:1], sent[1:4], sent[4:7], sent[7:]
+    assert max(r["in_flight"] for r in warm1 + timed1) == 1
+    assert max(r["in_flight"] for r in warm3) == 3  # sent at once, the row's concurrency
+    timed = sorted(r["prompt"] for r in timed1)
+    assert sorted(r["prompt"] for r in timed3) == timed  # the workload's requests, at both values
+    assert not {r["prompt"] for r in warm1 + warm3} & set(timed)  # prompts no timed run sends
+    assert [r["warmup"]["num"] for r in res["rows"]] == [1, 3]
+    assert res["servers"][0]["warmup"]["num"] == 1  # the first value's
+    for bad in ("1", "1,-1", "1,x"):  # refused before any request is sent
+        flags = ["--sweep-concurrency", "1,3", "--sweep-num-warmups", bad]
+        assert main(["bench", "serve", "--base-url", stub.base, *flags]) == 2
+        assert "--sweep-num-warmups" in capsys.readouterr().err
