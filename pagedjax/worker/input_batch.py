@@ -170,8 +170,8 @@ class InputBatcher:
         if self.lora:  # padding rows: slot 0
             lora_slot = np.zeros(num_tokens_b, np.int32)
             lora_slot[:num_tokens] = np.repeat([s.lora_slot for s in seqs], q_lens)
-        max_q = 1 if decode else self.max_query_bucket(max_q, num_tokens_b)
-        if (shape := (num_tokens_b, num_seqs_b, max_blocks_b, max_q)) not in self._built:
+        max_query_b = 1 if decode else self.max_query_bucket(max_q, num_tokens_b)
+        if (shape := (num_tokens_b, num_seqs_b, max_blocks_b, max_query_b)) not in self._built:
             self._built.add(shape)
             self.shapes_built.append(StepShape(*shape))
         return StepInput(
@@ -182,7 +182,7 @@ class InputBatcher:
             context_lens=context_lens,
             query_start_loc=qsl,
             logits_indices=logits_indices,
-            max_query_len=max_q,
+            max_query_len=max_query_b,
             lora_slot=lora_slot,
         )
 

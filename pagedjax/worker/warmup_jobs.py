@@ -22,8 +22,6 @@ from pagedjax.worker.warmup import Job, common_shapes
 
 PROMPT_ROWS = "prompt rows"  # in the name of a job whose program scores prompt rows
 DEFAULT_SAMPLING = sampler.Variant(random=True)  # temperature alone (lower_default_sample's rows)
-
-
 _DEFAULT_SAMPLER = re.compile(
     rf"(step \S.* sampler|sampler s\d+) {re.escape(str(DEFAULT_SAMPLING))}"
 )
