@@ -34,21 +34,54 @@ logger = logging.getLogger("pagedjax.api_server")
 _POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 
 
+class _Wakeups:
+    """Wakes, from the engine thread, the handlers whose requests got outputs: one call into the
+    event loop for all the handlers woken while it was on its way (each ``call_soon_threadsafe``
+    writes to the loop's self-pipe and runs a callback of its own)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._jobs: list[_Job] = []
+        self._scheduled = False
+
+    def add(self, job: _Job) -> None:  # on the engine thread
+        with self._lock:
+            self._jobs.append(job)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self.loop.call_soon_threadsafe(self._run)
+
+    def _run(self) -> None:  # on the event loop
+        with self._lock:
+            jobs, self._jobs, self._scheduled = self._jobs, [], False
+        for job in jobs:
+            job.wake()
+
+
 class _Job:
     """One HTTP request's engine requests (one per prompt) and what their outputs left for its
     handler. Outputs are cumulative, so a handler that falls behind its engine reads each
     request's latest output alone (vLLM's RequestOutputCollector): one event for the tokens of
     several steps, one wake-up of the event loop for all that arrived while it was busy."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, coalesce: bool = True):
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        coalesce: bool = True,
+        wakeups: _Wakeups | None = None,
+    ):
         self.loop = loop
         self.coalesce = coalesce  # False: every output is kept (outputs that are not cumulative)
+        self.wakeups = wakeups if wakeups is not None else _Wakeups(loop)
         self.request_ids: list[str] = []
         self.finished: set[str] = set()
         self._lock = threading.Lock()
         self._items: list = []  # outputs and exceptions, in arrival order
         self._slot: dict[str, int] = {}  # a request's output still unread: its place in _items
-        self._ready = asyncio.Event()
+        self._ready = False  # woken since the handler last took what arrived (event loop's)
+        self._waiter: asyncio.Future | None = None  # the handler waiting, if it is
         self._woken = False  # a wake-up is on its way to the event loop
         self._held: list = []  # taken by the handler, handed out at its next call
 
@@ -64,7 +97,12 @@ class _Job:
             if self._woken:
                 return
             self._woken = True
-        self.loop.call_soon_threadsafe(self._ready.set)
+        self.wakeups.add(self)
+
+    def wake(self) -> None:  # on the event loop
+        self._ready = True
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def wait(self, timeout: float) -> list:
         """What arrived since the last call (waiting up to ``timeout`` seconds for something);
@@ -72,15 +110,18 @@ class _Job:
         if self._held:
             items, self._held = self._held, []
             return items
-        if not self._ready.is_set():
+        if not self._ready:
+            self._waiter = self.loop.create_future()
+            timer = self.loop.call_later(timeout, _release, self._waiter)
             try:
-                await asyncio.wait_for(self._ready.wait(), timeout)
-            except TimeoutError:
-                return []
+                await self._waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
         with self._lock:
             items, self._items, self._slot = self._items, [], {}
             self._woken = False
-            self._ready.clear()
+            self._ready = False
         return items
 
     def hold(self, items: list) -> None:
@@ -90,6 +131,11 @@ class _Job:
     @property
     def done(self) -> bool:
         return len(self.finished) == len(self.request_ids)
+
+
+def _release(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class OpenAIServing:
@@ -107,6 +153,7 @@ class OpenAIServing:
         self.chars_per_token = max_chars_per_token(tokenizer)
         self.vocab = engine.model_config.vocab_size
         self._counter = itertools.count()
+        self._wakeups: _Wakeups | None = None  # for the event loop the handlers run on
 
     # -- on the offload pool --
 
@@ -205,7 +252,11 @@ class OpenAIServing:
         in one command: the engine takes them between the same two steps."""
         if params.logprobs is not None or params.prompt_logprobs is not None:
             self.offload.mark_heavy()  # its outputs are turned into events in the heavy lane
-        job = _Job(asyncio.get_running_loop(), params.output_kind == RequestOutputKind.CUMULATIVE)
+        loop = asyncio.get_running_loop()
+        if self._wakeups is None or self._wakeups.loop is not loop:
+            self._wakeups = _Wakeups(loop)
+        cumulative = params.output_kind == RequestOutputKind.CUMULATIVE
+        job = _Job(loop, cumulative, self._wakeups)
         base = f"{next(self._counter)}-{uuid.uuid4().hex[:8]}"
         job.request_ids = [f"{base}-{i}" for i in range(len(prompts))]
         requests = [(rid, ids, job.sink) for rid, ids in zip(job.request_ids, prompts, strict=True)]

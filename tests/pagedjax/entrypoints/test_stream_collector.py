@@ -17,7 +17,7 @@ from pagedjax import SamplingParams
 from pagedjax.entrypoints.api_server import build_app
 from pagedjax.entrypoints.openai.protocol import APIError
 from pagedjax.entrypoints.openai.responses import StreamEvents
-from pagedjax.entrypoints.openai.serving_engine import OpenAIServing, _Job
+from pagedjax.entrypoints.openai.serving_engine import OpenAIServing, _Job, _Wakeups
 from pagedjax.outputs import CompletionOutput, RequestOutput
 
 
@@ -114,3 +114,35 @@ def test_the_outputs_before_a_failure_are_read_before_it():
     assert read_all(items) == [[("a", [5, 7])], "request_failed"]
     items = [output("a", [5]), RuntimeError("step failed")]
     assert read_all(items) == [[("a", [5])], "engine_error"]
+
+
+def test_one_call_into_the_event_loop_wakes_every_handler_of_a_pass():
+    """The engine thread delivers a step's outputs to 64 streams: one call_soon_threadsafe (a
+    write to the loop's self-pipe, a callback) wakes all their handlers, each of which reads its
+    own output."""
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        calls = []
+
+        class Counting:  # the loop, counting the calls from other threads
+            def call_soon_threadsafe(self, fn, *args):
+                calls.append(fn)
+                return loop.call_soon_threadsafe(fn, *args)
+
+        wakeups = _Wakeups(loop)
+        wakeups.loop = Counting()
+        jobs = [_Job(loop, True, wakeups) for _ in range(64)]
+        for i, job in enumerate(jobs):
+            job.request_ids = [f"r{i}"]
+        sender = threading.Thread(
+            target=lambda: [job.sink(output(f"r{i}", [i])) for i, job in enumerate(jobs)]
+        )
+        sender.start()
+        sender.join()  # the loop runs nothing meanwhile: every wake-up waits for the one call
+        reads = await asyncio.gather(*(job.wait(5.0) for job in jobs))
+        return len(calls), [[(x.request_id, x.outputs[0].token_ids) for x in r] for r in reads]
+
+    num_calls, reads = asyncio.run(run())
+    assert num_calls == 1
+    assert reads == [[(f"r{i}", [i])] for i in range(64)]
