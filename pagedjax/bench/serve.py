@@ -132,7 +132,7 @@ def _prompts_per_value(args, values: list) -> list[int]:
     (one count per value, each at most --num-prompts: the workload's first ones)."""
     if not args.sweep_num_prompts:
         return [args.num_prompts] * len(values)
-    counts = _per_value(args.sweep_num_prompts, "--sweep-num-prompts", values, low=1)
+    counts = _per_value(args.sweep_num_prompts, "--sweep-num-prompts", values)
     if max(counts) > args.num_prompts:
         raise ValueError(
             f"--sweep-num-prompts {args.sweep_num_prompts!r}: each count must be at most "
@@ -145,31 +145,29 @@ def _warmups_per_value(args, values: list) -> list[int] | None:
     """--sweep-num-warmups: the warm-up requests of each sweep value; None if not given."""
     if not args.sweep_num_warmups:
         return None
-    return _per_value(args.sweep_num_warmups, "--sweep-num-warmups", values, low=0)
+    return _per_value(args.sweep_num_warmups, "--sweep-num-warmups", values, least=0)
 
 
-def _per_value(text: str, flag: str, values: list, low: int) -> list[int]:
-    """One count per sweep value (a comma-separated list)."""
-    try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} takes a comma-separated list of numbers, got {text!r}") from None
+def _per_value(text: str, flag: str, values: list, least: int | None = None) -> list[int]:
+    """One count per sweep value, from a comma-separated list (``_numbers``'s bounds)."""
+    counts = _numbers(text, flag, int, least)
     if len(counts) != len(values) or values == [None]:
         raise ValueError(
             f"{flag} needs one count per sweep value ({len(values)} values), got {text!r}"
         )
-    if min(counts) < low:
-        raise ValueError(f"{flag} counts must be >= {low}, got {text!r}")
     return counts
 
 
-def _numbers(text: str, flag: str, kind) -> list:
+def _numbers(text: str, flag: str, kind, least=None) -> list:
+    """The numbers of a comma-separated list, each > 0 (or >= ``least``)."""
     try:
         values = [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"{flag} takes a comma-separated list of numbers, got {text!r}") from None
-    if not values or not all(v > 0 for v in values):
+    if least is None and (not values or not all(v > 0 for v in values)):
         raise ValueError(f"{flag} values must be > 0, got {text!r}")
+    if least is not None and (not values or min(values) < least):
+        raise ValueError(f"{flag} values must be >= {least}, got {text!r}")
     return values
 
 
