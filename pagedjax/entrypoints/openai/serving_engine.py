@@ -80,7 +80,6 @@ class _Job:
         self._lock = threading.Lock()
         self._items: list = []  # outputs and exceptions, in arrival order
         self._slot: dict[str, int] = {}  # a request's output still unread: its place in _items
-        self._ready = False  # woken since the handler last took what arrived (event loop's)
         self._waiter: asyncio.Future | None = None  # the handler waiting, if it is
         self._woken = False  # a wake-up is on its way to the event loop
         self._held: list = []  # taken by the handler, handed out at its next call
@@ -100,7 +99,6 @@ class _Job:
         self.wakeups.add(self)
 
     def wake(self) -> None:  # on the event loop
-        self._ready = True
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
@@ -110,7 +108,9 @@ class _Job:
         if self._held:
             items, self._held = self._held, []
             return items
-        if not self._ready:
+        with self._lock:
+            pending = bool(self._items)
+        if not pending:
             self._waiter = self.loop.create_future()
             timer = self.loop.call_later(timeout, _release, self._waiter)
             try:
@@ -121,7 +121,6 @@ class _Job:
         with self._lock:
             items, self._items, self._slot = self._items, [], {}
             self._woken = False
-            self._ready = False
         return items
 
     def hold(self, items: list) -> None:
