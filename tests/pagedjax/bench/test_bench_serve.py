@@ -505,6 +505,7 @@ def test_each_sweep_value_warms_up_at_its_own_concurrency(stub_script, tiny_dir,
             capsys,
             *("--base-url", stub.base, "--tokenizer", tiny_dir, "--sweep-concurrency", "1,3"),
             *("--sweep-num-warmups", "1,3", "--num-prompts", "3"),
+            *("--plot", str(tmp_path / "sweep.png")),  # not into the working directory
             *("--dataset-name", "random", "--random-input-len", "5", "--random-output-len", "4"),
         )
     seen = [json.loads(line) for line in log.read_text().splitlines()]
