@@ -17,11 +17,11 @@ from pagedjax.spec_decode.rejection import verify_step
 from pagedjax.utils import next_pow2, powers_of_two
 from pagedjax.worker import programs, prompt_logprobs, sampler, step_program
 from pagedjax.worker.input_batch import StepShape
-from pagedjax.worker.sampler import SamplingInput, SamplingRow
+from pagedjax.worker.sampler import SamplingInput
 from pagedjax.worker.warmup import Job, common_shapes
 
 PROMPT_ROWS = "prompt rows"  # in the name of a job whose program scores prompt rows
-DEFAULT_SAMPLING = sampler.Variant(random=True)  # temperature alone (lower_default_sample's rows)
+DEFAULT_SAMPLING = sampler.Variant(random=True)  # temperature alone: a request that sets nothing
 _DEFAULT_SAMPLER = re.compile(
     rf"(step \S.* sampler|sampler s\d+) {re.escape(str(DEFAULT_SAMPLING))}"
 )
@@ -49,9 +49,9 @@ def startup_jobs(runner, max_num_seqs: int, max_num_batched_tokens: int) -> list
     for s in common:
         if s.max_query_len == 1:  # a decode step sampling default rows: one program
             jobs.append((_step_name(s, default), lambda s=s: lower_step(runner, s, default)))
-    for s in sorted({shape.num_seqs for shape in common}):
-        name = f"sampler s{s} default sampling"
-        jobs.append((name, lambda s=s: lower_default_sample(runner, s)))
+    for s in sorted({shape.num_seqs for shape in common}):  # named as in warmup_jobs: done once
+        name = f"sampler s{s} {default}"
+        jobs.append((name, lambda s=s: lower_sample(runner, s, default)))
     return jobs
 
 
@@ -141,12 +141,6 @@ def lower_step(
         layout,
         runner.lora_slots,
     )
-
-
-def lower_default_sample(runner, num_seqs: int):
-    """The sampler a batch of default sampling rows (temperature 1, nothing else) runs."""
-    rows = [SamplingRow(temperature=1.0)]
-    return _lower_sampler(runner, runner.sampling_input(rows, num_seqs, 0))
 
 
 def lower_sample(runner, num_seqs: int, variant: sampler.Variant, verify: bool = False):
