@@ -186,7 +186,9 @@ def triton_decode(
             jax.ShapeDtypeStruct(partial_shape, jnp.float32),
             jax.ShapeDtypeStruct(partial_shape, jnp.float32),
         ],
-        compiler_params=lowering.compiler_params(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=lowering.compiler_params(
+            num_warps=num_warps, num_stages=num_stages, interpret=interpret
+        ),
         interpret=interpret,
         name=f"paged_decode_bs{g.block_size}_ppb{pages_per_block}_g{g.group}",
     )(

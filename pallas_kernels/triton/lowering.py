@@ -5,11 +5,19 @@ shapes its tiles take, and the dots' precision.
 
 from __future__ import annotations
 
+import functools
+import logging
+import warnings
+
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
 GPU_LOWERING = "triton"
+# What jax 0.11 warns at every lowering of a Triton pallas_call: each step program a GPU compiles.
+DEPRECATION = r"The Pallas Triton backend is deprecated"
+
+logger = logging.getLogger(__name__)
 
 
 def dot_precision(dtype) -> jax.lax.Precision | None:
@@ -18,10 +26,27 @@ def dot_precision(dtype) -> jax.lax.Precision | None:
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def compiler_params(*, num_warps: int, num_stages: int):
-    """Triton compiler params; the class was ``TritonCompilerParams`` before jax 0.7."""
+def compiler_params(*, num_warps: int, num_stages: int, interpret: bool = False):
+    """Triton compiler params; the class was ``TritonCompilerParams`` before jax 0.7. A kernel
+    that will be lowered for a GPU (not ``interpret``) says once that it uses the deprecated
+    lowering (``note_deprecation``)."""
+    if not interpret:
+        note_deprecation()
     cls = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
     return cls(num_warps=num_warps, num_stages=num_stages)
+
+
+@functools.cache
+def note_deprecation() -> None:
+    """Say once, in the log, that these kernels use the Triton lowering JAX deprecates (their
+    Mosaic GPU forms are not in this version), and ignore JAX's warning of it (that message
+    only, as a DeprecationWarning) for the process: JAX warns when jit lowers a whole step
+    program, after the kernel's call has returned, so a filter around the call cannot see it."""
+    warnings.filterwarnings("ignore", message=DEPRECATION, category=DeprecationWarning)
+    logger.info(
+        "the GPU attention kernels use Pallas's Triton lowering, which JAX deprecates in favour "
+        "of Mosaic GPU; said once here instead of JAX's warning at every compile"
+    )
 
 
 def masked_store(ref, value, mask):

@@ -182,7 +182,9 @@ def triton_prefill(
         ],
         out_specs=rows_spec,
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-        compiler_params=lowering.compiler_params(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=lowering.compiler_params(
+            num_warps=num_warps, num_stages=num_stages, interpret=interpret
+        ),
         interpret=interpret,
         name=f"paged_ragged_bs{block_size}_bq{block_q}_g{g.group}",
     )(

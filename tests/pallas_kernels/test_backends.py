@@ -1,9 +1,12 @@
 """The attention backend object: chosen in one place (a name, the setting, the platform), the same
-``(q, kv, md, opts)`` operations on every backend, and float32 GPU kernels at float32 precision."""
+``(q, kv, md, opts)`` operations on every backend, float32 GPU kernels at float32 precision, and
+JAX's deprecation of the Triton lowering said once."""
 
 from __future__ import annotations
 
 import functools
+import logging
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +27,7 @@ from pagedjax.pallas_kernels import (
     select_backend,
 )
 from pagedjax.pallas_kernels.selection import ENV_SETTING, resolve_name
+from pagedjax.pallas_kernels.triton import lowering
 
 
 def test_auto_is_the_platforms_backend():
@@ -165,3 +169,29 @@ def test_ragged_single_rows_take_the_backends_own_decode(request, monkeypatch):
     assert calls == [1]
     assert rel_err(out[:2], np.asarray(want)[[0, 2]]) <= 2e-5
     assert not np.asarray(out[2]).any()  # a row of no sequence
+
+
+def test_jaxs_triton_deprecation_is_said_once_not_at_every_compile(caplog):
+    """jax 0.11 warns a DeprecationWarning at every lowering of a Triton pallas_call (every step
+    program a GPU compiles): a kernel lowered for a GPU says it once in the log and that warning,
+    only that one, is ignored; interpret mode (no GPU lowering) changes nothing."""
+    message = "The Pallas Triton backend is deprecated and will be removed in a future JAX version."
+    lowering.note_deprecation.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            lowering.compiler_params(num_warps=4, num_stages=2, interpret=True)
+            warnings.warn(message, DeprecationWarning, stacklevel=1)
+            assert [str(w.message) for w in seen] == [message]
+            seen.clear()
+            with caplog.at_level(logging.INFO, logger=lowering.__name__):
+                for _ in range(3):
+                    lowering.compiler_params(num_warps=4, num_stages=2)
+                    warnings.warn(message, DeprecationWarning, stacklevel=1)
+            warnings.warn("another deprecation", DeprecationWarning, stacklevel=1)
+            warnings.warn(message, UserWarning, stacklevel=1)  # not a deprecation: shown
+        assert [str(w.message) for w in seen] == ["another deprecation", message]
+        said = [r for r in caplog.records if r.name == lowering.__name__]
+        assert len(said) == 1 and "Triton lowering" in said[0].getMessage()
+    finally:
+        lowering.note_deprecation.cache_clear()  # the filter left with catch_warnings
