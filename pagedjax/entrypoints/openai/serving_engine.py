@@ -99,8 +99,8 @@ class _Job:
         self.wakeups.add(self)
 
     def wake(self) -> None:  # on the event loop
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        if self._waiter is not None:
+            _release(self._waiter)
 
     async def wait(self, timeout: float) -> list:
         """What arrived since the last call (waiting up to ``timeout`` seconds for something);
@@ -133,6 +133,7 @@ class _Job:
 
 
 def _release(waiter: asyncio.Future) -> None:
+    """End a handler's wait (its outputs arrived, or its timer ran out), once."""
     if not waiter.done():
         waiter.set_result(None)
 
