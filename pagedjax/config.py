@@ -32,10 +32,13 @@ def _require(ok: bool, name: str, value, why: str) -> None:
 class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from kv_cache_space_gib / device memory
-    kv_cache_space_gib: float | None = None  # None: 1 GiB on CPU, 90% of free memory on GPU/TPU
+    kv_cache_space_gib: float | None = None  # None: 1 GiB on CPU, else gpu_memory_utilization
     swap_space_gib: float = 4.0  # host memory for swapped-out blocks
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    # On a GPU or TPU: the share of the device's memory (what JAX's allocator may hold) that
+    # weights, KV pool and step workspace together may use; the pool takes what the weights leave
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self):
         _require(
@@ -55,6 +58,13 @@ class CacheConfig:
             "kv_cache_space_gib",
             self.kv_cache_space_gib,
             "must be None or > 0",
+        )
+        u = self.gpu_memory_utilization
+        _require(
+            isinstance(u, (int, float)) and not isinstance(u, bool) and 0 < u <= 1,
+            "gpu_memory_utilization",
+            u,
+            "must be a number in (0, 1]",
         )
         _require(
             self.kv_cache_dtype in KV_CACHE_DTYPES,

@@ -3,156 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from pagedjax.config import (
-    DTYPES,
-    KV_CACHE_DTYPES,
-    MAX_MODEL_LEN_CAP,
-    PREEMPTION_MODES,
-    QUANTIZATIONS,
-    CacheConfig,
-    SchedulerConfig,
-)
+from pagedjax.entrypoints.engine_args import add_engine_args, engine_kwargs
 from pagedjax.serve_ray.cli_args import add_ray_args
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help="HF checkpoint directory, hub id or .gguf file "
-        "(default: the embedded SmolLM2-135M-Instruct GGUF)",
-    )
-    p.add_argument("--dtype", default=DTYPES[0], choices=DTYPES)
-    p.add_argument(
-        "--quantization",
-        default=None,
-        choices=QUANTIZATIONS,
-        help="weight-only quantization of the linear layers: a scale per output channel, or "
-        "per 64 / 32 inputs of it (int8-g64, int8-g32)",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        default=CacheConfig.kv_cache_dtype,
-        choices=KV_CACHE_DTYPES,
-        help="the KV cache's dtype: auto (the compute dtype), or int8 / fp8 pages with a float32 "
-        "scale per token and kv head (more blocks in the same memory)",
-    )
-    p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help=f"longest prompt + output (default: the model's context, at most {MAX_MODEL_LEN_CAP})",
-    )
-    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
-    _add_scheduler_args(p)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--speculative-config",
-        type=_speculative_config,
-        default=None,
-        metavar="JSON",
-        help='speculative decoding, vLLM\'s dict as JSON, e.g. \'{"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\'',
-    )
-    p.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="schedule and dispatch each step while the one before runs on the device, where "
-        "that cannot change results (default: on)",
-    )
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="split weights and KV heads across this many devices",
-    )
-    multi = p.add_argument_group(
-        "multi-process (multi-host)",
-        "run the same command on every host; process 0 schedules (and serves HTTP), the others "
-        "follow it. Defaults come from PAGEDJAX_COORDINATOR_ADDRESS, PAGEDJAX_NUM_PROCESSES and "
-        "PAGEDJAX_PROCESS_ID; --tensor-parallel-size must then count the devices of all hosts",
-    )
-    multi.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0")
-    multi.add_argument("--num-processes", type=int, default=None, help="processes in the job")
-    multi.add_argument("--process-id", type=int, default=None, help="this one's, 0 .. N-1")
-
-
-def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
-    """vLLM's scheduler and KV-cache flags."""
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="tokens one step may compute (prompt chunks and decodes together; default: 2048, "
-        "or --max-model-len if larger). Fewer: running requests' tokens come sooner while "
-        "long prompts prefill; more: prompts prefill in fewer steps",
-    )
-    p.add_argument(
-        "--enable-chunked-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=SchedulerConfig.enable_chunked_prefill,
-        help="split a prompt longer than the step's token budget over several steps (default: on)",
-    )
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=CacheConfig.enable_prefix_caching,
-        help="reuse the KV blocks of a prompt prefix computed before (default: on)",
-    )
-    p.add_argument(
-        "--preemption-mode",
-        default=SchedulerConfig.preemption_mode,
-        choices=PREEMPTION_MODES,
-        help="how a request gives its KV blocks back when memory runs out: recomputed later, "
-        "swapped to host memory, or whichever costs less per request (auto)",
-    )
-    p.add_argument(
-        "--swap-space",
-        type=float,
-        default=CacheConfig.swap_space_gib,
-        metavar="GIB",
-        help="host memory for swapped-out KV blocks, in GiB",
-    )
-
-
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    """LLM's keyword arguments from the options ``_add_engine_args`` defines (but --model)."""
-    return dict(
-        dtype=args.dtype,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        enable_prefix_caching=args.enable_prefix_caching,
-        preemption_mode=args.preemption_mode,
-        swap_space_gib=args.swap_space,
-        seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size,
-        speculative_config=args.speculative_config,
-        async_scheduling=args.async_scheduling,
-    )
-
-
-def _speculative_config(text: str) -> dict:
-    """--speculative-config: a JSON object SpeculativeConfig accepts (checked before loading)."""
-    from pagedjax.spec_decode import SpeculativeConfig
-
-    try:
-        value = json.loads(text)
-        SpeculativeConfig.of(value)
-    except ValueError as e:  # json.JSONDecodeError is a ValueError
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return value
 
 
 def _initialize_distributed(args: argparse.Namespace) -> bool:
@@ -169,7 +23,7 @@ def _generate(args: argparse.Namespace) -> int:
     is_driver = _initialize_distributed(args)
     from pagedjax import LLM, SamplingParams
 
-    llm = LLM(args.model, **_engine_kwargs(args))
+    llm = LLM(args.model, **engine_kwargs(args))
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -233,7 +87,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         server = {"api_key": args.api_key, "limits": limits, "tool_config": tool_config}
         server |= {"public_metrics": args.public_metrics, "public_docs": args.public_docs}
-        return serve_on_ray(args, _engine_kwargs(args), server)
+        return serve_on_ray(args, engine_kwargs(args), server)
     if not args.engine_process:  # the engine process is one process's whole engine
         _initialize_distributed(args)
     serve(
@@ -251,7 +105,7 @@ def _serve(args: argparse.Namespace) -> int:
         background_compile=args.background_compile,
         lora_modules=args.lora_modules,
         engine_process=args.engine_process,
-        **_engine_kwargs(args),
+        **engine_kwargs(args),
         **lora_kwargs,
     )
     return 0
@@ -328,7 +182,7 @@ def _add_bench_parser(sub) -> None:
 
 def _add_generate_parser(sub) -> None:
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
-    _add_engine_args(gen)
+    add_engine_args(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -344,7 +198,7 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument(
         "model_tag", nargs="?", default=None, help="the model, as `vllm serve MODEL` (or --model)"
     )
-    _add_engine_args(srv)
+    add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument(

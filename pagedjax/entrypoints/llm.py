@@ -33,6 +33,10 @@ class LLM:
     ``kv_cache_dtype``: "auto" (the compute dtype), or "int8" / "fp8" for a KV pool of 8-bit
     pages with a float32 scale per token and kv head (about a quarter of float32's bytes
     per block, so more blocks fit).
+    The KV pool holds ``num_blocks`` blocks if given, else ``kv_cache_space_gib``; else, on a
+    GPU or TPU, ``gpu_memory_utilization`` of the device's memory (as JAX's allocator sees it:
+    on a GPU, XLA_PYTHON_CLIENT_MEM_FRACTION of it) less what the weights took, the rest left
+    for the step programs; on a CPU, up to 1 GiB.
     ``quantization``: "int8" or "fp8" weight-only quantization of the linear layers, a
     scale per output channel; "int8-g64" / "int8-g32": per 64 / 32 inputs of each
     (models/quant.py). A GGUF whose linear kernels are all Q8_0 keeps them in 8 bits with
@@ -55,6 +59,7 @@ class LLM:
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_space_gib: float | None = None,
+        gpu_memory_utilization: float = 0.9,
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
@@ -97,6 +102,7 @@ class LLM:
                 swap_space_gib,
                 enable_prefix_caching,
                 kv_cache_dtype,
+                gpu_memory_utilization,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import jax
@@ -18,6 +19,8 @@ from pagedjax.models.sharding import min_over_processes
 from pagedjax.utils import cdiv
 
 # kv_cache_dtype -> the pool's page dtype ("auto": the compute dtype)
+logger = logging.getLogger(__name__)
+
 KV8_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 
@@ -34,20 +37,46 @@ def pool_dtype(kv_cache_dtype: str, compute_dtype) -> jnp.dtype:
 def num_device_blocks(
     cache: CacheConfig, block_bytes: int, tensor_parallel_size: int, useful_blocks: int
 ) -> int:
-    """Blocks for a pool sized by kv_cache_space_gib; else by 90% of the free device memory
-    (each device holds 1/tp of every block: its heads); else, on a CPU, by
-    DEFAULT_CPU_KV_SPACE_GIB, but no more than ``useful_blocks``, the most the engine's running
-    sequences can ever hold: on a CPU the pool's first touch costs about a second per GiB, which
-    a small engine (``pagedjax generate``: one sequence) need not pay. (An explicit num_blocks
-    needs none of this.)"""
+    """Blocks for a pool sized by kv_cache_space_gib; else, on a GPU or TPU, by what
+    ``device_kv_budget`` leaves each device (each holds 1/tp of every block: its heads); else,
+    on a CPU, by DEFAULT_CPU_KV_SPACE_GIB, but no more than ``useful_blocks``, the most the
+    engine's running sequences can ever hold: on a CPU the pool's first touch costs about a
+    second per GiB, which a small engine (``pagedjax generate``: one sequence) need not pay.
+    (An explicit num_blocks needs none of this.)"""
     if cache.kv_cache_space_gib is not None:
         return int(cache.kv_cache_space_gib * 2**30 // block_bytes)
-    device = jax.local_devices()[0]
-    mem = device.memory_stats() if device.platform != "cpu" else None
-    if mem and "bytes_limit" in mem:
-        free = 0.9 * (mem["bytes_limit"] - mem.get("bytes_in_use", 0))
-        return int(free // (block_bytes // tensor_parallel_size))
+    budget = device_kv_budget(cache.gpu_memory_utilization, jax.local_devices())
+    if budget is not None:
+        return int(budget // (block_bytes // tensor_parallel_size))
     return min(int(DEFAULT_CPU_KV_SPACE_GIB * 2**30 // block_bytes), useful_blocks)
+
+
+def device_kv_budget(utilization: float, devices) -> int | None:
+    """Bytes the KV pool may take on each of ``devices`` (the least of them): ``utilization``
+    (CacheConfig.gpu_memory_utilization, as vLLM's) of what the device's allocator may hold,
+    less what it holds now (the weights); the rest is the step programs' workspace. None where
+    a device reports no such limit (a CPU). On a GPU the allocator's limit is JAX's share of
+    it, XLA_PYTHON_CLIENT_MEM_FRACTION (0.75 unless set); on a TPU, its memory."""
+    budgets = []  # (bytes, device, how)
+    for device in devices:
+        mem = device.memory_stats() if device.platform != "cpu" else None
+        if not mem or "bytes_limit" not in mem:
+            return None
+        limit, used = mem["bytes_limit"], mem.get("bytes_in_use", 0)
+        budget = int(utilization * limit) - used
+        share = f"{utilization} x {limit / 2**30:.2f} GiB = {utilization * limit / 2**30:.2f} GiB"
+        gib = f"{share}, {used / 2**30:.2f} GiB of it in use"
+        if budget <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization={utilization} leaves no memory for the KV cache on "
+                f"{device} ({gib}): raise it, or XLA_PYTHON_CLIENT_MEM_FRACTION on a GPU"
+            )
+        budgets.append((budget, str(device), gib))
+    if not budgets:
+        return None
+    budget, device, gib = min(budgets)
+    logger.info("KV cache: %.2f GiB on %s (%s)", budget / 2**30, device, gib)
+    return budget
 
 
 def useful_blocks(config: EngineConfig, watermark: float = WATERMARK) -> int:
