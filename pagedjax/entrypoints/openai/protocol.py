@@ -239,6 +239,8 @@ def _refuse_unsupported(req: _Common) -> None:
         value = getattr(req, name, None)
         if value is not None and not any(value == v for v in neutral):
             raise bad_request(f"{name} is not supported by this server", name)
+    if req.n < 1:  # checked here, not only by SamplingParams: best_of stands in for it there
+        raise bad_request(f"n must be at least 1, got {req.n}", "n")
     if req.best_of is not None and req.best_of < req.n:
         raise bad_request(f"best_of must be at least n={req.n}, got {req.best_of}", "best_of")
     if req.stream and (req.best_of or req.n) > req.n:

@@ -370,6 +370,9 @@ def test_non_finite_and_out_of_range_numbers_are_400s(server):
     ("path", "fields", "param"),
     [
         ("/v1/completions", {"best_of": 1, "n": 2}, "best_of"),  # best_of below n
+        ("/v1/completions", {"best_of": 2, "n": -2}, "n"),  # was 200 with no choices
+        ("/v1/completions", {"best_of": 2, "n": 0}, "n"),
+        ("/v1/chat/completions", {"n": 0}, "n"),
         ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),  # out of [-100, 100]
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         ("/v1/completions", {"min_tokens": 3}, "min_tokens"),  # unknown fields are not ignored
