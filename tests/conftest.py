@@ -3,6 +3,7 @@ random HF models saved locally."""
 
 from __future__ import annotations
 
+import gc
 import os
 import warnings
 
@@ -34,3 +35,29 @@ def _param_cache(tmp_path_factory):
         os.environ.pop("PAGEDJAX_CACHE_DIR", None)
     else:
         os.environ["PAGEDJAX_CACHE_DIR"] = old
+
+
+def _memory_maps() -> tuple[int, int]:
+    """(memory mappings this process holds, the most the kernel allows it); (0, 0) where
+    /proc does not say."""
+    try:
+        with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except OSError:
+        return 0, 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _bounded_executables():
+    """JAX keeps every program a process compiles, and each XLA:CPU executable holds about ten
+    memory mappings: one process running the whole suite (``make test-all``) passes the kernel's
+    vm.max_map_count (65,530 by default), and then an mmap fails inside XLA and the process dies
+    of SIGSEGV. A module that starts with over half the limit in use drops JAX's caches first;
+    the programs it needs come back from the persistent compilation cache."""
+    used, limit = _memory_maps()
+    if limit and used > limit // 2:
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
+    yield

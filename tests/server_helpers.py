@@ -95,8 +95,12 @@ def live_server(app):
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        srv.should_exit = True
+        srv.should_exit = True  # uvicorn's graceful stop: open connections get to finish
         thread.join(timeout=30)
+        if thread.is_alive():  # one still open: close it, and say so rather than leave it running
+            srv.force_exit = True
+            thread.join(timeout=10)
+            raise AssertionError(f"the server on port {port} did not stop within 30 s")
 
 
 def raw(base, method, path, body=None, key=KEY, timeout=60):
