@@ -262,7 +262,9 @@ EDGE_EXAMPLES = [
         {"messages": [{"role": "user", "content": "Hi"}], "stop_token_ids": [2**31]},
         {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 2**31},
     )
-] + [  # the slow run's find: best_of stood in for a negative n, a 200 with no choices
+]
+# The slow run's find: best_of stood in for a negative n, a 200 with no choices.
+EDGE_EXAMPLES += [
     ("/v1/completions", {"model": MODEL, "prompt": "0", "max_tokens": 1, "best_of": 2, "n": n})
     for n in (-2, 0)
 ]
