@@ -18,9 +18,9 @@ from pagedjax.models.llama import init_kv_pool, kv_pool_bytes_per_block
 from pagedjax.models.sharding import min_over_processes
 from pagedjax.utils import cdiv
 
-# kv_cache_dtype -> the pool's page dtype ("auto": the compute dtype)
 logger = logging.getLogger(__name__)
 
+# kv_cache_dtype -> the pool's page dtype ("auto": the compute dtype)
 KV8_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 
