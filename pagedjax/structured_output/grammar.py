@@ -70,10 +70,17 @@ class StructuredOutputsParams:
             )
         if isinstance(self.json, str):
             structured_limits.check_json_text(self.json)
+            text = self.json
             try:
-                self.json = json.loads(self.json)
+                self.json = json.loads(text)
             except (ValueError, RecursionError) as e:
                 raise ValueError(f"structured_outputs: json is not valid JSON: {e}") from None
+            if self.json is None or self.json is False:  # no schema, or one nothing matches
+                shown = text if len(text) <= 40 else text[:40] + "..."
+                raise ValueError(
+                    f"structured_outputs: json must be a JSON schema an output can match (an "
+                    f"object, or true), got {shown!r}"
+                )
         if self.json is not None and not isinstance(self.json, dict | bool):
             raise ValueError("structured_outputs: json must be a JSON schema (an object)")
         for name in ("regex", "grammar"):
@@ -111,7 +118,10 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+        kind = next((k for k in _KINDS if getattr(self, k) not in (None, False)), None)
+        if kind is None:  # fields set to nothing after construction
+            raise ValueError(f"structured_outputs: give exactly one of {', '.join(_KINDS)}")
+        return kind
 
     def key(self) -> tuple[str, str]:
         """A hashable, canonical form of the constraint (the compile cache's key)."""

@@ -79,6 +79,8 @@ def check_body(model_cls, body: bytes):
         return req, structured_outputs(req), None
     except APIError as e:
         return req, None, (e.status, e.message, e.type, e.code, e.param)
+    except StopIteration as e:  # a future awaited by asyncio cannot hold it: offload.py
+        raise RuntimeError("checking the body raised StopIteration") from e
 
 
 class BodyChecker:

@@ -109,13 +109,23 @@ class Offload:
         return await self._run("grammar", fn, *args, **kwargs)
 
     async def _run(self, lane: str, fn, *args, **kwargs):
-        call = functools.partial(fn, *args, **kwargs)
+        call = functools.partial(_no_stop_iteration, fn, *args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self._pools[lane], call)
 
     def close(self) -> None:
         for pool in self._pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
         self.checker.close()
+
+
+def _no_stop_iteration(fn, *args, **kwargs):
+    """``fn``'s result; a StopIteration it lets out becomes a RuntimeError (as in a generator,
+    PEP 479): an asyncio future cannot hold StopIteration, so the request awaiting it would
+    never be answered."""
+    try:
+        return fn(*args, **kwargs)
+    except StopIteration as e:
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)!s} raised StopIteration") from e
 
 
 def dumps(value) -> str:

@@ -66,3 +66,18 @@ def test_bodies_encode_as_compact_utf8_json():
     assert json.loads(text) == json.loads(json.dumps(body))  # int keys written as strings
     assert "caf\u00e9" in text and ", " not in text and ": " not in text  # UTF-8, compact
     assert dumps_bytes(body) == text.encode()
+
+
+def test_a_stop_iteration_in_a_lane_is_an_error_not_a_request_waiting_forever():
+    offload = Offload(None)
+
+    async def call(run):
+        return await asyncio.wait_for(run(next, iter(())), timeout=30)
+
+    try:
+        for run in (offload.run, offload.run_grammar):
+            Offload.mark_body(8192)  # the light lane, not inline
+            with pytest.raises(RuntimeError, match="StopIteration"):
+                asyncio.run(call(run))
+    finally:
+        offload.close()

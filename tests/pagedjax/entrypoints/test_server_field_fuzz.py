@@ -175,6 +175,13 @@ EXAMPLES_FIRST = [
 ] + [
     ("/v1/completions", "structured_outputs", {"structured_outputs": {"json": deep(5000)}}),
     ("/v1/completions", "structured_outputs", {"structured_outputs": {"json": True}}),
+    # a schema of null or false: StopIteration in the grammar lane, a request never answered;
+    # the long prompt takes the same body through the body-check process
+    *[
+        ("/v1/completions", "structured_outputs", {"structured_outputs": {"json": text}, **long})
+        for text in ("null", "false")
+        for long in ({}, {"prompt": "x" * 5000})
+    ],
     ("/v1/chat/completions", "response_format", {"response_format": {"type": "json_schema"}}),
     ("/v1/completions", "stop", {"stop": [""]}),
     ("/v1/chat/completions", "tools", {"tools": [{"type": "function"}]}),
