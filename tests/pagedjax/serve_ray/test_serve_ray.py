@@ -207,8 +207,9 @@ def test_prefix_aware_routing_hits_the_prefix_cache_more_than_random(two):
     assert prefix > random_, (prefix, random_)
 
 
-def _stream_one(client, i, first_token: threading.Event):
-    """("ok" | "error", replica header, error message) of one streamed completion."""
+def _stream_one(client, i, first_token: threading.Event, on_replica: str | None = None):
+    """("ok" | "error", replica header, error message) of one streamed completion; sets
+    ``first_token`` when a token arrives (from the replica ``on_replica``, if given)."""
     kw = {"model": "tiny", "prompt": f"w{5 + i % 200} w7 w8", "max_tokens": 32, "temperature": 0}
     try:
         raw = client.completions.with_raw_response.create(
@@ -218,7 +219,8 @@ def _stream_one(client, i, first_token: threading.Event):
         text = ""
         for chunk in raw.parse():
             text += "".join(c.text for c in chunk.choices)
-            first_token.set()
+            if on_replica in (None, replica):
+                first_token.set()
         return ("ok" if text else "empty", replica, "")
     except openai.APIError as e:
         return ("error", None, str(e))
@@ -230,8 +232,10 @@ def test_a_killed_replica_fails_only_its_own_requests_and_comes_back(two):
     victim_id, victim = next(iter(before.items()))
     first_token = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(64) as pool:
-        futs = [pool.submit(_stream_one, two.client, i, first_token) for i in range(64)]
-        assert first_token.wait(180), "no request produced a token"
+        # killed once one of its own streams is under way (a token from the other replica
+        # first let the victim finish all of its streams before the kill, under load)
+        futs = [pool.submit(_stream_one, two.client, i, first_token, victim_id) for i in range(64)]
+        assert first_token.wait(180), "no request on the victim produced a token"
         os.kill(victim["pid"], signal.SIGKILL)
         done, hanging = concurrent.futures.wait(futs, timeout=300)
     assert not hanging, f"{len(hanging)} requests hang"
