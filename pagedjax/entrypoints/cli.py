@@ -204,8 +204,8 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on every route but /health (an empty key is "
-        "an error)",
+        help="require 'Authorization: Bearer KEY' on every route but /health and /ping (an "
+        "empty key is an error)",
     )
     srv.add_argument(
         "--public-metrics", action="store_true", help="serve /metrics without the API key"

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from pagedjax import compilation
 from pagedjax.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
 from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.entrypoints.chat_template import ChatOptions
 from pagedjax.lora.request import LoRARequest
 from pagedjax.models.loader import default_model_path, load_model
 from pagedjax.models.sharding import tensor_parallel_mesh
@@ -185,16 +186,26 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         use_tqdm=True,
         lora_request: LoRARequest | SequenceOf[LoRARequest | None] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ):
-        """Apply the tokenizer's chat template to one conversation (or a list of them)."""
+        """Apply the tokenizer's chat template to one conversation (or a list of them) and
+        generate. vLLM's options: ``continue_final_message`` (with ``add_generation_prompt``
+        False) leaves the last message open, so the model continues it; ``tools`` are shown to
+        the template; ``chat_template_kwargs`` are more variables for it."""
         tok = self.tokenizer
         if tok is None or tok.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template")
+        options = ChatOptions(
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        texts = [
-            tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in convs
-        ]
-        ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+        ids = [options.tokenize(tok, c, tools) for c in convs]
         return self.generate(ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     # ---- LoRA adapters (vLLM's) -------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pagedjax.entrypoints.chat_template import ChatOptions
 from pagedjax.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_JSON_DEPTH = 32  # a chat body with content parts needs 5
@@ -138,7 +139,8 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the request's usage
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk its choice's
 
 
 class _Common(_Strict):
@@ -182,7 +184,16 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None  # a "tool" message's answer to this call
 
 
-class ChatRequest(_Common):
+class _ChatTemplateFields(_Strict):
+    """vLLM's chat template options (chat_template.ChatOptions)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatRequest(_Common, _ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
@@ -222,6 +233,38 @@ def parse_body(model_cls: type[BaseModel], data: Any):
         if err["type"] == "extra_forbidden":
             raise bad_request(f"unknown field {loc!r}", param=loc) from None
         raise bad_request(f"{loc}: {err['msg']}", param=loc) from None
+
+
+class TokenizeCompletionRequest(_Strict):  # POST /tokenize with a prompt (vLLM's)
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_ChatTemplateFields):  # POST /tokenize with messages
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Any] | None = None
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(_Strict):  # POST /detokenize
+    model: str | None = None
+    tokens: list[Int]
+
+
+def chat_options(req: _ChatTemplateFields) -> ChatOptions:
+    """The request's chat template options; a bad combination is a 400 naming the field."""
+    try:
+        return ChatOptions(
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            add_special_tokens=req.add_special_tokens,
+            chat_template_kwargs=req.chat_template_kwargs,
+        )
+    except ValueError as e:
+        raise bad_request(str(e), str(e).split(":", 1)[0].split()[0]) from None
 
 
 class LoadLoRAAdapterRequest(_Strict):  # /v1/load_lora_adapter (vLLM's)

@@ -139,8 +139,11 @@ class StreamEvents:
         k,
         echo,
         model=None,
+        continuous_usage=False,
     ):
         self.r = responses
+        # vLLM's continuous_usage_stats: each chunk carries its choice's usage so far
+        self.continuous_usage = continuous_usage
         self.model = model or responses.model_name  # a LoRA adapter's name when one ran
         self.rid, self.now, self.chat = rid, now, chat
         self.kind = "chat.completion.chunk" if chat else "text_completion"
@@ -180,6 +183,9 @@ class StreamEvents:
             "model": self.model,
             "choices": [choice],
         }
+        if self.continuous_usage:
+            prompt = self.prompts[index // self.n]
+            body["usage"] = usage([prompt], self.sent_tokens.get(index, 0))
         return f"data: {dumps(body)}\n\n"
 
     def opening(self) -> list[str]:

@@ -1,8 +1,9 @@
 """The server's routes as module-level handlers; each reads its collaborators from
 ``request.app.state`` (app_state). ``ROUTERS`` lists them in the order build_app includes them.
 
-- ``health_router``: /health (open to all), /metrics, /openapi.json, /docs, /redoc
-- ``models_router``: /v1/models, /v1/models/{id}
+- ``health_router``: /health and /ping (open to all), /metrics, /openapi.json, /docs, /redoc
+- ``models_router``: /v1/models, /v1/models/{id}, /version
+- ``tokenize_router``: /tokenize, /detokenize (vLLM's)
 - ``generate_router``: /v1/completions, /v1/chat/completions
 - ``lora_router`` (with --enable-lora only): /v1/load_lora_adapter, /v1/unload_lora_adapter
 """
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 
 from fastapi import APIRouter, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
@@ -20,10 +22,14 @@ from pagedjax.entrypoints.openai.metrics import CONTENT_TYPE
 from pagedjax.entrypoints.openai.protocol import (
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LoadLoRAAdapterRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     UnloadLoRAAdapterRequest,
     bad_request,
     chat_messages,
+    chat_options,
     check_response_logprobs,
     error_response,
     logit_bias,
@@ -36,8 +42,10 @@ from pagedjax.entrypoints.openai.tools import template_messages, tool_mode
 health_router = APIRouter()
 models_router = APIRouter()
 generate_router = APIRouter()
+tokenize_router = APIRouter()
 lora_router = APIRouter()
-ROUTERS = (health_router, models_router, generate_router)  # and lora_router with LoRA on
+# and lora_router with LoRA on
+ROUTERS = (health_router, models_router, tokenize_router, generate_router)
 
 
 # -- health, metrics, docs --
@@ -45,6 +53,8 @@ ROUTERS = (health_router, models_router, generate_router)  # and lora_router wit
 
 @health_router.head("/health", include_in_schema=False)
 @health_router.get("/health")
+@health_router.get("/ping")  # vLLM's (SageMaker's health check)
+@health_router.post("/ping", include_in_schema=False)
 async def health(request: Request):
     if not request.app.state.engine_loop.is_running:
         return error_response(503, "the engine thread is not running", "server_error")
@@ -113,6 +123,51 @@ async def model(request: Request, model_id: str):
     check_key(request)
     lora = request.app.state.models.resolve(model_id)
     return _model_card(request, model_id, lora)
+
+
+@models_router.get("/version")
+async def version(request: Request):
+    check_key(request)
+    return {"version": _VERSION}
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("pagedjax")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown"
+
+
+_VERSION = _package_version()
+
+
+# -- tokens (vLLM's) --
+
+
+@tokenize_router.post("/tokenize")
+async def tokenize(request: Request):
+    """A prompt's token ids, or a conversation's as /v1/chat/completions renders it (the same
+    fields: ``messages``, ``tools``, ``add_generation_prompt``, ``continue_final_message``,
+    ``chat_template_kwargs``); ``return_token_strs`` adds each token's string."""
+    check_key(request)
+    state = request.app.state
+    data = await read_json(request)
+    chat = isinstance(data, dict) and "messages" in data
+    req = parse_body(TokenizeChatRequest if chat else TokenizeCompletionRequest, data)
+    if req.model is not None:
+        state.models.resolve(req.model)
+    return await state.serving.tokenize_body(req)
+
+
+@tokenize_router.post("/detokenize")
+async def detokenize(request: Request):
+    """The text of ``tokens``, each a token id of the vocabulary."""
+    check_key(request)
+    state = request.app.state
+    req = parse_body(DetokenizeRequest, await read_json(request))
+    if req.model is not None:
+        state.models.resolve(req.model)
+    return await state.serving.detokenize_body(req)
 
 
 # -- LoRA adapters at run time (vLLM's) --
@@ -232,8 +287,9 @@ async def chat_completions(request: Request):
         )
     else:
         constraint, constraint_field, shown_tools, tools = _chat_tools(*args)
+    options = chat_options(req)
     messages = template_messages(chat_messages(req))
-    ids = await serving.chat_prompt_ids(messages, shown_tools)
+    ids = await serving.chat_prompt_ids(messages, shown_tools, options)
     if req.max_completion_tokens is not None:
         max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
     else:

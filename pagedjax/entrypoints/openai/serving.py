@@ -1,5 +1,6 @@
 """The FastAPI app: /v1/completions, /v1/chat/completions (both streaming as server-sent events),
-/v1/models, /health, Prometheus /metrics and the API docs.
+/v1/models, vLLM's /tokenize, /detokenize and /version, /health (and /ping), Prometheus /metrics
+and the API docs.
 
 A request is validated whole (protocol), every prompt passes the engine's admission check, and
 only then is anything submitted to the engine thread (engine_loop). build_app puts the shared
@@ -52,11 +53,11 @@ def build_app(
 
     ``served_model_name`` is the model id, or several aliases: requests may name any of them,
     /v1/models lists them all, responses carry the first. With ``api_key`` every route but
-    /health needs it, /metrics and the API docs too unless ``public_metrics`` / ``public_docs``
-    open them. ``tool_config``: whether tool_choice "auto" is served, with which parser.
-    With an engine of enable_lora, ``lora_modules`` ((name, path) pairs) are LoRA adapters that
-    requests name as their ``model``, and /v1/load_lora_adapter and /v1/unload_lora_adapter
-    change them at run time (serving_models).
+    /health and /ping needs it, /metrics and the API docs too unless ``public_metrics`` /
+    ``public_docs`` open them. ``tool_config``: whether tool_choice "auto" is served, with
+    which parser. With an engine of enable_lora, ``lora_modules`` ((name, path) pairs) are
+    LoRA adapters that requests name as their ``model``, and /v1/load_lora_adapter and
+    /v1/unload_lora_adapter change them at run time (serving_models).
     """
     check_api_key(api_key)
     model_names = (

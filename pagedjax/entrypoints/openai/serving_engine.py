@@ -19,10 +19,20 @@ import uuid
 from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
+from pagedjax.entrypoints.chat_template import ChatOptions
 from pagedjax.entrypoints.openai.engine_loop import EngineLoop, QueueFull
 from pagedjax.entrypoints.openai.offload import Offload
-from pagedjax.entrypoints.openai.protocol import APIError, bad_request
+from pagedjax.entrypoints.openai.protocol import (
+    APIError,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    bad_request,
+    chat_messages,
+    chat_options,
+)
 from pagedjax.entrypoints.openai.responses import Echo, Responses, StreamEvents
+from pagedjax.entrypoints.openai.tools import check_tools, template_messages
 from pagedjax.models.loading.tokenizer import encode_text, max_chars_per_token
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
@@ -170,16 +180,19 @@ class OpenAIServing:
                 param,
                 "context_length_exceeded",
             )
+        return self._encode(text, param, add_special_tokens)
+
+    def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
         try:
-            return encode_text(tok, text, add_special_tokens)
+            return encode_text(self.offload.tokenizer, text, add_special_tokens)
         except Exception as e:  # the tokenizer refuses some text; that is the client's input
             raise bad_request(f"the tokenizer failed on this text: {e}", param) from None
 
-    def check_token_ids(self, ids: list[int]) -> None:
+    def check_token_ids(self, ids: list[int], param: str = "prompt") -> None:
         for t in ids:
             if not 0 <= t < self.vocab:
                 raise bad_request(
-                    f"token id {t} is outside the vocabulary [0, {self.vocab})", "prompt"
+                    f"token id {t} is outside the vocabulary [0, {self.vocab})", param
                 )
 
     def _prompt_ids(self, texts, prompts) -> list[list[int]]:
@@ -188,15 +201,48 @@ class OpenAIServing:
             self.check_token_ids(x)
         return ids
 
-    def _chat_prompt_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        kwargs = {} if tools is None else {"tools": tools}
+    def _chat_prompt_ids(
+        self, messages: list[dict], tools: list[dict] | None, options: ChatOptions, bounded=True
+    ) -> list[int]:
+        """The conversation rendered and tokenized (``bounded``: refused unencoded when its
+        text cannot fit the context)."""
+        tok = self.offload.tokenizer
+        if tok is None or tok.chat_template is None:
+            raise bad_request("this model's tokenizer has no chat template", "messages")
         try:
-            text = self.offload.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False, **kwargs
-            )
+            text = options.render(tok, messages, tools)
         except Exception as e:
             raise bad_request(f"the chat template failed on these messages: {e}") from None
-        return self.tokenize(text, "messages", add_special_tokens=False)
+        if not bounded:
+            return self._encode(text, "messages", options.add_special_tokens)
+        return self.tokenize(text, "messages", options.add_special_tokens)
+
+    def _tokenize_body(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+        """/tokenize's answer (vLLM's): the ids of a prompt, or of a conversation as the chat
+        endpoint renders it, however long (the body's size bounds the work)."""
+        tok = self.offload.tokenizer
+        if isinstance(req, TokenizeChatRequest):
+            tools = check_tools(req.tools) or None
+            messages = template_messages(chat_messages(req))
+            ids = self._chat_prompt_ids(messages, tools, chat_options(req), bounded=False)
+        else:
+            if tok is None:
+                raise bad_request("this model has no tokenizer", "prompt")
+            ids = self._encode(req.prompt, "prompt", req.add_special_tokens)
+        return {
+            "count": len(ids),
+            "max_model_len": self.max_model_len,
+            "tokens": ids,
+            "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None,
+        }
+
+    def _detokenize_body(self, req: DetokenizeRequest) -> dict:
+        """/detokenize's answer: the text of ``req.tokens`` (special tokens kept, as vLLM)."""
+        tok = self.offload.tokenizer
+        if tok is None:
+            raise bad_request("this model has no tokenizer", "tokens")
+        self.check_token_ids(req.tokens, "tokens")
+        return {"prompt": tok.decode(req.tokens)}
 
     def _detokenize(self, prompts: list[list[int]]) -> list[str]:
         tok = self.offload.tokenizer
@@ -220,9 +266,17 @@ class OpenAIServing:
         checked against the vocabulary."""
         return await self.offload.run(self._prompt_ids, texts, prompts)
 
-    async def chat_prompt_ids(self, messages: list[dict], tools: list[dict] | None = None):
+    async def chat_prompt_ids(
+        self, messages: list[dict], tools: list[dict] | None, options: ChatOptions
+    ) -> list[int]:
         """The conversation rendered by the chat template (with ``tools``), then tokenized."""
-        return await self.offload.run(self._chat_prompt_ids, messages, tools)
+        return await self.offload.run(self._chat_prompt_ids, messages, tools, options)
+
+    async def tokenize_body(self, req) -> dict:
+        return await self.offload.run(self._tokenize_body, req)
+
+    async def detokenize_body(self, req: DetokenizeRequest) -> dict:
+        return await self.offload.run(self._detokenize_body, req)
 
     async def echo_texts(self, prompts: list[list[int]]) -> list[str]:
         return await self.offload.run(self._detokenize, prompts)
@@ -334,7 +388,8 @@ class OpenAIServing:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         now = int(time.time())
         if req.stream:
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            options = req.stream_options
+            include_usage = options is not None and options.include_usage
             events = StreamEvents(
                 self.responses,
                 rid,
@@ -346,6 +401,7 @@ class OpenAIServing:
                 k_logprobs,
                 echo,
                 model=lora.lora_name if lora is not None else None,
+                continuous_usage=include_usage and options.continuous_usage_stats,
             )
             gen = self.stream(request, job, events, include_usage)
             if tools is not None:
