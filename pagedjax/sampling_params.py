@@ -56,6 +56,9 @@ class SamplingParams:
     stop: str | list[str] | None = None  # stop strings, not included in the output text
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
+    # vLLM's: no EOS or stop token id can be sampled, and no stop string ends the output, before
+    # this many tokens
+    min_tokens: int = 0
     logprobs: int | None = None  # also return this many most likely tokens per position
     # Score the prompt too: each prompt token's logprob (None for the first) and the top k. Such
     # a request computes its whole prompt (it does not read the shared prefix cache).
@@ -71,6 +74,8 @@ class SamplingParams:
             _bad(self, "n", "must be an integer >= 1")
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32:
             _bad(self, "max_tokens", f"must be an integer in [1, {MAX_INT32}]")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            _bad(self, "min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
         if not _is_number(self.temperature) or not self.temperature >= 0:
             _bad(self, "temperature", "must be a finite number >= 0")
         if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT32:

@@ -38,7 +38,8 @@ def check_stop(
     (Stop strings need the text: the output processor checks them.)"""
     token = seq.get_last_token_id()
     eos = not p.ignore_eos and token in eos_token_ids
-    if eos or token in p.stop_token_ids:
+    early = seq.get_output_len() < getattr(p, "min_tokens", 0)  # no stop before (vLLM's)
+    if (eos or token in p.stop_token_ids) and not early:
         seq.stop_reason = None if eos else token
         return "stop"
     if seq.get_output_len() >= p.max_tokens or seq.get_len() >= max_model_len:

@@ -199,7 +199,11 @@ class LLMEngine:
         seed = (seed ^ (seed >> 32)) & 0xFFFFFFFF  # 64-bit seeds fold into the sampler's 32
         seq = Sequence(self.scheduler.new_seq_id(), ids, self.config.cache.block_size)
         group = SequenceGroup(request_id, [seq], time.monotonic(), params, lora_request)
-        self.requests[request_id] = Request(request_id, text, ids, group, seed)
+        request = Request(request_id, text, ids, group, seed)
+        if getattr(params, "min_tokens", 0):  # vLLM's: EOS (unless ignored) and stop ids
+            eos = () if params.ignore_eos else self.eos_token_ids
+            request.min_tokens_stops = tuple(sorted({*eos, *params.stop_token_ids}))
+        self.requests[request_id] = request
         self.scheduler.add(group)
 
     def abort_request(self, request_id: str) -> None:

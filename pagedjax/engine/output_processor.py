@@ -74,6 +74,8 @@ class OutputProcessor:
         searched, seq.stop_search_from = seq.stop_search_from, len(seq.text)
         if not p.stop or seq.finish_reason == "stop" or len(seq.text) == searched:
             return False
+        if seq.get_output_len() <= getattr(p, "min_tokens", 0):  # vLLM's: none found before
+            return False
         at = find_stop_string(seq.text, searched, p.stop)
         if at < 0:
             return False

@@ -7,12 +7,15 @@ import logging
 import time
 from collections.abc import Iterable
 
+import numpy as np
+
 from pagedjax.core.scheduler import SeqChunk
 from pagedjax.core.sequence import Sequence, SequenceGroup
 from pagedjax.outputs import RequestMetrics
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 from pagedjax.structured_output.grammar import RequestGrammar
 from pagedjax.structured_output.masks import advance_together
+from pagedjax.structured_output.masks import mask_width as bitmask_width
 from pagedjax.worker.prompt_logprobs import PromptLogprobs, PromptRows
 from pagedjax.worker.sampler import SamplingRow
 
@@ -31,6 +34,8 @@ class Request:
     error: str | None = None  # why the engine ended it, if it did (its output carries this)
     prompt_logprobs: PromptLogprobs | None = None  # set when its params ask for them
     grammar: RequestGrammar | None = None  # its structured output's state, if it has one
+    # The EOS and stop token ids it cannot sample before params.min_tokens (set when > 0)
+    min_tokens_stops: tuple[int, ...] = ()
     metrics: RequestMetrics = dataclasses.field(
         default_factory=lambda: RequestMetrics(time.monotonic()), repr=False, compare=False
     )
@@ -40,6 +45,9 @@ class Request:
     sent_prompt_logprobs: bool = dataclasses.field(default=False, repr=False)
     # (vocab size, the sampling row fields of its parameters): built on first use
     _row_cache: tuple[int, dict] | None = dataclasses.field(
+        default=None, init=False, repr=False, compare=False
+    )
+    _stops_mask: np.ndarray | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False
     )
 
@@ -86,7 +94,8 @@ class Request:
             return []
         fields = self._row_fields(vocab_size)
         penalties = self.params.uses_penalties
-        if num_samples == 1 and not penalties and self.grammar is None:  # most decode rows
+        early = seq.get_output_len() < self.params.min_tokens  # its stop tokens masked
+        if num_samples == 1 and not penalties and self.grammar is None and not early:
             seed = (self.seed + seq.sample_index * GOLDEN) % 2**32
             return [SamplingRow(**fields, seed=seed, position=seq.get_len())]
         indices = range(num_samples) if num_samples > 1 else [seq.sample_index]
@@ -97,10 +106,24 @@ class Request:
                 position=seq.get_len(),
                 prompt_token_ids=seq.prompt_token_ids if penalties else (),
                 output_token_ids=seq.output_token_ids if penalties else (),
-                token_bitmask=self.grammar.mask(seq) if self.grammar is not None else None,
+                token_bitmask=self._allowed(seq, vocab_size, early),
             )
             for i in indices
         ]
+
+    def _allowed(self, seq: Sequence, vocab_size: int, early: bool) -> np.ndarray | None:
+        """The tokens seq may sample next (a bitmask; None: any): its grammar's, without the
+        stop tokens while it is short of min_tokens. Where the grammar allows nothing else, the
+        grammar's stand (it must be able to end)."""
+        grammar = self.grammar.mask(seq) if self.grammar is not None else None
+        if not early or not self.min_tokens_stops:
+            return grammar
+        if self._stops_mask is None or self._stops_mask.size != bitmask_width(vocab_size):
+            self._stops_mask = stops_masked(self.min_tokens_stops, vocab_size)
+        if grammar is None:
+            return self._stops_mask
+        both = grammar & self._stops_mask
+        return both if both.any() else grammar
 
     def got_tokens(self, now: float) -> None:
         """Its sequences got tokens in a step that finished at ``now``."""
@@ -125,6 +148,17 @@ class Request:
         )
         self._row_cache = (vocab_size, fields)
         return fields
+
+
+def stops_masked(stop_ids, vocab_size: int) -> np.ndarray:
+    """An allowed-token bitmask (i32 words, bit t of word t // 32: token t) of every token of the
+    vocabulary but ``stop_ids``."""
+    width = bitmask_width(vocab_size)
+    bits = np.ones(width * 32, np.uint32)
+    bits[vocab_size:] = 0
+    bits[[t for t in stop_ids if t < vocab_size]] = 0
+    words = (bits.reshape(width, 32) << np.arange(32, dtype=np.uint32)).sum(1, dtype=np.uint32)
+    return words.view(np.int32)
 
 
 def advance_grammars(pairs: Iterable[tuple[Request, Sequence]]) -> None:

@@ -158,6 +158,7 @@ class _Common(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    min_tokens: Int = 0  # vLLM's: no stop before this many tokens
     stop_token_ids: list[Int] | None = None
     user: str | None = None
     best_of: Int | None = None  # generate best_of, return the n of highest cumulative logprob
@@ -437,6 +438,7 @@ def sampling_params(
         stop=stops,
         stop_token_ids=list(stop_ids),
         ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
         logprobs=logprobs,
         **extra,
     )

@@ -375,7 +375,9 @@ def test_non_finite_and_out_of_range_numbers_are_400s(server):
         ("/v1/chat/completions", {"n": 0}, "n"),
         ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),  # out of [-100, 100]
         ("/v1/completions", {"suffix": "end"}, "suffix"),
-        ("/v1/completions", {"min_tokens": 3}, "min_tokens"),  # unknown fields are not ignored
+        ("/v1/completions", {"min_length": 3}, "min_length"),  # unknown fields are not ignored
+        ("/v1/completions", {"min_tokens": 3, "max_tokens": 2}, "min_tokens"),
+        ("/v1/chat/completions", {"min_tokens": -1}, "min_tokens"),
         (
             "/v1/chat/completions",
             {"tools": [{"type": "function", "function": {}}]},

@@ -1,0 +1,136 @@
+"""min_tokens (vLLM's): before a sequence has min_tokens tokens no EOS or stop token id is sampled
+and no stop string ends it; from then on they stop it as ever. Greedy tokens equal transformers'
+``min_new_tokens`` with the same stop ids, with and without n-gram speculation (which proposes
+nothing while the stop ids are masked); seeded sampling never stops early and stops as before
+afterwards; stop strings wait; the ids masked are EOS (unless ignored) and the stop ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import hf_greedy, make_tiny_model, save_word_tokenizer, speculation_prompts
+
+from pagedjax import LLM, SamplingParams
+
+MIN, MAX = 5, 16
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3}  # fmt: skip
+POOL = dict(block_size=8, max_model_len=64, num_blocks=40, max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(path, torch model, prompts, each prompt's stop ids): greedy's 1st and 3rd tokens, so
+    that without min_tokens every prompt would stop at once."""
+    path = tmp_path_factory.mktemp("min_tokens_llama")
+    hf = make_tiny_model("llama_gqa", path)
+    save_word_tokenizer(path)
+    prompts = speculation_prompts([3, 9, 17], seed=11)
+    stops = [sorted({g[0], g[2]}) for g in hf_greedy(hf, prompts, 3)]
+    return str(path), hf, prompts, stops
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    return LLM(tiny[0], **POOL)
+
+
+def _hf_min_new_tokens(hf, prompt, stops):
+    with torch.no_grad():
+        ids = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=MAX,
+            min_new_tokens=MIN,
+            do_sample=False,
+            eos_token_id=stops,
+            pad_token_id=0,
+        )
+    return ids[0, len(prompt) :].tolist()
+
+
+def _greedy(stops, min_tokens=MIN):
+    return SamplingParams(
+        max_tokens=MAX, temperature=0, ignore_eos=True, stop_token_ids=stops, min_tokens=min_tokens
+    )
+
+
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "ngram"])
+def test_greedy_tokens_match_transformers_min_new_tokens(tiny, llm, speculate):
+    path, hf, prompts, stops = tiny
+    engine = LLM(path, speculative_config=SPEC, **POOL) if speculate else llm
+    params = [_greedy(s) for s in stops]
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    for prompt, s, out in zip(prompts, stops, outs, strict=True):
+        c = out.outputs[0]
+        assert c.token_ids == _hf_min_new_tokens(hf, prompt, s)
+        assert len(c.token_ids) >= MIN and not set(c.token_ids[:MIN]) & set(s)
+    # not vacuous: without min_tokens each stops on its first token
+    firsts = engine.generate(prompts, [_greedy(s, 0) for s in stops], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in firsts] == [1] * len(prompts)
+    assert all(o.outputs[0].finish_reason == "stop" for o in firsts)
+    if speculate:  # proposals resumed once min_tokens was reached
+        assert engine.get_stats().spec_decoding.num_drafts > 0
+
+
+def test_seeded_samples_never_stop_before_min_tokens(llm):
+    stops = list(range(3, 67))  # a quarter of the vocabulary: most samples would stop early
+    prompt = [[17, 40, 93, 7]]
+
+    def lengths(min_tokens):
+        p = SamplingParams(
+            n=6,
+            max_tokens=MAX,
+            temperature=1.0,
+            seed=7,
+            stop_token_ids=stops,
+            min_tokens=min_tokens,
+        )
+        out = llm.generate(prompt, p, use_tqdm=False)[0]
+        for c in out.outputs:
+            assert not set(c.token_ids[:min_tokens]) & set(stops)
+        return [len(c.token_ids) for c in out.outputs]
+
+    before, after = lengths(0), lengths(MIN)
+    assert min(before) < MIN  # it would have stopped early
+    assert min(after) > MIN and min(after) < MAX  # it stops, later
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    prompt = [[17, 40, 93, 7, 250, 61]]
+    plain = SamplingParams(max_tokens=MAX, temperature=0, ignore_eos=True)
+    text = llm.generate(prompt, plain, use_tqdm=False)[0].outputs[0].text
+    first = text.split()[0]  # the first token's word: a stop string that ends it at once
+    cut = llm.generate(prompt, SamplingParams(**_kw(plain), stop=[first]), use_tqdm=False)
+    assert cut[0].outputs[0].token_ids == cut[0].outputs[0].token_ids[:1]
+    late = SamplingParams(**_kw(plain), stop=[first], min_tokens=3)
+    c = llm.generate(prompt, late, use_tqdm=False)[0].outputs[0]
+    # found again only after 3 tokens, or never: then the whole text
+    if c.finish_reason == "stop":
+        assert len(c.token_ids) > 3 and c.stop_reason == first
+        assert text.startswith(c.text) and len(c.text) > len(first)
+    else:
+        assert c.text == text
+
+
+def _kw(p: SamplingParams) -> dict:
+    return dict(max_tokens=p.max_tokens, temperature=p.temperature, ignore_eos=p.ignore_eos)
+
+
+def test_the_masked_ids_are_eos_unless_ignored_and_the_stop_ids(llm):
+    engine = llm.engine
+    eos = set(engine.eos_token_ids)
+    cases = {
+        "a": (SamplingParams(min_tokens=2, stop_token_ids=[9]), eos | {9}),
+        "b": (SamplingParams(min_tokens=2, stop_token_ids=[9], ignore_eos=True), {9}),
+        "c": (SamplingParams(stop_token_ids=[9]), set()),
+    }
+    for rid, (params, want) in cases.items():
+        engine.add_request(f"masked-{rid}", [5, 6, 7], params)
+        assert set(engine.requests[f"masked-{rid}"].min_tokens_stops) == want
+        engine.abort_request(f"masked-{rid}")
+
+
+@pytest.mark.parametrize("bad", [-1, MAX + 1, 1.5, True])
+def test_min_tokens_out_of_range_is_refused(bad):
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=MAX, min_tokens=bad)
