@@ -64,9 +64,12 @@ class SamplingParams:
     # a request computes its whole prompt (it does not read the shared prefix cache).
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these can be sampled
     # Constrain the output to a JSON schema, a regex, a choice or a grammar (structured_output.py)
     structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
+    # vLLM's: the stop string, EOS or stop token id that ended the text stays in it
+    include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
@@ -124,6 +127,15 @@ class SamplingParams:
                         f"logit_bias values must be in [-100, 100], got {v!r} for token {t}"
                     )
             self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if (
+                not isinstance(ids, list | tuple)
+                or not ids
+                or not all(_is_int(t) and 0 <= t <= MAX_INT32 for t in ids)
+            ):
+                _bad(self, "allowed_token_ids", "must be None or a non-empty list of token ids")
+            self.allowed_token_ids = list(ids)
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):

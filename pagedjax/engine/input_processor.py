@@ -154,6 +154,12 @@ class InputProcessor:
                     f"logit_bias: token ids {bad[:8]} are outside the vocabulary "
                     f"[0, {cap.vocab_size})"
                 )
+            bad = sorted(t for t in params.allowed_token_ids or () if t >= cap.vocab_size)
+            if bad:
+                raise ValueError(
+                    f"allowed_token_ids: token ids {bad[:8]} are outside the vocabulary "
+                    f"[0, {cap.vocab_size})"
+                )
             if params.structured_outputs is not None:  # a bad schema, regex or grammar is named
                 self.grammars.compile(params.structured_outputs)
             width_name = "n"

@@ -39,26 +39,31 @@ class OutputProcessor:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def detokenize(self, seq: Sequence, skip_special_tokens: bool) -> None:
-        """Incremental detokenisation (vLLM's): decode a short window, keep only complete text."""
+    def detokenize(self, seq: Sequence, skip_special_tokens: bool, keep_stop=False) -> None:
+        """Incremental detokenisation (vLLM's): decode a short window, keep only complete text.
+        The EOS or stop token id that finished seq adds no text unless ``keep_stop`` (vLLM's
+        include_stop_str_in_output)."""
         if self.tokenizer is None:
             return
-        ids = seq.get_token_ids()
+        ids = _text_ids(seq, keep_stop)
         prefix = self.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens)
         full = self.decode(ids[seq.prefix_offset :], skip_special_tokens)
         _take_complete_text(seq, len(ids), prefix, full)
 
-    def detokenize_many(self, seqs: list[tuple[Sequence, bool]]) -> None:
-        """``detokenize(seq, skip_special_tokens)`` for each pair, with every window of a step
-        decoded in two batched calls of the tokenizer's Rust backend (in parallel, off the GIL)
-        where that gives the same text as ``decode``; one by one otherwise."""
+    def detokenize_many(
+        self, seqs: list[tuple[Sequence, bool]], keep_stop: Collection[int] = ()
+    ) -> None:
+        """``detokenize(seq, skip_special_tokens, seq.seq_id in keep_stop)`` for each pair,
+        with every window of a step decoded in two batched calls of the tokenizer's Rust
+        backend (in parallel, off the GIL) where that gives the same text as ``decode``; one by
+        one otherwise."""
         batch = self._batch
         if batch is None:
             for seq, skip in seqs:
-                self.detokenize(seq, skip)
+                self.detokenize(seq, skip, seq.seq_id in keep_stop)
             return
         for skip in (True, False):
-            group = [(seq, seq.get_token_ids()) for seq, s in seqs if s is skip]
+            group = [(seq, _text_ids(seq, seq.seq_id in keep_stop)) for seq, s in seqs if s is skip]
             if not group:
                 continue
             prefixes = batch([ids[s.prefix_offset : s.read_offset] for s, ids in group], skip)
@@ -70,7 +75,7 @@ class OutputProcessor:
         """Detokenize seq's new tokens (unless ``detokenized`` already); cut its text at a stop
         string if one appeared (the string recorded as ``seq.stop_reason``)."""
         if not detokenized:
-            self.detokenize(seq, p.skip_special_tokens)
+            self.detokenize(seq, p.skip_special_tokens, _keeps_stop(p))
         searched, seq.stop_search_from = seq.stop_search_from, len(seq.text)
         if not p.stop or seq.finish_reason == "stop" or len(seq.text) == searched:
             return False
@@ -79,8 +84,8 @@ class OutputProcessor:
         at = find_stop_string(seq.text, searched, p.stop)
         if at < 0:
             return False
-        seq.stop_reason = next(stop for stop in p.stop if seq.text.startswith(stop, at))
-        seq.text = seq.text[:at]
+        seq.stop_reason = stop = next(s for s in p.stop if seq.text.startswith(s, at))
+        seq.text = seq.text[: at + len(stop) if p.include_stop_str_in_output else at]
         return True
 
     def check_stop(self, req: Request, seq: Sequence, detokenized=False) -> str | None:
@@ -101,7 +106,8 @@ class OutputProcessor:
         fails its request alone)."""
         advance_grammars(pairs)  # every constrained sequence's token and next mask, together
         try:
-            self.detokenize_many([(seq, req.params.skip_special_tokens) for req, seq in pairs])
+            keep = {seq.seq_id for req, seq in pairs if _keeps_stop(req.params)}
+            self.detokenize_many([(s, req.params.skip_special_tokens) for req, s in pairs], keep)
             detokenized = True
         except Exception:  # decoded one by one below, so that the error is the request's own
             detokenized = False
@@ -222,6 +228,20 @@ def _request_output(req: Request, completions, finished: bool, prompt_logprobs=N
         prompt_logprobs,
         metrics=req.metrics,
     )
+
+
+def _keeps_stop(p) -> bool:
+    """Whether the text keeps what stopped it (beam search's keeps its EOS token's, as ever)."""
+    return not isinstance(p, SamplingParams) or p.include_stop_str_in_output
+
+
+def _text_ids(seq: Sequence, keep_stop: bool) -> list[int]:
+    """The token ids seq's text is made of: all, but the EOS or stop token id that finished it
+    (set by the scheduler before detokenizing) unless ``keep_stop``."""
+    ids = seq.get_token_ids()
+    if seq.finish_reason == "stop" and not keep_stop:
+        return ids[:-1]
+    return ids
 
 
 def _take_complete_text(seq: Sequence, num_ids: int, prefix: str, full: str) -> None:

@@ -47,7 +47,8 @@ class Request:
     _row_cache: tuple[int, dict] | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False
     )
-    _stops_mask: np.ndarray | None = dataclasses.field(
+    # (vocab size, allowed_token_ids' bitmask, the min_tokens stops' complement): built on use
+    _masks: tuple[int, np.ndarray | None, np.ndarray | None] | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False
     )
 
@@ -95,7 +96,8 @@ class Request:
         fields = self._row_fields(vocab_size)
         penalties = self.params.uses_penalties
         early = seq.get_output_len() < self.params.min_tokens  # its stop tokens masked
-        if num_samples == 1 and not penalties and self.grammar is None and not early:
+        masked = early or self.grammar is not None or self.params.allowed_token_ids is not None
+        if num_samples == 1 and not penalties and not masked:
             seed = (self.seed + seq.sample_index * GOLDEN) % 2**32
             return [SamplingRow(**fields, seed=seed, position=seq.get_len())]
         indices = range(num_samples) if num_samples > 1 else [seq.sample_index]
@@ -112,18 +114,23 @@ class Request:
         ]
 
     def _allowed(self, seq: Sequence, vocab_size: int, early: bool) -> np.ndarray | None:
-        """The tokens seq may sample next (a bitmask; None: any): its grammar's, without the
-        stop tokens while it is short of min_tokens. Where the grammar allows nothing else, the
-        grammar's stand (it must be able to end)."""
-        grammar = self.grammar.mask(seq) if self.grammar is not None else None
-        if not early or not self.min_tokens_stops:
-            return grammar
-        if self._stops_mask is None or self._stops_mask.size != bitmask_width(vocab_size):
-            self._stops_mask = stops_masked(self.min_tokens_stops, vocab_size)
-        if grammar is None:
-            return self._stops_mask
-        both = grammar & self._stops_mask
-        return both if both.any() else grammar
+        """The tokens seq may sample next (a bitmask; None: any): its grammar's and its
+        allowed_token_ids, less the stop tokens while it is short of min_tokens. Where only
+        stop tokens would be left, they stay (a grammar must be able to end)."""
+        if self._masks is None or self._masks[0] != vocab_size:
+            ids, stops = self.params.allowed_token_ids, self.min_tokens_stops
+            only = None if ids is None else token_bitmask(ids, vocab_size)
+            self._masks = (vocab_size, only, token_bitmask(stops, vocab_size, allow=False))
+        _, mask, not_stops = self._masks
+        if self.grammar is not None:
+            grammar = self.grammar.mask(seq)
+            mask = grammar if mask is None else grammar & mask
+        if early and self.min_tokens_stops:
+            if mask is None:
+                return not_stops
+            if (mask & not_stops).any():
+                return mask & not_stops
+        return mask
 
     def got_tokens(self, now: float) -> None:
         """Its sequences got tokens in a step that finished at ``now``."""
@@ -150,13 +157,13 @@ class Request:
         return fields
 
 
-def stops_masked(stop_ids, vocab_size: int) -> np.ndarray:
-    """An allowed-token bitmask (i32 words, bit t of word t // 32: token t) of every token of the
-    vocabulary but ``stop_ids``."""
+def token_bitmask(token_ids, vocab_size: int, allow: bool = True) -> np.ndarray:
+    """The sampler's allowed-token bitmask (i32 words, bit t of word t // 32: token t) allowing
+    just ``token_ids``, or (``allow`` False) every token of the vocabulary but them."""
     width = bitmask_width(vocab_size)
-    bits = np.ones(width * 32, np.uint32)
+    bits = np.full(width * 32, not allow, np.uint32)
     bits[vocab_size:] = 0
-    bits[[t for t in stop_ids if t < vocab_size]] = 0
+    bits[[t for t in token_ids if t < vocab_size]] = allow
     words = (bits.reshape(width, 32) << np.arange(32, dtype=np.uint32)).sum(1, dtype=np.uint32)
     return words.view(np.int32)
 

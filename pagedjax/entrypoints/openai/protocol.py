@@ -159,10 +159,13 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: Int = 0  # vLLM's: no stop before this many tokens
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string or token stays in the text
+    skip_special_tokens: bool = True  # vLLM's: special tokens leave no text
     stop_token_ids: list[Int] | None = None
     user: str | None = None
     best_of: Int | None = None  # generate best_of, return the n of highest cumulative logprob
     logit_bias: dict[str, Float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    allowed_token_ids: list[Int] | None = None  # vLLM's: only these can be sampled
     # {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": {...}, ...}}
     response_format: dict[str, Any] | None = None
     # vLLM's: exactly one of json (a schema), regex, choice, grammar, json_object
@@ -439,6 +442,9 @@ def sampling_params(
         stop_token_ids=list(stop_ids),
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        allowed_token_ids=req.allowed_token_ids,
         logprobs=logprobs,
         **extra,
     )

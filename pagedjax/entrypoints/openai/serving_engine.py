@@ -255,7 +255,7 @@ class OpenAIServing:
             except ValueError as e:
                 code = "context_length_exceeded" if len(ids) >= self.max_model_len else None
                 field = str(e).split(":", 1)[0]
-                if field in ("logit_bias", "stop_token_ids"):
+                if field in ("logit_bias", "stop_token_ids", "allowed_token_ids"):
                     param = field
                 raise bad_request(str(e), param, code) from None
 

@@ -1,8 +1,10 @@
-"""min_tokens (vLLM's): before a sequence has min_tokens tokens no EOS or stop token id is sampled
-and no stop string ends it; from then on they stop it as ever. Greedy tokens equal transformers'
-``min_new_tokens`` with the same stop ids, with and without n-gram speculation (which proposes
-nothing while the stop ids are masked); seeded sampling never stops early and stops as before
-afterwards; stop strings wait; the ids masked are EOS (unless ignored) and the stop ids."""
+"""vLLM's sampling extras on a tiny random Llama. min_tokens: before a sequence has min_tokens
+tokens no EOS or stop token id is sampled and no stop string ends it; from then on they stop it as
+ever. allowed_token_ids: nothing else is sampled. Greedy tokens equal transformers'
+(``min_new_tokens``, ``prefix_allowed_tokens_fn``) with and without n-gram speculation (which
+proposes nothing while stop ids are masked); seeded samples keep to the masks; stop strings wait;
+the ids masked are EOS (unless ignored) and the stop ids. The text: the stop token id that ended a
+sequence adds none, the stop string is cut, unless include_stop_str_in_output."""
 
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ def llm(tiny):
     return LLM(tiny[0], **POOL)
 
 
-def _hf_min_new_tokens(hf, prompt, stops):
+def _hf_min_new_tokens(hf, prompt, stops, allowed=None):
+    kwargs = {} if allowed is None else {"prefix_allowed_tokens_fn": lambda *_: allowed}
     with torch.no_grad():
         ids = hf.generate(
             torch.tensor([prompt]),
@@ -44,6 +47,7 @@ def _hf_min_new_tokens(hf, prompt, stops):
             do_sample=False,
             eos_token_id=stops,
             pad_token_id=0,
+            **kwargs,
         )
     return ids[0, len(prompt) :].tolist()
 
@@ -134,3 +138,70 @@ def test_the_masked_ids_are_eos_unless_ignored_and_the_stop_ids(llm):
 def test_min_tokens_out_of_range_is_refused(bad):
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=MAX, min_tokens=bad)
+
+
+ALLOWED = [4, 9, 33, 57, 80, 101, 140, 166, 199, 230]  # the n-gram's prompt tokens mostly not
+
+
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "ngram"])
+def test_allowed_token_ids_greedy_match_transformers(tiny, llm, speculate):
+    path, hf, prompts, stops = tiny
+    engine = LLM(path, speculative_config=SPEC, **POOL) if speculate else llm
+    # with min_tokens too: each prompt's first stop id is allowed, but not before MIN
+    allowed = [sorted({*ALLOWED, s[0]}) for s in stops]
+    params = [
+        SamplingParams(**_kw(_greedy(s)), stop_token_ids=s, min_tokens=MIN, allowed_token_ids=a)
+        for s, a in zip(stops, allowed, strict=True)
+    ]
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    for prompt, s, a, out in zip(prompts, stops, allowed, outs, strict=True):
+        ids = out.outputs[0].token_ids
+        assert ids == _hf_min_new_tokens(hf, prompt, s, a)
+        assert set(ids) <= set(a) and not set(ids[:MIN]) & set(s)
+
+
+def test_seeded_samples_keep_to_allowed_token_ids(llm):
+    p = SamplingParams(n=4, max_tokens=MAX, temperature=1.5, seed=1, allowed_token_ids=ALLOWED)
+    out = llm.generate([[17, 40, 93]], p, use_tqdm=False)[0]
+    seen = {t for c in out.outputs for t in c.token_ids}
+    assert seen <= set(ALLOWED) and len(seen) > 3  # sampled, within the set
+
+
+@pytest.mark.parametrize("bad", [[], [-1], [1.0], 5])
+def test_bad_allowed_token_ids_are_refused(llm, bad):
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=bad)
+    with pytest.raises(ValueError, match="allowed_token_ids: token ids \\[256\\]"):
+        llm.generate([[5]], SamplingParams(allowed_token_ids=[3, 256]), use_tqdm=False)
+
+
+def _words(ids) -> str:
+    return "".join(f" w{t}" for t in ids)  # the word tokenizer's text after a prompt
+
+
+def _one(engine, prompt, **kw):
+    return engine.generate([prompt], SamplingParams(**kw), use_tqdm=False)[0].outputs[0]
+
+
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "ngram"])
+def test_the_stop_token_or_string_leaves_the_text_unless_asked(tiny, llm, speculate):
+    path, _, prompts, _ = tiny
+    engine = LLM(path, speculative_config=SPEC, **POOL) if speculate else llm
+    plain = _kw(SamplingParams(max_tokens=MAX, temperature=0, ignore_eos=True))
+    for prompt in prompts:
+        ids = _one(engine, prompt, **plain).token_ids
+        assert len(set(ids[:3])) == 3  # so the stops below are met at tokens 3 and 2
+        # a stop token id (a plain word, not a special token): its word dropped, or kept
+        dropped, kept = (
+            _one(engine, prompt, **plain, stop_token_ids=[ids[2]], include_stop_str_in_output=k)
+            for k in (False, True)
+        )
+        assert dropped.token_ids == kept.token_ids == ids[:3] and kept.stop_reason == ids[2]
+        assert dropped.text == _words(ids[:2]) and kept.text == _words(ids[:3])
+        # a stop string: cut before it, or kept
+        stop = _words(ids[1:2]) + " "
+        cut, whole = (
+            _one(engine, prompt, **plain, stop=[stop], include_stop_str_in_output=k)
+            for k in (False, True)
+        )
+        assert cut.text == _words(ids[:1]) and whole.text == _words(ids[:2]) + " "

@@ -1,7 +1,8 @@
-"""vLLM's token endpoints (/tokenize, /detokenize), /version and /ping, the chat template options
-(add_generation_prompt, continue_final_message, chat_template_kwargs) on the server and in
-``LLM.chat``, and ``stream_options.continuous_usage_stats``, on a live server over a tiny
-byte-level model: each token one byte, so counts and texts can be checked exactly."""
+"""vLLM's extras on a live server over a tiny byte-level model (each token one byte, so counts and
+texts can be checked exactly): the token endpoints (/tokenize, /detokenize), /version and /ping,
+the chat template options (add_generation_prompt, continue_final_message, chat_template_kwargs)
+on the server and in ``LLM.chat``, ``stream_options.continuous_usage_stats``, and the sampling
+fields min_tokens and allowed_token_ids."""
 
 from __future__ import annotations
 
@@ -221,3 +222,45 @@ def test_continuous_usage_stats_put_each_choices_usage_on_every_chunk(server, ch
     # without include_usage, continuous_usage_stats adds nothing (vLLM's)
     body = {"prompt": "Hello", "max_tokens": 3, "stream_options": {"continuous_usage_stats": True}}
     assert all("usage" not in e for e in _stream(server, "/v1/completions", body))
+
+
+# ---- min_tokens, allowed_token_ids ------------------------------------------------------------
+
+
+def test_min_tokens_and_allowed_token_ids_reach_the_engine(server):
+    h, i = 72, 105  # "H", "i"
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 12, "temperature": 1.0, "seed": 5}
+    body |= {"allowed_token_ids": [h, i], "n": 4}
+    status, out = post(server, "/v1/completions", body)
+    texts = [c["text"] for c in out["choices"]]
+    assert status == 200 and all(set(t) <= {"H", "i"} for t in texts) and "H" in "".join(texts)
+    # "H" stops a choice, but not before its fifth token
+    body |= {"stop_token_ids": [h], "min_tokens": 5}
+    status, out = post(server, "/v1/completions", body)
+    stopped = [c for c in out["choices"] if c["finish_reason"] == "stop"]
+    for c in out["choices"]:  # the stop token leaves no text (vLLM's)
+        assert c["text"][:5] == "iiiii" and "H" not in c["text"]
+    assert stopped and all(c["stop_reason"] == h for c in stopped)
+    # unless asked; and special tokens' text, when not skipped
+    body |= {"include_stop_str_in_output": True, "stop_token_ids": [h, 257]}
+    body |= {"allowed_token_ids": [h, i, 257], "skip_special_tokens": False}
+    status, out = post(server, "/v1/completions", body)
+    for c in out["choices"]:
+        ends = {h: "H", None: "</s>"}  # EOS (257) is no stop_reason
+        if c["finish_reason"] == "stop":
+            assert c["text"].endswith(ends[c["stop_reason"]])
+    assert {c["finish_reason"] for c in out["choices"]} == {"stop"}
+
+
+@pytest.mark.parametrize(
+    "fields, contains",
+    [
+        ({"allowed_token_ids": [72, 260]}, "outside the vocabulary"),
+        ({"allowed_token_ids": []}, "non-empty"),
+        ({"min_tokens": 5, "max_tokens": 4}, "max_tokens=4"),
+    ],
+)
+def test_bad_sampling_extras_are_400s_naming_them(server, fields, contains):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **fields}
+    status, data = post(server, "/v1/completions", body)
+    assert_openai_error(status, data, 400, param=next(iter(fields)), contains=contains)
