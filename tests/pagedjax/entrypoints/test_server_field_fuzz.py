@@ -1,5 +1,6 @@
 """A fuzzer over the fields a client fills with structure (issue 41): ``logit_bias``,
-``structured_outputs``, ``response_format``, ``stop`` and ``tools``.
+``structured_outputs``, ``response_format``, ``stop`` and ``tools``, and vLLM's
+``allowed_token_ids``, ``min_tokens``, ``chat_template_kwargs`` and ``continue_final_message``.
 
 Hypothesis draws a request that would run, then fills one of those fields with something drawn
 for that field: near misses (keys like "²" or "--5", two constraint kinds, a schema as a string
@@ -146,7 +147,25 @@ FUNCTION = st.fixed_dictionaries(
     }
 )
 TOOLS = st.one_of(st.lists(st.one_of(FUNCTION, JSON), max_size=3), JSON)
+TOKEN_IDS = st.one_of(
+    st.lists(st.integers(-3, 300), max_size=8),  # the byte model's vocabulary is 260
+    st.lists(st.integers(), max_size=4),
+    JSON,
+)
+TEMPLATE_KWARGS = st.one_of(
+    st.dictionaries(
+        st.one_of(ANY_TEXT, st.sampled_from(["tokenize", "messages", "tools", "bos_token"])),
+        JSON,
+        max_size=4,
+    ),
+    JSON,
+)
+CHAT_ONLY = {"tools", "chat_template_kwargs", "continue_final_message"}
 FIELDS = {
+    "allowed_token_ids": TOKEN_IDS,
+    "min_tokens": st.one_of(st.integers(-2, 4), st.integers(), JSON),
+    "chat_template_kwargs": TEMPLATE_KWARGS,
+    "continue_final_message": st.one_of(st.booleans(), JSON),
     "logit_bias": LOGIT_BIAS,
     "structured_outputs": STRUCTURED,
     "response_format": RESPONSE_FORMAT,
@@ -158,7 +177,7 @@ FIELDS = {
 @st.composite
 def request(draw):
     field = draw(st.sampled_from(sorted(FIELDS)))
-    chat = field == "tools" or draw(st.booleans())
+    chat = field in CHAT_ONLY or draw(st.booleans())
     body = {"model": MODEL, "max_tokens": draw(st.integers(1, 2)), "temperature": 0}
     if chat:
         body["messages"] = [{"role": "user", "content": "Hi"}]
