@@ -70,6 +70,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # vLLM's: the stop string, EOS or stop token id that ended the text stays in it
     include_stop_str_in_output: bool = False
+    # vLLM's: only the prompt's last k tokens are run (-1: the last max_model_len)
+    truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
@@ -127,6 +129,9 @@ class SamplingParams:
                         f"logit_bias values must be in [-100, 100], got {v!r} for token {t}"
                     )
             self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or not (k == -1 or 1 <= k <= MAX_INT32)):
+            _bad(self, "truncate_prompt_tokens", "must be None, -1 or an integer >= 1")
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if (

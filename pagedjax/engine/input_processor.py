@@ -97,6 +97,15 @@ def request_blocks(cap: Capacity, prompt_len: int, total_len: int, width: int) -
     return min(need, max(width * live_blocks(w, 1, bs), live_blocks(w, chunk, bs)))
 
 
+def truncated(ids: list[int], k: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: a prompt's last ``k`` token ids (-1: the last
+    ``max_model_len``); all of them when ``k`` is None or the prompt is no longer."""
+    if k is None:
+        return ids
+    k = max_model_len if k == -1 else k
+    return ids[-k:] if len(ids) > k else ids
+
+
 class InputProcessor:
     def __init__(self, capacity: Capacity, tokenizer=None):
         self.capacity = capacity

@@ -20,7 +20,13 @@ from pagedjax.core.lora_admission import LoRAAdmission
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.sequence import Sequence, SequenceGroup
 from pagedjax.distributed import Channel, DriverOrFollower
-from pagedjax.engine.input_processor import Capacity, InputProcessor, check_capacity, eos_token_ids
+from pagedjax.engine.input_processor import (
+    Capacity,
+    InputProcessor,
+    check_capacity,
+    eos_token_ids,
+    truncated,
+)
 from pagedjax.engine.output_processor import OutputProcessor
 from pagedjax.engine.request import Request
 from pagedjax.engine.request_table import RequestTable
@@ -175,6 +181,8 @@ class LLMEngine:
         try:
             params = self.input_processor.copy_params(params)
             text, ids = self.input_processor.tokenize(prompt)
+            k = getattr(params, "truncate_prompt_tokens", None)
+            ids = truncated(ids, k, self.config.scheduler.max_model_len)
             self.check_request(ids, params)
             if lora_request is not None:
                 self.add_lora(lora_request)

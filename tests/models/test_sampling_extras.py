@@ -205,3 +205,21 @@ def test_the_stop_token_or_string_leaves_the_text_unless_asked(tiny, llm, specul
             for k in (False, True)
         )
         assert cut.text == _words(ids[:1]) and whole.text == _words(ids[:2]) + " "
+
+
+def test_truncate_prompt_tokens_runs_the_prompts_last_tokens(llm):
+    prompt = list(range(3, 43))  # 40 tokens
+    greedy = dict(max_tokens=6, temperature=0, ignore_eos=True)
+    want = llm.generate([prompt[-7:]], SamplingParams(**greedy), use_tqdm=False)[0]
+    for k in (7, 40, 100):  # 40 and 100: nothing to cut
+        p = SamplingParams(**greedy, truncate_prompt_tokens=k)
+        out = llm.generate([prompt], p, use_tqdm=False)[0]
+        assert out.prompt_token_ids == prompt[-k:]
+        if k == 7:
+            assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    # -1: the last max_model_len (64) tokens, which leave no room to generate: refused by name
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        llm.generate([list(range(3, 103))], SamplingParams(truncate_prompt_tokens=-1))
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)

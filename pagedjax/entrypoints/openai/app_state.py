@@ -21,8 +21,8 @@ from pagedjax.entrypoints.openai.protocol import (
     bad_request,
     parse_json,
     parse_request,
-    structured_outputs,
 )
+from pagedjax.entrypoints.openai.request_params import structured_outputs
 from pagedjax.entrypoints.openai.serving_engine import OpenAIServing
 from pagedjax.entrypoints.openai.serving_models import ServedModels, model_not_found
 from pagedjax.entrypoints.openai.tools import ToolConfig

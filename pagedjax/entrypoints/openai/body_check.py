@@ -66,12 +66,8 @@ def check_body(model_cls, body: bytes):
     APIError to raise or None). A body that does not parse has no request; a request whose
     constraint is refused has the error and no constraint (the server names an unknown model
     first, as it does for a small body)."""
-    from pagedjax.entrypoints.openai.protocol import (
-        APIError,
-        parse_json,
-        parse_request,
-        structured_outputs,
-    )
+    from pagedjax.entrypoints.openai.protocol import APIError, parse_json, parse_request
+    from pagedjax.entrypoints.openai.request_params import structured_outputs
 
     req = None
     try:

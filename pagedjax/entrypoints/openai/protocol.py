@@ -7,14 +7,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 from typing import Annotated, Any
 
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagedjax.entrypoints.chat_template import ChatOptions
-from pagedjax.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_JSON_DEPTH = 32  # a chat body with content parts needs 5
 
@@ -143,7 +141,9 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk its choice's
 
 
-class _Common(_Strict):
+class GenerationRequest(_Strict):
+    """What completions and chat completions share."""
+
     model: str
     temperature: Float | None = None
     top_p: Float | None = None
@@ -161,6 +161,7 @@ class _Common(_Strict):
     min_tokens: Int = 0  # vLLM's: no stop before this many tokens
     include_stop_str_in_output: bool = False  # vLLM's: the stop string or token stays in the text
     skip_special_tokens: bool = True  # vLLM's: special tokens leave no text
+    truncate_prompt_tokens: Int | None = None  # vLLM's: the prompt's last k tokens (-1: all fit)
     stop_token_ids: list[Int] | None = None
     user: str | None = None
     best_of: Int | None = None  # generate best_of, return the n of highest cumulative logprob
@@ -172,7 +173,7 @@ class _Common(_Strict):
     structured_outputs: dict[str, Any] | None = None
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[Int] | list[list[Int]]
     max_tokens: Int | None = 16  # 0 only with echo (the prompt alone, e.g. to score it)
     logprobs: Int | None = None
@@ -197,7 +198,7 @@ class _ChatTemplateFields(_Strict):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class ChatRequest(_Common, _ChatTemplateFields):
+class ChatRequest(GenerationRequest, _ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
@@ -218,7 +219,7 @@ _NEUTRAL: dict[str, tuple] = {
 }
 
 
-def parse_request(model_cls: type[_Common], data: Any) -> _Common:
+def parse_request(model_cls: type[GenerationRequest], data: Any) -> GenerationRequest:
     """Validate a parsed body; unknown fields and unsupported values are 400s naming them."""
     req = parse_body(model_cls, data)
     _refuse_unsupported(req)
@@ -281,7 +282,7 @@ class UnloadLoRAAdapterRequest(_Strict):  # /v1/unload_lora_adapter
     lora_int_id: Int | None = None  # vLLM's, accepted; the name decides
 
 
-def _refuse_unsupported(req: _Common) -> None:
+def _refuse_unsupported(req: GenerationRequest) -> None:
     for name, neutral in _NEUTRAL.items():
         value = getattr(req, name, None)
         if value is not None and not any(value == v for v in neutral):
@@ -292,6 +293,11 @@ def _refuse_unsupported(req: _Common) -> None:
         raise bad_request(f"best_of must be at least n={req.n}, got {req.best_of}", "best_of")
     if req.stream and (req.best_of or req.n) > req.n:
         raise bad_request("best_of greater than n cannot be streamed", "best_of")
+    k = req.truncate_prompt_tokens
+    if k is not None and not (k == -1 or k >= 1):  # checked before the prompt is tokenized
+        raise bad_request(
+            f"truncate_prompt_tokens must be -1 or at least 1, got {k}", "truncate_prompt_tokens"
+        )
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options needs stream: true", "stream_options")
 
@@ -330,163 +336,3 @@ def _text_part(part: Any, loc: str) -> str:
     if extra:
         raise bad_request(f"{loc}: unknown field {extra[0]!r}", f"{loc}.{extra[0]}")
     return part["text"]
-
-
-# ---- to SamplingParams ----------------------------------------------------------------------
-
-
-def structured_outputs(req: _Common) -> tuple[StructuredOutputsParams | None, str]:
-    """The request's output constraint (from response_format or structured_outputs) and the
-    field it came from; 400s name what is wrong with it."""
-    rf, so = req.response_format, req.structured_outputs
-    if rf is not None and rf.get("type") != "text" and so is not None:
-        raise bad_request("give response_format or structured_outputs, not both", "response_format")
-    try:
-        if so is not None:
-            fields = {f.name for f in dataclasses.fields(StructuredOutputsParams)} - {"compiled"}
-            unknown = sorted(set(so) - fields)
-            if unknown:
-                raise ValueError(f"structured_outputs: unknown field {unknown[0]!r}")
-            return StructuredOutputsParams(**so), "structured_outputs"
-        if rf is None or rf.get("type") == "text":
-            return None, "response_format"
-        kind = rf.get("type")
-        if kind == "json_object":
-            return StructuredOutputsParams(json_object=True), "response_format"
-        if kind == "json_schema":
-            spec = rf.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-                raise ValueError(
-                    "response_format: json_schema must be an object with a 'schema' object"
-                )
-            return StructuredOutputsParams(json=spec["schema"]), "response_format"
-        raise ValueError(
-            f"response_format: type must be text, json_object or json_schema, got {kind!r}"
-        )
-    except ValueError as e:
-        param = "structured_outputs" if so is not None else "response_format"
-        raise bad_request(str(e), param) from None
-
-
-_TOKEN_ID_KEY = re.compile(r"\s*-?[0-9]{1,20}\s*", re.ASCII)
-
-
-def logit_bias(req: _Common, vocab_size: int) -> dict[int, float] | None:
-    """The request's logit_bias with integer keys, each a token id of the vocabulary."""
-    if not req.logit_bias:
-        return None
-    out = {}
-    for key, value in req.logit_bias.items():
-        # ASCII digits only: str.isdigit() takes "²", int() takes "٣" and "1_0", and a key of
-        # thousands of digits would only be refused by int() itself.
-        if not _TOKEN_ID_KEY.fullmatch(key):
-            shown = key if len(key) <= 40 else key[:40] + "..."
-            raise bad_request(
-                f"logit_bias: keys are token ids (decimal integers), got {shown!r}", "logit_bias"
-            )
-        token = int(key)
-        if not 0 <= token < vocab_size:
-            raise bad_request(
-                f"logit_bias: token id {token} is outside the vocabulary [0, {vocab_size})",
-                "logit_bias",
-            )
-        out[token] = value
-    return out
-
-
-def sampling_params(
-    req: _Common,
-    max_tokens: int,
-    max_tokens_field: str,
-    logprobs: int | None,
-    limits: ServerLimits,
-    **extra,
-) -> SamplingParams:
-    """SamplingParams for ``req`` (``extra``: more SamplingParams fields); its ValueErrors become
-    400s naming the field."""
-    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stops) > limits.max_stop_strings:
-        raise bad_request(
-            f"stop: at most {limits.max_stop_strings} stop strings per request, got {len(stops)}",
-            "stop",
-        )
-    longest = max((len(s) for s in stops), default=0)
-    if longest > limits.max_stop_string_chars:
-        raise bad_request(
-            f"stop: a stop string is at most {limits.max_stop_string_chars} characters, "
-            f"got {longest}",
-            "stop",
-        )
-    stop_ids = req.stop_token_ids or []
-    if len(stop_ids) > limits.max_stop_strings:
-        raise bad_request(
-            f"stop_token_ids: at most {limits.max_stop_strings} per request, got {len(stop_ids)}",
-            "stop_token_ids",
-        )
-    if max_tokens < 1:
-        raise bad_request(
-            f"{max_tokens_field} must be at least 1, got {max_tokens}", max_tokens_field
-        )
-    kwargs = dict(
-        n=req.best_of or req.n,
-        max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k is None else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        seed=req.seed,
-        stop=stops,
-        stop_token_ids=list(stop_ids),
-        ignore_eos=req.ignore_eos,
-        min_tokens=req.min_tokens,
-        include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens,
-        allowed_token_ids=req.allowed_token_ids,
-        logprobs=logprobs,
-        **extra,
-    )
-    try:
-        return SamplingParams(**kwargs)
-    except ValueError as e:
-        message = str(e)
-        first = message.split(maxsplit=1)[0] if message else ""
-        field = first if first in kwargs else None
-        if field == "max_tokens":
-            field = max_tokens_field
-        elif field == "n" and req.best_of:
-            field = "best_of"
-        elif field == "prompt_logprobs":
-            field = "logprobs"
-        elif field == "logprobs" and isinstance(req, ChatRequest):
-            field = "top_logprobs"
-        raise bad_request(message, field) from None
-
-
-def check_response_logprobs(
-    limits: ServerLimits,
-    prompts: list[list[int]],
-    *,
-    k: int | None,
-    n: int,
-    max_tokens: int,
-    echo: bool,
-    field: str,
-) -> None:
-    """Refuse, before anything runs, a request whose response could carry more logprob entries
-    than ``limits.max_response_logprobs``: per token its own and ``k`` alternatives, for the
-    echoed prompts and for up to ``max_tokens`` tokens of each of the ``n`` choices."""
-    if k is None:
-        return
-    prompt_tokens = sum(len(ids) for ids in prompts) if echo else 0
-    tokens = prompt_tokens + len(prompts) * n * max_tokens
-    entries = tokens * (k + 1)
-    if entries > limits.max_response_logprobs:
-        raise bad_request(
-            f"{field}: the response could carry {entries} logprob entries ({tokens} tokens x "
-            f"{k + 1}), over this server's limit of {limits.max_response_logprobs} "
-            "(--max-response-logprobs); ask for fewer logprobs, tokens or choices",
-            field,
-        )

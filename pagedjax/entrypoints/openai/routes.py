@@ -30,10 +30,12 @@ from pagedjax.entrypoints.openai.protocol import (
     bad_request,
     chat_messages,
     chat_options,
-    check_response_logprobs,
     error_response,
-    logit_bias,
     parse_body,
+)
+from pagedjax.entrypoints.openai.request_params import (
+    check_response_logprobs,
+    logit_bias,
     sampling_params,
 )
 from pagedjax.entrypoints.openai.serving_engine import Echo
@@ -236,7 +238,7 @@ async def completions(request: Request):
             f"{limits.max_queue}",
             "prompt",
         )
-    prompts = await serving.prompt_ids(texts, prompts)
+    prompts = await serving.prompt_ids(texts, prompts, req.truncate_prompt_tokens)
     max_tokens = req.max_tokens
     if max_tokens is None:
         max_tokens = max(serving.max_model_len - max(len(x) for x in prompts), 1)
@@ -255,7 +257,9 @@ async def completions(request: Request):
     await serving.admit(prompts, params, "prompt")
     echo = None
     if req.echo:
-        echo = Echo(texts or await serving.echo_texts(prompts), echo_only)
+        if texts is None or req.truncate_prompt_tokens is not None:  # the prompt that runs
+            texts = await serving.echo_texts(prompts)
+        echo = Echo(texts, echo_only)
     return await serving.run(
         request, req, prompts, params, chat=False, k_logprobs=req.logprobs, echo=echo, lora=lora
     )
@@ -289,7 +293,7 @@ async def chat_completions(request: Request):
         constraint, constraint_field, shown_tools, tools = _chat_tools(*args)
     options = chat_options(req)
     messages = template_messages(chat_messages(req))
-    ids = await serving.chat_prompt_ids(messages, shown_tools, options)
+    ids = await serving.chat_prompt_ids(messages, shown_tools, options, req.truncate_prompt_tokens)
     if req.max_completion_tokens is not None:
         max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
     else:

@@ -19,6 +19,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
+from pagedjax.engine.input_processor import truncated
 from pagedjax.entrypoints.chat_template import ChatOptions
 from pagedjax.entrypoints.openai.engine_loop import EngineLoop, QueueFull
 from pagedjax.entrypoints.openai.offload import Offload
@@ -167,12 +168,16 @@ class OpenAIServing:
 
     # -- on the offload pool --
 
-    def tokenize(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    def tokenize(
+        self, text: str, param: str, add_special_tokens: bool = True, bounded: bool = True
+    ) -> list[int]:
+        """``text``'s ids; ``bounded``: refused unencoded when no tokenization could fit the
+        context (not when the prompt is truncated, or only counted)."""
         tok = self.offload.tokenizer
         if tok is None:
             raise bad_request("this model has no tokenizer; send prompts as token ids", param)
         k = self.chars_per_token
-        if k is not None and len(text) >= k * self.max_model_len:  # cannot fit: not encoded
+        if bounded and k is not None and len(text) >= k * self.max_model_len:  # cannot fit
             raise bad_request(
                 f"the prompt has at least {len(text) // k} tokens ({len(text)} characters, at "
                 f"most {k} per token) and leaves no room to generate within "
@@ -180,11 +185,8 @@ class OpenAIServing:
                 param,
                 "context_length_exceeded",
             )
-        return self._encode(text, param, add_special_tokens)
-
-    def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
         try:
-            return encode_text(self.offload.tokenizer, text, add_special_tokens)
+            return encode_text(tok, text, add_special_tokens)
         except Exception as e:  # the tokenizer refuses some text; that is the client's input
             raise bad_request(f"the tokenizer failed on this text: {e}", param) from None
 
@@ -195,17 +197,25 @@ class OpenAIServing:
                     f"token id {t} is outside the vocabulary [0, {self.vocab})", param
                 )
 
-    def _prompt_ids(self, texts, prompts) -> list[list[int]]:
-        ids = prompts if texts is None else [self.tokenize(t, "prompt") for t in texts]
+    def _prompt_ids(self, texts, prompts, truncate: int | None = None) -> list[list[int]]:
+        if texts is not None:
+            bounded = truncate is None
+            prompts = [self.tokenize(t, "prompt", bounded=bounded) for t in texts]
+        ids = [truncated(x, truncate, self.max_model_len) for x in prompts]
         for x in ids:
             self.check_token_ids(x)
         return ids
 
     def _chat_prompt_ids(
-        self, messages: list[dict], tools: list[dict] | None, options: ChatOptions, bounded=True
+        self,
+        messages: list[dict],
+        tools: list[dict] | None,
+        options: ChatOptions,
+        truncate: int | None = None,
+        bounded: bool = True,
     ) -> list[int]:
-        """The conversation rendered and tokenized (``bounded``: refused unencoded when its
-        text cannot fit the context)."""
+        """The conversation rendered and tokenized, its last ``truncate`` tokens if given
+        (``bounded``: refused unencoded when its text cannot fit the context)."""
         tok = self.offload.tokenizer
         if tok is None or tok.chat_template is None:
             raise bad_request("this model's tokenizer has no chat template", "messages")
@@ -213,9 +223,9 @@ class OpenAIServing:
             text = options.render(tok, messages, tools)
         except Exception as e:
             raise bad_request(f"the chat template failed on these messages: {e}") from None
-        if not bounded:
-            return self._encode(text, "messages", options.add_special_tokens)
-        return self.tokenize(text, "messages", options.add_special_tokens)
+        bounded = bounded and truncate is None
+        ids = self.tokenize(text, "messages", options.add_special_tokens, bounded)
+        return truncated(ids, truncate, self.max_model_len)
 
     def _tokenize_body(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
         """/tokenize's answer (vLLM's): the ids of a prompt, or of a conversation as the chat
@@ -224,11 +234,12 @@ class OpenAIServing:
         if isinstance(req, TokenizeChatRequest):
             tools = check_tools(req.tools) or None
             messages = template_messages(chat_messages(req))
-            ids = self._chat_prompt_ids(messages, tools, chat_options(req), bounded=False)
+            options = chat_options(req)
+            ids = self._chat_prompt_ids(messages, tools, options, bounded=False)
         else:
             if tok is None:
                 raise bad_request("this model has no tokenizer", "prompt")
-            ids = self._encode(req.prompt, "prompt", req.add_special_tokens)
+            ids = self.tokenize(req.prompt, "prompt", req.add_special_tokens, bounded=False)
         return {
             "count": len(ids),
             "max_model_len": self.max_model_len,
@@ -261,16 +272,22 @@ class OpenAIServing:
 
     # -- awaited by the handlers --
 
-    async def prompt_ids(self, texts: list[str] | None, prompts) -> list[list[int]]:
-        """Completions' prompts as token ids (``texts`` tokenized, else ``prompts``), every id
-        checked against the vocabulary."""
-        return await self.offload.run(self._prompt_ids, texts, prompts)
+    async def prompt_ids(
+        self, texts: list[str] | None, prompts, truncate: int | None = None
+    ) -> list[list[int]]:
+        """Completions' prompts as token ids (``texts`` tokenized, else ``prompts``; their last
+        ``truncate``, vLLM's truncate_prompt_tokens), every id checked against the vocabulary."""
+        return await self.offload.run(self._prompt_ids, texts, prompts, truncate)
 
     async def chat_prompt_ids(
-        self, messages: list[dict], tools: list[dict] | None, options: ChatOptions
+        self,
+        messages: list[dict],
+        tools: list[dict] | None,
+        options: ChatOptions,
+        truncate: int | None = None,
     ) -> list[int]:
         """The conversation rendered by the chat template (with ``tools``), then tokenized."""
-        return await self.offload.run(self._chat_prompt_ids, messages, tools, options)
+        return await self.offload.run(self._chat_prompt_ids, messages, tools, options, truncate)
 
     async def tokenize_body(self, req) -> dict:
         return await self.offload.run(self._tokenize_body, req)

@@ -264,3 +264,29 @@ def test_bad_sampling_extras_are_400s_naming_them(server, fields, contains):
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **fields}
     status, data = post(server, "/v1/completions", body)
     assert_openai_error(status, data, 400, param=next(iter(fields)), contains=contains)
+
+
+def test_truncate_prompt_tokens(server):
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    status, out = post(server, "/v1/completions", body | {
+        "prompt": "Hello world", "truncate_prompt_tokens": 3, "echo": True
+    })  # fmt: skip
+    assert status == 200 and out["usage"]["prompt_tokens"] == 3
+    assert out["choices"][0]["text"].startswith("rld")  # the prompt that ran, echoed
+    status, same = post(server, "/v1/completions", body | {"prompt": "rld"})
+    assert same["choices"][0]["text"] == out["choices"][0]["text"][3:]
+    status, out = post(server, "/v1/chat/completions", body | {
+        "messages": CHAT, "truncate_prompt_tokens": 4
+    })  # fmt: skip
+    assert status == 200 and out["usage"]["prompt_tokens"] == 4
+    # a text far over the context, refused unencoded without truncation, runs its end
+    long = {"prompt": "ab" * 200}
+    status, data = post(server, "/v1/completions", body | long)
+    assert_openai_error(status, data, 400, param="prompt")
+    status, out = post(server, "/v1/completions", body | long | {"truncate_prompt_tokens": 10})
+    assert status == 200 and out["usage"]["prompt_tokens"] == 10
+    for bad in (0, -2):
+        status, data = post(
+            server, "/v1/completions", body | long | {"truncate_prompt_tokens": bad}
+        )
+        assert_openai_error(status, data, 400, param="truncate_prompt_tokens")
