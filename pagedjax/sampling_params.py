@@ -164,6 +164,12 @@ class SamplingParams:
         return max((len(s) for s in self.stop), default=1) - 1
 
     @property
+    def masks_early_stops(self) -> bool:
+        """Whether min_tokens masks any token: EOS (unless ignored) or a stop token id. (vLLM's
+        benchmark clients send min_tokens with ignore_eos: nothing to mask, nothing to pay.)"""
+        return self.min_tokens > 0 and (not self.ignore_eos or bool(self.stop_token_ids))
+
+    @property
     def uses_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty) or (
             self.repetition_penalty != 1.0

@@ -208,7 +208,7 @@ class LLMEngine:
         seq = Sequence(self.scheduler.new_seq_id(), ids, self.config.cache.block_size)
         group = SequenceGroup(request_id, [seq], time.monotonic(), params, lora_request)
         request = Request(request_id, text, ids, group, seed)
-        if getattr(params, "min_tokens", 0):  # vLLM's: EOS (unless ignored) and stop ids
+        if getattr(params, "masks_early_stops", False):  # EOS (unless ignored) and stop ids
             eos = () if params.ignore_eos else self.eos_token_ids
             request.min_tokens_stops = tuple(sorted({*eos, *params.stop_token_ids}))
         self.requests[request_id] = request

@@ -93,10 +93,10 @@ class Request:
             return [SamplingRow(position=seq.get_len())] * num_samples
         if not num_samples:
             return []
-        fields = self._row_fields(vocab_size)
-        penalties = self.params.uses_penalties
-        early = seq.get_output_len() < self.params.min_tokens  # its stop tokens masked
-        masked = early or self.grammar is not None or self.params.allowed_token_ids is not None
+        p, fields = self.params, self._row_fields(vocab_size)
+        penalties = p.uses_penalties
+        early = p.masks_early_stops and seq.get_output_len() < p.min_tokens  # stops masked
+        masked = early or self.grammar is not None or p.allowed_token_ids is not None
         if num_samples == 1 and not penalties and not masked:
             seed = (self.seed + seq.sample_index * GOLDEN) % 2**32
             return [SamplingRow(**fields, seed=seed, position=seq.get_len())]

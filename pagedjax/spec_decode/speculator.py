@@ -108,7 +108,9 @@ class Speculator:
             # Decodes only: not a prompt's last token (its first sample(s), its prompt logprobs).
             if c.num_tokens != 1 or c.num_samples != 1 or not seq.get_output_len():
                 continue
-            if not self.eligible(p) or seq.get_output_len() < p.min_tokens:  # stops masked
+            if not self.eligible(p):
+                continue
+            if p.masks_early_stops and seq.get_output_len() < p.min_tokens:  # stops masked
                 continue
             # Past these a proposal could never be emitted: the last token comes from the target.
             limit = min(

@@ -13,6 +13,7 @@ import torch
 from hf_models import hf_greedy, make_tiny_model, save_word_tokenizer, speculation_prompts
 
 from pagedjax import LLM, SamplingParams
+from pagedjax.core.scheduler import SeqChunk
 
 MIN, MAX = 5, 16
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
@@ -223,3 +224,28 @@ def test_truncate_prompt_tokens_runs_the_prompts_last_tokens(llm):
     for bad in (0, -2, 1.5):
         with pytest.raises(ValueError, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_min_tokens_with_nothing_to_mask_changes_nothing(tiny, llm):
+    """vLLM's benchmark clients send min_tokens with ignore_eos: no mask, no other program, and
+    speculation proposes from the first token."""
+    engine = llm.engine
+    for rid, params, masked in [
+        ("nothing", SamplingParams(min_tokens=4, ignore_eos=True), False),
+        ("stop-id", SamplingParams(min_tokens=4, ignore_eos=True, stop_token_ids=[9]), True),
+        ("eos", SamplingParams(min_tokens=4), True),
+    ]:
+        engine.add_request(rid, [5, 6, 7], params)
+        req = engine.requests[rid]
+        (seq,) = req.group.get_seqs()
+        (row,) = req.sampling_rows(SeqChunk(req.group, seq, 3), 256)
+        assert (row.token_bitmask is not None) == masked, rid
+        engine.abort_request(rid)
+    path, _, _, _ = tiny
+    spec = LLM(path, speculative_config=SPEC, **POOL)
+    repeat = [[17, 40, 93, 7, 250, 61] * 4]
+    p = SamplingParams(max_tokens=MAX, temperature=0, ignore_eos=True, min_tokens=MAX)
+    out = spec.generate(repeat, p, use_tqdm=False)[0]
+    plain = llm.generate(repeat, SamplingParams(**_kw(p)), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert out.spec_decoding.num_drafts > 0
