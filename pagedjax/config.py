@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pagedjax.generation_config import check_generation_config, default_sampling_params
 from pagedjax.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16")
@@ -118,8 +119,13 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Default sampling parameters (engine/generation_config.py): "auto" (the model's
+    # generation_config.json), "vllm" (none) or a folder's; overrides by generation_config names
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
 
     def __post_init__(self):
+        check_generation_config(self.generation_config, self.override_generation_config)
         spec = SpeculativeConfig.of(self.speculative_config)
         object.__setattr__(self, "speculative_config", spec)
         _require(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {DTYPES}")
@@ -143,6 +149,13 @@ class EngineConfig:
             "must be an integer >= 1",
         )
         self._check_lora()
+
+    def sampling_defaults(self, model_dir: str) -> dict:
+        """The SamplingParams fields a request gets unless it sets them: the model's
+        generation config (in ``model_dir``) as ``generation_config`` says, with the overrides."""
+        return default_sampling_params(
+            self.generation_config, model_dir, self.override_generation_config
+        )
 
     def _check_lora(self) -> None:
         _require(

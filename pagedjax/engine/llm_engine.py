@@ -53,6 +53,16 @@ Params = SamplingParams | BeamSearchParams
 logger = logging.getLogger("pagedjax.engine.llm_engine")
 
 
+def _within_context(mc, max_model_len: int):
+    """The model's config, once ``max_model_len`` is within its context limit."""
+    if max_model_len > mc.max_context_len:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's limit of {mc.max_context_len} "
+            "tokens"
+        )
+    return mc
+
+
 class LLMEngine:
     """The serving engine: requests in, one step at a time, RequestOutputs out.
 
@@ -80,12 +90,7 @@ class LLMEngine:
         )
         if loaded.quantization is not None:  # e.g. a Q8_0 GGUF's kernels, kept in 8 bits
             config = self.config = dataclasses.replace(config, quantization=loaded.quantization)
-        self.model_config = mc = loaded.config
-        if sched.max_model_len > mc.max_context_len:
-            raise ValueError(
-                f"max_model_len={sched.max_model_len} exceeds the model's limit of "
-                f"{mc.max_context_len} tokens"
-            )
+        self.model_config = mc = _within_context(loaded.config, sched.max_model_len)
         self.tokenizer = load_tokenizer(loaded)
         device_config = sharded_config(mc, tp)  # KV heads replicated when tp > num_kv_heads
         num_blocks, num_host_blocks = kv_cache.pool_size(config, device_config, tp)
@@ -94,6 +99,8 @@ class LLMEngine:
         check_capacity(capacity)
         self.input_processor = InputProcessor(capacity, self.tokenizer)
         self.eos_token_ids = eos_token_ids(mc, loaded.source, self.tokenizer)
+        # SamplingParams fields a request gets unless it sets them (the model's generation config)
+        self.default_sampling_params = config.sampling_defaults(loaded.source)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.requests: dict[str, Request] = {}  # kept as one dict: load_state refills it
         stops = stop_checker(self.output_processor, self.requests)

@@ -15,6 +15,7 @@ from pagedjax.config import (
     CacheConfig,
     SchedulerConfig,
 )
+from pagedjax.generation_config import check_generation_config
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -42,6 +43,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help='speculative decoding, vLLM\'s dict as JSON, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\'',
+    )
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|FOLDER",
+        help="default sampling parameters (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_new_tokens) for requests that leave them unset: auto, those "
+        "of the model's generation_config.json (vLLM's default); vllm, none; or a folder's",
+    )
+    p.add_argument(
+        "--override-generation-config",
+        type=_override_generation_config,
+        default=None,
+        metavar="JSON",
+        help="set or replace those defaults, e.g. '{\"temperature\": 0.5}'",
     )
     p.add_argument(
         "--async-scheduling",
@@ -167,6 +183,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=args.speculative_config,
         async_scheduling=args.async_scheduling,
+        generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
     )
 
 
@@ -192,5 +210,16 @@ def _speculative_config(text: str) -> dict:
         value = json.loads(text)
         SpeculativeConfig.of(value)
     except ValueError as e:  # json.JSONDecodeError is a ValueError
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def _override_generation_config(text: str) -> dict:
+    """--override-generation-config: a JSON object of generation config values (checked before
+    loading)."""
+    try:
+        value = json.loads(text)
+        check_generation_config("auto", value)
+    except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return value

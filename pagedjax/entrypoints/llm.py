@@ -12,6 +12,7 @@ from pagedjax import compilation
 from pagedjax.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.entrypoints.chat_template import ChatOptions
+from pagedjax.generation_config import check_generation_config
 from pagedjax.lora.request import LoRARequest
 from pagedjax.models.loader import default_model_path, load_model
 from pagedjax.models.sharding import tensor_parallel_mesh
@@ -48,6 +49,11 @@ class LLM:
     ``enable_lora``: serve LoRA adapters (``lora_request=`` on generate, chat and
     beam_search), at most ``max_loras`` in one batch, of rank up to ``max_lora_rank``,
     ``max_cpu_loras`` kept loaded on the host (docs/LORA.md).
+    ``generation_config``: where the default sampling parameters come from (vLLM's): "auto",
+    the model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
+    max_new_tokens), for ``generate`` and ``chat`` without SamplingParams and for a server's
+    requests that leave them unset; "vllm", none; or a folder's file.
+    ``override_generation_config`` sets or replaces values (generation_config.json's names).
     """
 
     def __init__(
@@ -78,7 +84,10 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        generation_config: str = "auto",
+        override_generation_config: dict | None = None,
     ):
+        check_generation_config(generation_config, override_generation_config)  # before loading
         compilation.enable_persistent_cache()  # before anything compiles, the loader included
         native.prebuild()  # the CPU kernels compile while the model loads (seconds, once)
         mesh = tensor_parallel_mesh(tensor_parallel_size)
@@ -89,7 +98,6 @@ class LLM:
             mesh=mesh,
             quantization=quantization,
         )
-        mc = loaded.config
         config = EngineConfig(
             model=loaded.source,
             dtype=dtype,
@@ -107,7 +115,7 @@ class LLM:
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs,
-                resolve_max_model_len(max_model_len, mc.max_context_len),
+                resolve_max_model_len(max_model_len, loaded.config.max_context_len),
                 max_num_batched_tokens,
                 enable_chunked_prefill,
                 preemption_mode,
@@ -118,6 +126,8 @@ class LLM:
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras,
+            generation_config=generation_config,
+            override_generation_config=override_generation_config,
         )
         self.engine = LLMEngine(config, loaded)
         if warmup:
@@ -126,6 +136,12 @@ class LLM:
             self.runner.warmup(sched.max_num_seqs, sched.token_budget, swap=swap)
         self._request_ids = itertools.count()
         self._driver_stats: EngineStats | None = None  # a follower's copy of the driver's
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the model's generation config defaults (temperature,
+        top_p, top_k, min_p, repetition_penalty, max_tokens), what ``generate`` and ``chat``
+        use when given none."""
+        return SamplingParams(**self.engine.default_sampling_params)
 
     @property
     def config(self) -> EngineConfig:
@@ -155,7 +171,7 @@ class LLM:
         prompt."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):

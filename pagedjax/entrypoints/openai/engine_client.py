@@ -227,6 +227,7 @@ class RemoteEngine:
         self.config = info.config
         self.model_config = info.model_config
         self.eos_token_ids = info.eos_token_ids
+        self.default_sampling_params = info.default_sampling_params
         self.input_processor = InputProcessor(info.capacity, info.tokenizer)
         # build_app and ServedModels read whether the engine serves LoRA adapters from this
         self.lora_manager = "in the engine process" if info.enable_lora else None

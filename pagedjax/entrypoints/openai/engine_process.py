@@ -57,6 +57,7 @@ class ServingInfo:
     capacity: object  # input_processor.Capacity
     eos_token_ids: object
     enable_lora: bool
+    default_sampling_params: dict
 
 
 def serving_info(engine) -> ServingInfo:
@@ -67,6 +68,7 @@ def serving_info(engine) -> ServingInfo:
         capacity=engine.input_processor.capacity,
         eos_token_ids=engine.eos_token_ids,
         enable_lora=getattr(engine, "lora_manager", None) is not None,
+        default_sampling_params=engine.default_sampling_params,
     )
 
 

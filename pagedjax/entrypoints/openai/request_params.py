@@ -81,10 +81,14 @@ def sampling_params(
     max_tokens_field: str,
     logprobs: int | None,
     limits: ServerLimits,
+    *,
+    defaults: dict | None = None,
     **extra,
 ) -> SamplingParams:
-    """SamplingParams for ``req`` (``extra``: more SamplingParams fields); its ValueErrors become
-    400s naming the field."""
+    """SamplingParams for ``req`` (``extra``: more SamplingParams fields; ``defaults``: the
+    model's for the fields the request leaves unset); its ValueErrors become 400s naming the
+    field."""
+    defaults = defaults or {}
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > limits.max_stop_strings:
         raise bad_request(
@@ -111,13 +115,13 @@ def sampling_params(
     kwargs = dict(
         n=req.best_of or req.n,
         max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k is None else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
+        temperature=_or_default(req.temperature, "temperature", defaults, 1.0),
+        top_p=_or_default(req.top_p, "top_p", defaults, 1.0),
+        top_k=_or_default(req.top_k, "top_k", defaults, 0),
+        min_p=_or_default(req.min_p, "min_p", defaults, 0.0),
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=_or_default(req.repetition_penalty, "repetition_penalty", defaults, 1.0),
         seed=req.seed,
         stop=stops,
         stop_token_ids=list(stop_ids),
@@ -145,6 +149,18 @@ def sampling_params(
         elif field == "logprobs" and isinstance(req, ChatRequest):
             field = "top_logprobs"
         raise bad_request(message, field) from None
+
+
+def _or_default(value, name: str, defaults: dict, fallback):
+    """The request's value; else the model's default (its generation config); else ours."""
+    return value if value is not None else defaults.get(name, fallback)
+
+
+def default_max_tokens(room: int, defaults: dict) -> int:
+    """A request's token limit when it sets none: what the context leaves (at least 1), capped
+    by the model's generation config (max_new_tokens)."""
+    cap = defaults.get("max_tokens")
+    return max(room, 1) if cap is None else min(max(room, 1), cap)
 
 
 def check_response_logprobs(

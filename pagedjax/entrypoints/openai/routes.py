@@ -35,6 +35,7 @@ from pagedjax.entrypoints.openai.protocol import (
 )
 from pagedjax.entrypoints.openai.request_params import (
     check_response_logprobs,
+    default_max_tokens,
     logit_bias,
     sampling_params,
 )
@@ -241,14 +242,16 @@ async def completions(request: Request):
     prompts = await serving.prompt_ids(texts, prompts, req.truncate_prompt_tokens)
     max_tokens = req.max_tokens
     if max_tokens is None:
-        max_tokens = max(serving.max_model_len - max(len(x) for x in prompts), 1)
+        room = serving.max_model_len - max(len(x) for x in prompts)
+        max_tokens = default_max_tokens(room, serving.defaults)
     echo_only = req.echo and max_tokens == 0  # the engine makes one token, never shown
     await serving.check_constraint(constraint, constraint_field)
     extra = {"logit_bias": logit_bias(req, serving.vocab), "structured_outputs": constraint}
     if req.echo and req.logprobs is not None:
         extra["prompt_logprobs"] = req.logprobs
+    max_tokens_run = 1 if echo_only else max_tokens
     params = sampling_params(
-        req, 1 if echo_only else max_tokens, "max_tokens", req.logprobs, limits, **extra
+        req, max_tokens_run, "max_tokens", req.logprobs, limits, defaults=serving.defaults, **extra
     )
     shown = 0 if echo_only else max_tokens
     check_response_logprobs(
@@ -299,7 +302,7 @@ async def chat_completions(request: Request):
     else:
         max_tokens, field = req.max_tokens, "max_tokens"
     if max_tokens is None:
-        max_tokens = max(serving.max_model_len - len(ids), 1)
+        max_tokens = default_max_tokens(serving.max_model_len - len(ids), serving.defaults)
     k = None
     if req.logprobs:
         k = req.top_logprobs or 0
@@ -307,7 +310,7 @@ async def chat_completions(request: Request):
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     await serving.check_constraint(constraint, constraint_field)
     extra = {"logit_bias": logit_bias(req, serving.vocab), "structured_outputs": constraint}
-    params = sampling_params(req, max_tokens, field, k, limits, **extra)
+    params = sampling_params(req, max_tokens, field, k, limits, defaults=serving.defaults, **extra)
     lp_field = "top_logprobs" if req.top_logprobs else "logprobs"
     check_response_logprobs(
         limits, [ids], k=k, n=req.n, max_tokens=max_tokens, echo=False, field=lp_field

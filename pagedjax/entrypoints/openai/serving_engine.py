@@ -163,6 +163,8 @@ class OpenAIServing:
         # a text of c characters is at least c / k tokens (None: no such bound)
         self.chars_per_token = max_chars_per_token(tokenizer)
         self.vocab = engine.model_config.vocab_size
+        # the model's sampling defaults (its generation config), for fields a request leaves unset
+        self.defaults: dict = engine.default_sampling_params
         self._counter = itertools.count()
         self._wakeups: _Wakeups | None = None  # for the event loop the handlers run on
 
