@@ -13,9 +13,23 @@ from pagedjax.entrypoints.openai.engine_client import EngineProcess, RemoteEngin
 from pagedjax.entrypoints.openai.engine_loop import EngineLoop, QueueFull
 from pagedjax.entrypoints.openai.engine_process import EngineOptions
 from pagedjax.entrypoints.openai.protocol import ServerLimits
-from pagedjax.entrypoints.openai.serving import build_app, check_api_key
+from pagedjax.entrypoints.openai.serving import (
+    Cors,
+    build_app,
+    check_api_key,
+    load_chat_template,
+)
 
-__all__ = ["EngineLoop", "QueueFull", "ServerLimits", "build_app", "check_api_key", "serve"]
+__all__ = [
+    "Cors",
+    "EngineLoop",
+    "QueueFull",
+    "ServerLimits",
+    "build_app",
+    "check_api_key",
+    "load_chat_template",
+    "serve",
+]
 
 logger = logging.getLogger("pagedjax.api_server")
 
@@ -37,6 +51,8 @@ def serve(
     background_compile: bool = True,
     lora_modules: list[tuple[str, str]] | None = None,
     engine_process: bool = False,
+    chat_template: str | None = None,
+    cors: Cors | None = None,
     **llm_kwargs,
 ) -> None:
     """Load the model and serve it until interrupted. Bad options raise ValueError before the
@@ -45,7 +61,9 @@ def serve(
     a background thread once it answers, else each on first use. ``lora_modules``: (name, path)
     LoRA adapters served from the start (needs ``enable_lora=True``). With ``engine_process``
     the engine runs in a process of its own (openai/engine_process.py): this one only serves
-    HTTP, so its parsing, tokenizing and response building never hold the engine's GIL."""
+    HTTP, so its parsing, tokenizing and response building never hold the engine's GIL.
+    ``chat_template`` (jinja) replaces the tokenizer's; ``cors`` opens the server to browser
+    origins."""
     import uvicorn
 
     from pagedjax import LLM
@@ -67,6 +85,8 @@ def serve(
         public_docs=public_docs,
         tool_config=tool_config,
         lora_modules=lora_modules,
+        chat_template=chat_template,
+        cors=cors,
     )
     if engine_process:
         compiles = dict(warmup=warmup, warmup_all=warmup_all, background_compile=background_compile)

@@ -35,6 +35,7 @@ class ChatOptions:
     continue_final_message: bool = False  # leave the last message open (no end of turn)
     add_special_tokens: bool = False  # the tokenizer's BOS etc. on top of the template's
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+    chat_template: str | None = None  # a jinja template in place of the tokenizer's
 
     def __post_init__(self):
         for name in ("add_generation_prompt", "continue_final_message", "add_special_tokens"):
@@ -66,6 +67,8 @@ class ChatOptions:
         kwargs = dict(self.chat_template_kwargs or {})
         if tools is not None:
             kwargs["tools"] = tools
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
         return tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=self.add_generation_prompt,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from pagedjax.entrypoints.engine_args import add_engine_args, engine_kwargs
@@ -60,10 +61,21 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pagedjax.entrypoints.api_server import ServerLimits, check_api_key, serve
+    from pagedjax.entrypoints.api_server import (
+        Cors,
+        ServerLimits,
+        check_api_key,
+        load_chat_template,
+        serve,
+    )
     from pagedjax.entrypoints.openai.tools import ToolConfig
 
     check_api_key(args.api_key)  # before anything loads
+    chat_template = load_chat_template(args.chat_template)
+    cors = None
+    if args.allowed_origins is not None:
+        methods, headers = args.allowed_methods, args.allowed_headers
+        cors = Cors(args.allowed_origins, methods, headers, args.allow_credentials)
     tool_config = ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser)
     limits = ServerLimits(
         max_queue=args.max_queue,
@@ -87,6 +99,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         server = {"api_key": args.api_key, "limits": limits, "tool_config": tool_config}
         server |= {"public_metrics": args.public_metrics, "public_docs": args.public_docs}
+        server |= {"chat_template": chat_template, "cors": cors}
         return serve_on_ray(args, engine_kwargs(args), server)
     if not args.engine_process:  # the engine process is one process's whole engine
         _initialize_distributed(args)
@@ -105,6 +118,8 @@ def _serve(args: argparse.Namespace) -> int:
         background_compile=args.background_compile,
         lora_modules=args.lora_modules,
         engine_process=args.engine_process,
+        chat_template=chat_template,
+        cors=cors,
         **engine_kwargs(args),
         **lora_kwargs,
     )
@@ -234,6 +249,13 @@ def _add_serve_parser(sub) -> None:
         default=None,
         help="how the model writes tool calls: hermes (Qwen 2.5/3), llama3_json, pythonic",
     )
+    srv.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="a jinja chat template (a file, or the text) in place of the tokenizer's",
+    )
+    _add_cors_args(srv)
     _add_lora_args(srv)
     add_ray_args(srv)
     srv.add_argument(
@@ -243,6 +265,34 @@ def _add_serve_parser(sub) -> None:
         "parses, tokenizes and answers HTTP, so that work never holds the engine's GIL",
     )
     srv.set_defaults(func=_serve)
+
+
+def _add_cors_args(srv: argparse.ArgumentParser) -> None:
+    """vLLM's cross-origin options; without --allowed-origins no browser origin is allowed."""
+    srv.add_argument(
+        "--allowed-origins",
+        type=_string_list,
+        default=None,
+        metavar="JSON",
+        help="browser origins that may call the server, e.g. '[\"http://localhost:3000\"]' or "
+        "'[\"*\"]' (default: none; vLLM's default is all)",
+    )
+    srv.add_argument("--allowed-methods", type=_string_list, default=["*"], metavar="JSON")
+    srv.add_argument("--allowed-headers", type=_string_list, default=["*"], metavar="JSON")
+    srv.add_argument(
+        "--allow-credentials", action="store_true", help="let allowed origins send credentials"
+    )
+
+
+def _string_list(text: str) -> list[str]:
+    """A JSON list of strings (an argparse type)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
+    return value
 
 
 def _add_compile_args(srv: argparse.ArgumentParser) -> None:

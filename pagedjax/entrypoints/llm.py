@@ -207,18 +207,21 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        chat_template: str | None = None,
     ):
         """Apply the tokenizer's chat template to one conversation (or a list of them) and
         generate. vLLM's options: ``continue_final_message`` (with ``add_generation_prompt``
         False) leaves the last message open, so the model continues it; ``tools`` are shown to
-        the template; ``chat_template_kwargs`` are more variables for it."""
+        the template; ``chat_template_kwargs`` are more variables for it; ``chat_template``
+        (jinja) stands in for the tokenizer's."""
         tok = self.tokenizer
-        if tok is None or tok.chat_template is None:
+        if tok is None or (tok.chat_template is None and chat_template is None):
             raise ValueError("this model's tokenizer has no chat template")
         options = ChatOptions(
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs,
+            chat_template=chat_template,
         )
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         ids = [options.tokenize(tok, c, tools) for c in convs]

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedjax.entrypoints.openai import app_state
@@ -30,6 +33,40 @@ from pagedjax.entrypoints.openai.serving_models import ServedModels
 from pagedjax.entrypoints.openai.tools import ToolConfig
 
 logger = logging.getLogger("pagedjax.api_server")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cors:
+    """Cross-origin requests from browsers (vLLM's --allowed-origins and friends): the origins
+    allowed, the methods and headers, and whether credentials may be sent."""
+
+    allow_origins: tuple[str, ...]
+    allow_methods: tuple[str, ...] = ("*",)
+    allow_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+    def __post_init__(self):
+        for name in ("allow_origins", "allow_methods", "allow_headers"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"{name} must be a list of strings, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the template itself (vLLM's): ValueError for a path
+    that is no file."""
+    if value is None:
+        return None
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError as e:
+        raise ValueError(f"--chat-template: cannot read {value!r}: {e}") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a file nor a jinja template")
 
 
 def check_api_key(api_key: str | None) -> None:
@@ -48,6 +85,8 @@ def build_app(
     public_docs: bool = False,
     tool_config: ToolConfig | None = None,
     lora_modules: list[tuple[str, str]] | None = None,
+    chat_template: str | None = None,
+    cors: Cors | None = None,
 ) -> FastAPI:
     """The FastAPI app over ``engine``; the engine thread starts and stops with the app.
 
@@ -57,7 +96,9 @@ def build_app(
     ``public_docs`` open them. ``tool_config``: whether tool_choice "auto" is served, with
     which parser. With an engine of enable_lora, ``lora_modules`` ((name, path) pairs) are
     LoRA adapters that requests name as their ``model``, and /v1/load_lora_adapter and
-    /v1/unload_lora_adapter change them at run time (serving_models).
+    /v1/unload_lora_adapter change them at run time (serving_models). ``chat_template``
+    (jinja) replaces the tokenizer's. ``cors``: the browser origins that may call the server
+    (none unless given).
     """
     check_api_key(api_key)
     model_names = (
@@ -75,6 +116,10 @@ def build_app(
         engine_loop.metrics.max_loras = engine.config.max_loras
     # the handlers' own tokenizer: tokenizers aren't shareable across threads
     tokenizer = copy.deepcopy(engine.tokenizer)
+    if chat_template is not None:
+        if tokenizer is None:
+            raise ValueError("--chat-template needs a tokenizer; this model has none")
+        tokenizer.chat_template = chat_template
     offload = Offload(tokenizer)  # tokenizing, grammars and big responses, off the event loop
     serving = OpenAIServing(engine, engine_loop, tokenizer, model_names[0], offload)
     app = FastAPI(
@@ -94,6 +139,8 @@ def build_app(
         tool_config=tool_config or ToolConfig(),
         models=models,
     )
+    if cors is not None:
+        app.add_middleware(CORSMiddleware, **dataclasses.asdict(cors))
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)

@@ -31,6 +31,7 @@ TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}|{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
+OWN_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # LLM.chat's
 CHAT = [{"role": "user", "content": "Say hi"}]
 PREFILLED = CHAT + [{"role": "assistant", "content": "Hi th"}]
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -56,6 +57,7 @@ def server(tmp_path_factory):
         "header": llm.chat(
             CHAT, GREEDY, use_tqdm=False, chat_template_kwargs={"header": "be brief"}
         )[0],
+        "own": llm.chat(CHAT, GREEDY, use_tqdm=False, chat_template=OWN_TEMPLATE)[0],
     }
     app = build_app(llm.engine, MODEL, api_key=KEY)
     with live_server(app) as base:
@@ -81,6 +83,7 @@ def test_llm_chat_renders_its_options_as_the_template_does(server):
     )
     # continued: the assistant's message is left open, no end of turn and no new turn after it
     assert refs["continued"].prompt_token_ids == _ids(server.tok, "<user>Say hi|<assistant>Hi th")
+    assert refs["own"].prompt_token_ids == _ids(server.tok, "Say hi")
     assert refs["header"].prompt_token_ids == _ids(server.tok, "[be brief]<user>Say hi|<assistant>")
 
 
