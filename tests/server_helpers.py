@@ -47,9 +47,9 @@ def save_byte_tokenizer(directory, chat_template: str) -> None:
     fast.save_pretrained(directory)
 
 
-def make_byte_model(directory) -> None:
+def make_byte_model(directory, chat_template: str = CHAT_TEMPLATE) -> None:
     make_tiny_model("llama_gqa", directory, vocab_size=260, bos_token_id=256, eos_token_id=257)
-    save_byte_tokenizer(directory, CHAT_TEMPLATE)
+    save_byte_tokenizer(directory, chat_template)
 
 
 def byte_llm(tmp_path_factory, name: str, **engine_args) -> LLM:

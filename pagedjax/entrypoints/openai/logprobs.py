@@ -192,3 +192,25 @@ def join_logprobs(first: dict, second: dict | None, shift: int) -> dict:
         "top_logprobs": first["top_logprobs"] + second["top_logprobs"],
         "text_offset": first["text_offset"] + [o + shift for o in second["text_offset"]],
     }
+
+
+def vllm_prompt_logprobs(strings: TokenStrings, prompt_logprobs: PromptLogprobsList, k: int):
+    """vLLM's ``prompt_logprobs`` field: None for the first prompt token, then per token its
+    own and the k most likely, token id -> {logprob, rank, decoded_token} (logprobs floored at
+    -9999: JSON has no -inf)."""
+    logprobs, ranks, top_ids, top_logprobs = prompt_logprobs.arrays
+    own, own_ranks = logprobs.tolist(), ranks.tolist()
+    ids, lps = top_ids[:, :k].tolist(), top_logprobs[:, :k].tolist()
+    prompt = prompt_logprobs.prompt
+    out: list[dict | None] = [None]
+    for j in range(1, len(prompt)):
+        tid = prompt[j]
+        entry = {str(tid): _entry(strings, tid, own[j], own_ranks[j])}
+        for rank, (t, lp) in enumerate(zip(ids[j], lps[j], strict=True), 1):
+            entry.setdefault(str(t), _entry(strings, t, lp, rank))
+        out.append(entry)
+    return out
+
+
+def _entry(strings: TokenStrings, token: int, logprob: float, rank: int) -> dict:
+    return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": strings.text(token)}

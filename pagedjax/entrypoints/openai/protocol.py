@@ -161,6 +161,7 @@ class GenerationRequest(_Strict):
     min_tokens: Int = 0  # vLLM's: no stop before this many tokens
     include_stop_str_in_output: bool = False  # vLLM's: the stop string or token stays in the text
     skip_special_tokens: bool = True  # vLLM's: special tokens leave no text
+    prompt_logprobs: Int | None = None  # vLLM's: each prompt token's logprob and the k likeliest
     truncate_prompt_tokens: Int | None = None  # vLLM's: the prompt's last k tokens (-1: all fit)
     stop_token_ids: list[Int] | None = None
     user: str | None = None
@@ -298,6 +299,8 @@ def _refuse_unsupported(req: GenerationRequest) -> None:
         raise bad_request(
             f"truncate_prompt_tokens must be -1 or at least 1, got {k}", "truncate_prompt_tokens"
         )
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs are not available when streaming", "prompt_logprobs")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options needs stream: true", "stream_options")
 

@@ -144,7 +144,7 @@ def sampling_params(
             field = max_tokens_field
         elif field == "n" and req.best_of:
             field = "best_of"
-        elif field == "prompt_logprobs":
+        elif field == "prompt_logprobs" and req.prompt_logprobs is None:  # echo's
             field = "logprobs"
         elif field == "logprobs" and isinstance(req, ChatRequest):
             field = "top_logprobs"

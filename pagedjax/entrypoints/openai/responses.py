@@ -14,6 +14,7 @@ from pagedjax.entrypoints.openai.logprobs import (
     completion_logprobs,
     join_logprobs,
     prompt_completion_logprobs,
+    vllm_prompt_logprobs,
 )
 from pagedjax.entrypoints.openai.offload import dumps, dumps_bytes
 from pagedjax.outputs import RequestOutput
@@ -78,10 +79,12 @@ class Responses:
         k_logprobs: int | None,
         echo: Echo | None,
         model: str | None = None,
+        prompt_k: int | None = None,
     ) -> bytes:
         """The whole response to a request that is not streamed (``finals``: one finished
         output per prompt), encoded; ``model``: the name it ran under (a LoRA adapter's), else
-        the served model's."""
+        the served model's; ``prompt_k``: vLLM's prompt_logprobs field, with k alternatives
+        (on each completion choice; once for a chat response)."""
         choices, generated = [], 0
         for i, final in enumerate(finals):
             outs = final.outputs
@@ -110,6 +113,8 @@ class Responses:
                     choice = {"index": index, "logprobs": lp, "finish_reason": finish}
                     choice["text"] = text
                 choice["stop_reason"] = reason
+                if prompt_k is not None and not chat:
+                    choice["prompt_logprobs"] = self.prompt_logprobs(final, prompt_k)
                 choices.append(choice)
         choices.sort(key=lambda ch: ch["index"])
         body = {
@@ -120,7 +125,14 @@ class Responses:
             "choices": choices,
             "usage": usage(prompts, generated),
         }
+        if prompt_k is not None and chat:
+            body["prompt_logprobs"] = self.prompt_logprobs(finals[0], prompt_k)
         return dumps_bytes(body)
+
+    def prompt_logprobs(self, final: RequestOutput, k: int) -> list | None:
+        if final.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self.strings, final.prompt_logprobs, k)
 
 
 class StreamEvents:

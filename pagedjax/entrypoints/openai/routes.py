@@ -247,8 +247,10 @@ async def completions(request: Request):
     echo_only = req.echo and max_tokens == 0  # the engine makes one token, never shown
     await serving.check_constraint(constraint, constraint_field)
     extra = {"logit_bias": logit_bias(req, serving.vocab), "structured_outputs": constraint}
-    if req.echo and req.logprobs is not None:
-        extra["prompt_logprobs"] = req.logprobs
+    asked = [req.prompt_logprobs, req.logprobs if req.echo else None]  # vLLM's field, echo's
+    asked = [k for k in asked if k is not None]
+    if asked:
+        extra["prompt_logprobs"] = max(asked)
     max_tokens_run = 1 if echo_only else max_tokens
     params = sampling_params(
         req, max_tokens_run, "max_tokens", req.logprobs, limits, defaults=serving.defaults, **extra
@@ -257,6 +259,7 @@ async def completions(request: Request):
     check_response_logprobs(
         limits, prompts, k=req.logprobs, n=req.n, max_tokens=shown, echo=req.echo, field="logprobs"
     )
+    _check_prompt_logprobs(limits, prompts * req.n, req.prompt_logprobs)  # on every choice
     await serving.admit(prompts, params, "prompt")
     echo = None
     if req.echo:
@@ -265,6 +268,13 @@ async def completions(request: Request):
         echo = Echo(texts, echo_only)
     return await serving.run(
         request, req, prompts, params, chat=False, k_logprobs=req.logprobs, echo=echo, lora=lora
+    )
+
+
+def _check_prompt_logprobs(limits, prompts, k: int | None) -> None:
+    """vLLM's prompt_logprobs: k alternatives and its own per token of each of ``prompts``."""
+    check_response_logprobs(
+        limits, prompts, k=k, n=1, max_tokens=0, echo=True, field="prompt_logprobs"
     )
 
 
@@ -310,11 +320,14 @@ async def chat_completions(request: Request):
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     await serving.check_constraint(constraint, constraint_field)
     extra = {"logit_bias": logit_bias(req, serving.vocab), "structured_outputs": constraint}
+    if req.prompt_logprobs is not None:
+        extra["prompt_logprobs"] = req.prompt_logprobs
     params = sampling_params(req, max_tokens, field, k, limits, defaults=serving.defaults, **extra)
     lp_field = "top_logprobs" if req.top_logprobs else "logprobs"
     check_response_logprobs(
         limits, [ids], k=k, n=req.n, max_tokens=max_tokens, echo=False, field=lp_field
     )
+    _check_prompt_logprobs(limits, [ids], req.prompt_logprobs)
     await serving.admit([ids], params, "messages")
     return await serving.run(
         request, req, [ids], params, chat=True, k_logprobs=k, tools=tools, lora=lora

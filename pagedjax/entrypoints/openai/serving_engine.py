@@ -448,6 +448,7 @@ class OpenAIServing:
             k_logprobs,
             echo,
             lora.lora_name if lora is not None else None,
+            req.prompt_logprobs,
         )
         if tools is not None:
             body = await self.offload.run(tools.final_body, body)

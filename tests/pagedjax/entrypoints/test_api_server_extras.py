@@ -1,6 +1,7 @@
 """On a live server over a tiny byte-level model: /v1/completions echo with logprobs (what
-lm-evaluation-harness's local-completions sends to score a prompt), logit_bias, best_of, and
-structured output (response_format, structured_outputs) on both endpoints."""
+lm-evaluation-harness's local-completions sends to score a prompt), vLLM's prompt_logprobs,
+logit_bias, best_of, and structured output (response_format, structured_outputs) on both
+endpoints."""
 
 from __future__ import annotations
 
@@ -121,6 +122,56 @@ def test_echo_with_generation_and_streaming(server, client):
     # Echo without logprobs: the text alone.
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True)
     assert r.choices[0].text == PROMPT and r.choices[0].logprobs is None
+
+
+def check_vllm_prompt_logprobs(server, entries, k):
+    """vLLM's prompt_logprobs: None, then per token its own and the k likeliest by id."""
+    assert len(entries) == len(server.ids) and entries[0] is None
+    for j in range(1, len(server.ids)):
+        ref, token = server.prompt_logprobs[j], server.ids[j]
+        want = {t for t, e in ref.items() if e.rank <= k} | {token}
+        assert set(entries[j]) == {str(t) for t in want}
+        for t in want:
+            got = entries[j][str(t)]
+            assert got["logprob"] == pytest.approx(ref[t].logprob, abs=1e-5)
+            assert got["rank"] == ref[t].rank
+            assert got["decoded_token"] == server.tokenizer.decode([t])
+
+
+def test_prompt_logprobs_field_on_both_endpoints(server):
+    status, body = post(server, {"prompt": PROMPT, "max_tokens": 1, "n": 2, "prompt_logprobs": K})
+    assert status == 200, body
+    choices = json.loads(body)["choices"]
+    for choice in choices:  # on each choice of the prompt
+        check_vllm_prompt_logprobs(server, choice["prompt_logprobs"], K)
+    # with echo's logprobs (fewer alternatives): both, each with its own k
+    fields = {"prompt": PROMPT, "max_tokens": 1, "echo": True, "logprobs": 1, "prompt_logprobs": K}
+    status, body = post(server, fields)
+    (choice,) = json.loads(body)["choices"]
+    check_vllm_prompt_logprobs(server, choice["prompt_logprobs"], K)
+    assert all(len(top) <= 2 for top in choice["logprobs"]["top_logprobs"][1:])
+    # chat: once, for the rendered conversation
+    messages = [{"role": "user", "content": "Hi"}]
+    fields = {"messages": messages, "max_tokens": 1, "prompt_logprobs": 0}
+    status, body = post(server, fields, "/v1/chat/completions")
+    out = json.loads(body)
+    entries = out["prompt_logprobs"]
+    assert len(entries) == out["usage"]["prompt_tokens"] and entries[0] is None
+    assert all(len(e) in (1, 2) for e in entries[1:])  # its own, and the likeliest if not it
+    assert "prompt_logprobs" not in out["choices"][0]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"prompt_logprobs": 1, "stream": True},  # vLLM's: not with streaming
+        {"prompt_logprobs": 21},
+        {"prompt_logprobs": -1},
+    ],
+)
+def test_bad_prompt_logprobs_are_400s(server, fields):
+    status, body = post(server, {"prompt": PROMPT, "max_tokens": 1, **fields})
+    assert_openai_error(status, body, 400, param="prompt_logprobs")
 
 
 def test_logit_bias_forces_a_token_on_both_endpoints(server, client):

@@ -10,13 +10,12 @@ import json
 import types
 
 import pytest
-from hf_models import make_tiny_model
 from server_helpers import (
     KEY,
     assert_openai_error,
     live_server,
+    make_byte_model,
     raw,
-    save_byte_tokenizer,
     sse_events,
 )
 
@@ -40,8 +39,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("tokenize_bytes")
-    make_tiny_model("llama_gqa", path, vocab_size=260, bos_token_id=256, eos_token_id=257)
-    save_byte_tokenizer(path, TEMPLATE)
+    make_byte_model(path, TEMPLATE)
     llm = LLM(str(path), block_size=8, num_blocks=200, max_model_len=96, seed=0)
     tok = llm.tokenizer
     # The offline oracle, before the server owns the engine: LLM.chat with the same options.

@@ -13,9 +13,8 @@ from typing import Annotated, Literal
 import jsonschema
 import openai
 import pytest
-from hf_models import make_tiny_model
 from pydantic import Field
-from server_helpers import assert_openai_error, live_server, raw, save_byte_tokenizer
+from server_helpers import assert_openai_error, live_server, make_byte_model, raw
 
 from pagedjax import LLM
 from pagedjax.entrypoints.api_server import build_app
@@ -64,8 +63,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("tools_llama")
-    make_tiny_model("llama_gqa", path, vocab_size=260, bos_token_id=256, eos_token_id=257)
-    save_byte_tokenizer(path, CHAT_TEMPLATE)
+    make_byte_model(path, CHAT_TEMPLATE)
     llm = LLM(str(path), block_size=8, num_blocks=200, max_model_len=256, seed=0)
     config = ToolConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
     app = build_app(llm.engine, MODEL, api_key=KEY, tool_config=config)
