@@ -48,10 +48,12 @@ class TokenStrings:
     def text(self, token_id: int) -> str:
         s = self._text.get(token_id)
         if s is None:
-            tok = self.tokenizer
-            s = tok.decode([token_id]) if tok is not None else str(token_id)
-            self._text[token_id] = s
+            s = self._text[token_id] = self._decoded(token_id)
         return s
+
+    def _decoded(self, token_id: int) -> str:
+        tok = self.tokenizer
+        return tok.decode([token_id]) if tok is not None else str(token_id)
 
     def bytes(self, token_id: int) -> list[int]:
         b = self._bytes.get(token_id)
@@ -64,7 +66,7 @@ class TokenStrings:
         if self.tokenizer is not None:
             piece = self.tokenizer.convert_ids_to_tokens(token_id)
         if not isinstance(piece, str):
-            return self.text(token_id).encode()
+            return self._decoded(token_id).encode()
         m = _BYTE_PIECE.fullmatch(piece)
         if m:
             return bytes([int(m[1], 16)])
@@ -72,7 +74,15 @@ class TokenStrings:
             return bytes(_BYTE_OF_CHAR[c] for c in piece)
         if piece.startswith("▁"):  # SentencePiece: a word-initial space, dropped when decoded alone
             return piece.replace("▁", " ").encode()
-        return self.text(token_id).encode()
+        return self._decoded(token_id).encode()
+
+
+class TokenIds(TokenStrings):
+    """Tokens shown as ``token_id:N`` (vLLM's return_tokens_as_token_ids: a token that is not
+    valid text alone stays identifiable); chat's bytes are still the token's own."""
+
+    def text(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
 
 
 class TextOffsets:

@@ -9,6 +9,7 @@ import dataclasses
 
 from pagedjax.entrypoints.openai.logprobs import (
     TextOffsets,
+    TokenIds,
     TokenStrings,
     chat_logprobs,
     completion_logprobs,
@@ -45,11 +46,20 @@ def clamp(offsets: list[int], text: str) -> list[int]:
 class Responses:
     """Response bodies for one model: its tokenizer (decoding only), EOS ids and served name."""
 
-    def __init__(self, tokenizer, eos_token_ids, model_name: str):
+    def __init__(self, tokenizer, eos_token_ids, model_name: str, strings=None):
         self.tokenizer = tokenizer
-        self.strings = TokenStrings(tokenizer)
+        self.strings = strings or TokenStrings(tokenizer)
         self.eos_token_ids = eos_token_ids
         self.model_name = model_name
+        self._as_ids: Responses | None = None
+
+    def with_token_ids(self) -> Responses:
+        """The same responses with each logprob's token as ``token_id:N`` (vLLM's
+        return_tokens_as_token_ids)."""
+        if self._as_ids is None:
+            args = (self.tokenizer, self.eos_token_ids, self.model_name)
+            self._as_ids = Responses(*args, strings=TokenIds(self.tokenizer))
+        return self._as_ids
 
     def completion_logprobs(self, echo, i, prompt_ids, out, c, k, shown_text):
         """A completion choice's logprobs: the echoed prompt's, then its generated tokens'."""

@@ -404,13 +404,16 @@ class OpenAIServing:
         if not req.stream:
             params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         job = await self.start(prompts, params, lora)
+        responses = self.responses
+        if req.return_tokens_as_token_ids:
+            responses = responses.with_token_ids()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         now = int(time.time())
         if req.stream:
             options = req.stream_options
             include_usage = options is not None and options.include_usage
             events = StreamEvents(
-                self.responses,
+                responses,
                 rid,
                 now,
                 job.request_ids,
@@ -437,7 +440,7 @@ class OpenAIServing:
             self.abort_unfinished(job)
         ordered = [finals[r] for r in job.request_ids]
         body = await self.offload.run(
-            self.responses.final_body,
+            responses.final_body,
             rid,
             now,
             chat,

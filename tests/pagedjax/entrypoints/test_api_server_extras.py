@@ -161,6 +161,38 @@ def test_prompt_logprobs_field_on_both_endpoints(server):
     assert "prompt_logprobs" not in out["choices"][0]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_return_tokens_as_token_ids(server, stream):
+    """vLLM's: logprobs name each token "token_id:N" (here N is the token's byte)."""
+    fields = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    fields |= {"logprobs": 2, "return_tokens_as_token_ids": True, "stream": stream}
+
+    def read(fields):
+        status, body = post(server, fields)
+        assert status == 200, body
+        if not stream:
+            (choice,) = json.loads(body)["choices"]
+            return choice["logprobs"]["tokens"], choice["text"], choice["logprobs"]["top_logprobs"]
+        chunks = [e["choices"][0] for e in sse_events(body) if e != "[DONE]" and e["choices"]]
+        lps = [c["logprobs"] for c in chunks if c["logprobs"]]
+        tops = [top for lp in lps for top in lp["top_logprobs"]]
+        return [t for lp in lps for t in lp["tokens"]], "".join(c["text"] for c in chunks), tops
+
+    tokens, text, tops = read(fields)
+    plain_tokens, plain_text, _ = read(fields | {"return_tokens_as_token_ids": False})
+    assert text == plain_text == server.gen_ref  # the text itself is unchanged
+    ids = [int(t.removeprefix("token_id:")) for t in tokens]
+    assert [server.tokenizer.decode([i]) for i in ids] == plain_tokens
+    assert all(k.startswith("token_id:") for top in tops for k in top)
+    messages = [{"role": "user", "content": "Hi"}]
+    fields = {"messages": messages, "max_tokens": 3, "logprobs": True, "top_logprobs": 1}
+    fields |= {"return_tokens_as_token_ids": True, "ignore_eos": True, "temperature": 0}
+    status, body = post(server, fields, "/v1/chat/completions")
+    for entry in json.loads(body)["choices"][0]["logprobs"]["content"]:
+        token_id = int(entry["token"].removeprefix("token_id:"))
+        assert entry["bytes"] == [token_id]  # the token's own bytes, not its name's
+
+
 @pytest.mark.parametrize(
     "fields",
     [
