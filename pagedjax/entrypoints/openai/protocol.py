@@ -202,6 +202,7 @@ class _ChatTemplateFields(_Strict):
 
 class ChatRequest(GenerationRequest, _ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    echo: bool = False  # vLLM's: a last assistant message comes back before the reply
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
     logprobs: bool = False
@@ -304,6 +305,14 @@ def _refuse_unsupported(req: GenerationRequest) -> None:
         raise bad_request("prompt_logprobs are not available when streaming", "prompt_logprobs")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options needs stream: true", "stream_options")
+
+
+def chat_echo(req: ChatRequest) -> str:
+    """vLLM's chat echo: the text the reply continues (the last message's, when it is the
+    assistant's), sent before it; "" without echo."""
+    if not req.echo or req.messages[-1].role != "assistant":
+        return ""
+    return chat_messages(req)[-1]["content"]
 
 
 def chat_messages(req: ChatRequest) -> list[dict]:

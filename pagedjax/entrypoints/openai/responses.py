@@ -6,6 +6,7 @@ ones (logprobs, echoed prompts) on its offload pool, off the event loop.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from pagedjax.entrypoints.openai.logprobs import (
     TextOffsets,
@@ -145,6 +146,14 @@ class Responses:
         return vllm_prompt_logprobs(self.strings, final.prompt_logprobs, k)
 
 
+def with_chat_echo(body: bytes, text: str) -> bytes:
+    """A chat response whose every message begins with ``text`` (vLLM's chat echo)."""
+    data = json.loads(body)
+    for choice in data["choices"]:
+        choice["message"]["content"] = text + (choice["message"]["content"] or "")
+    return dumps_bytes(data)
+
+
 class StreamEvents:
     """One streamed request's state: what each choice has been sent so far. ``events(out)``
     turns the engine's next output into the events to send."""
@@ -162,10 +171,12 @@ class StreamEvents:
         echo,
         model=None,
         continuous_usage=False,
+        chat_echo="",
     ):
         self.r = responses
         # vLLM's continuous_usage_stats: each chunk carries its choice's usage so far
         self.continuous_usage = continuous_usage
+        self.chat_echo = chat_echo  # vLLM's chat echo: sent after each choice's role
         self.model = model or responses.model_name  # a LoRA adapter's name when one ran
         self.rid, self.now, self.chat = rid, now, chat
         self.kind = "chat.completion.chunk" if chat else "text_completion"
@@ -211,11 +222,14 @@ class StreamEvents:
         return f"data: {dumps(body)}\n\n"
 
     def opening(self) -> list[str]:
-        """Chat streams open with each choice's role."""
+        """Chat streams open with each choice's role (and the echoed assistant message)."""
         if not self.chat:
             return []
         count = len(self.prompts) * self.n
-        return [self.chunk(i, "", None, None, first=True) for i in range(count)]
+        events = [self.chunk(i, "", None, None, first=True) for i in range(count)]
+        if self.chat_echo:
+            events += [self.chunk(i, self.chat_echo, None, None) for i in range(count)]
+        return events
 
     def usage_event(self) -> str:
         body = {

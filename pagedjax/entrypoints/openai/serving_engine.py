@@ -29,10 +29,16 @@ from pagedjax.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     bad_request,
+    chat_echo,
     chat_messages,
     chat_options,
 )
-from pagedjax.entrypoints.openai.responses import Echo, Responses, StreamEvents
+from pagedjax.entrypoints.openai.responses import (
+    Echo,
+    Responses,
+    StreamEvents,
+    with_chat_echo,
+)
 from pagedjax.entrypoints.openai.tools import check_tools, template_messages
 from pagedjax.models.loading.tokenizer import encode_text, max_chars_per_token
 from pagedjax.outputs import RequestOutput
@@ -424,6 +430,7 @@ class OpenAIServing:
                 echo,
                 model=lora.lora_name if lora is not None else None,
                 continuous_usage=include_usage and options.continuous_usage_stats,
+                chat_echo=chat_echo(req) if chat else "",
             )
             gen = self.stream(request, job, events, include_usage)
             if tools is not None:
@@ -455,6 +462,8 @@ class OpenAIServing:
         )
         if tools is not None:
             body = await self.offload.run(tools.final_body, body)
+        if chat and (echoed := chat_echo(req)):
+            body = await self.offload.run(with_chat_echo, body, echoed)
         return Response(body, media_type="application/json")
 
     async def stream(self, request, job: _Job, events: StreamEvents, include_usage: bool):

@@ -291,3 +291,25 @@ def test_truncate_prompt_tokens(server):
             server, "/v1/completions", body | long | {"truncate_prompt_tokens": bad}
         )
         assert_openai_error(status, data, 400, param="truncate_prompt_tokens")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_echo_returns_the_continued_message_whole(server, stream):
+    """vLLM's chat echo with continue_final_message: the prefilled assistant text, then its
+    continuation; a last message of the user's is not echoed."""
+    continued = server.refs["continued"].outputs[0].text
+    body = {"model": MODEL, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "echo": True}
+    body |= {"stream": stream, "add_generation_prompt": False, "continue_final_message": True}
+    for messages, head in [(PREFILLED, "Hi th"), (CHAT, "")]:
+        if not head:
+            body |= {"add_generation_prompt": True, "continue_final_message": False}
+        if stream:
+            events = _stream(server, "/v1/chat/completions", body | {"messages": messages})
+            text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+        else:
+            status, out = post(server, "/v1/chat/completions", body | {"messages": messages})
+            text = out["choices"][0]["message"]["content"]
+        if head:
+            assert text == head + continued
+        else:
+            assert not text.startswith("Say hi")  # nothing echoed
