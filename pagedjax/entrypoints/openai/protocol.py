@@ -161,6 +161,8 @@ class GenerationRequest(_Strict):
     min_tokens: Int = 0  # vLLM's: no stop before this many tokens
     include_stop_str_in_output: bool = False  # vLLM's: the stop string or token stays in the text
     skip_special_tokens: bool = True  # vLLM's: special tokens leave no text
+    use_beam_search: bool = False  # vLLM's: the n best of n beams, best first
+    length_penalty: Float = 1.0  # beams ranked by cumulative logprob / length ** this
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs' tokens as "token_id:N"
     prompt_logprobs: Int | None = None  # vLLM's: each prompt token's logprob and the k likeliest
     truncate_prompt_tokens: Int | None = None  # vLLM's: the prompt's last k tokens (-1: all fit)

@@ -104,7 +104,8 @@ class Responses:
             if len(outs) > n:  # best_of: the n of highest cumulative logprob, best first
                 outs = sorted(outs, key=lambda c: -(c.cumulative_logprob or 0.0))[:n]
             for rank, c in enumerate(outs):
-                index = i * n + (rank if params.n > n else c.index)
+                ranked = getattr(params, "n", n) > n  # best_of (beams come ranked)
+                index = i * n + (rank if ranked else c.index)
                 lp, finish = None, c.finish_reason
                 reason = c.stop_reason
                 if chat:

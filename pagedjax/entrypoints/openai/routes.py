@@ -34,6 +34,7 @@ from pagedjax.entrypoints.openai.protocol import (
     parse_body,
 )
 from pagedjax.entrypoints.openai.request_params import (
+    beam_search_params,
     check_response_logprobs,
     default_max_tokens,
     logit_bias,
@@ -252,9 +253,19 @@ async def completions(request: Request):
     if asked:
         extra["prompt_logprobs"] = max(asked)
     max_tokens_run = 1 if echo_only else max_tokens
-    params = sampling_params(
-        req, max_tokens_run, "max_tokens", req.logprobs, limits, defaults=serving.defaults, **extra
-    )
+    if req.use_beam_search:
+        refused = constraint_field if constraint is not None else None
+        params = beam_search_params(req, max_tokens_run, "max_tokens", refused)
+    else:
+        params = sampling_params(
+            req,
+            max_tokens_run,
+            "max_tokens",
+            req.logprobs,
+            limits,
+            defaults=serving.defaults,
+            **extra,
+        )
     shown = 0 if echo_only else max_tokens
     check_response_logprobs(
         limits, prompts, k=req.logprobs, n=req.n, max_tokens=shown, echo=req.echo, field="logprobs"
@@ -322,7 +333,13 @@ async def chat_completions(request: Request):
     extra = {"logit_bias": logit_bias(req, serving.vocab), "structured_outputs": constraint}
     if req.prompt_logprobs is not None:
         extra["prompt_logprobs"] = req.prompt_logprobs
-    params = sampling_params(req, max_tokens, field, k, limits, defaults=serving.defaults, **extra)
+    if req.use_beam_search:
+        refused = constraint_field if constraint is not None else None
+        params = beam_search_params(req, max_tokens, field, refused)
+    else:
+        params = sampling_params(
+            req, max_tokens, field, k, limits, defaults=serving.defaults, **extra
+        )
     lp_field = "top_logprobs" if req.top_logprobs else "logprobs"
     check_response_logprobs(
         limits, [ids], k=k, n=req.n, max_tokens=max_tokens, echo=False, field=lp_field

@@ -329,7 +329,8 @@ class OpenAIServing:
     async def start(self, prompts: list[list[int]], params: SamplingParams, lora=None) -> _Job:
         """Submit one engine request per prompt (under the LoRA adapter ``lora``, if given), all
         in one command: the engine takes them between the same two steps."""
-        if params.logprobs is not None or params.prompt_logprobs is not None:
+        lp = getattr(params, "logprobs", None), getattr(params, "prompt_logprobs", None)
+        if lp != (None, None):  # beam search asks for neither
             self.offload.mark_heavy()  # its outputs are turned into events in the heavy lane
         loop = asyncio.get_running_loop()
         if self._wakeups is None or self._wakeups.loop is not loop:

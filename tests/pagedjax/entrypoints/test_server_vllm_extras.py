@@ -19,7 +19,7 @@ from server_helpers import (
     sse_events,
 )
 
-from pagedjax import LLM, SamplingParams
+from pagedjax import LLM, BeamSearchParams, SamplingParams
 from pagedjax.entrypoints.api_server import build_app
 
 MODEL = "tiny-bytes"
@@ -56,6 +56,9 @@ def server(tmp_path_factory):
             CHAT, GREEDY, use_tqdm=False, chat_template_kwargs={"header": "be brief"}
         )[0],
         "own": llm.chat(CHAT, GREEDY, use_tqdm=False, chat_template=OWN_TEMPLATE)[0],
+        "beams": llm.beam_search(
+            [tok("Hello")["input_ids"]], BeamSearchParams(beam_width=3, max_tokens=5)
+        )[0],
     }
     app = build_app(llm.engine, MODEL, api_key=KEY)
     with live_server(app) as base:
@@ -313,3 +316,37 @@ def test_chat_echo_returns_the_continued_message_whole(server, stream):
             assert text == head + continued
         else:
             assert not text.startswith("Say hi")  # nothing echoed
+
+
+# ---- use_beam_search --------------------------------------------------------------------------
+
+
+def test_use_beam_search_returns_the_engines_best_beams(server):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 5, "n": 3, "use_beam_search": True}
+    status, out = post(server, "/v1/completions", body)
+    assert status == 200, out
+    beams = server.refs["beams"].outputs
+    assert [c["text"] for c in out["choices"]] == [b.text for b in beams]  # best first
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert out["usage"]["completion_tokens"] == sum(len(b.token_ids) for b in beams)
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 4, "n": 2, "use_beam_search": True}
+    status, out = post(server, "/v1/chat/completions", chat)
+    assert status == 200 and len(out["choices"]) == 2, out
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"stream": True}, "stream"),
+        ({"top_p": 0.5}, "top_p"),
+        ({"temperature": 0.7}, "temperature"),
+        ({"logprobs": 0}, "logprobs"),
+        ({"stop": ["x"]}, "stop"),
+        ({"n": 11}, "n"),
+        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ],
+)
+def test_use_beam_search_refuses_what_it_does_not_take(server, fields, param):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "use_beam_search": True}
+    status, data = post(server, "/v1/completions", body | fields)
+    assert_openai_error(status, data, 400, param=param)
