@@ -142,19 +142,23 @@ class Request:
         the parameters do not change while it runs)."""
         if self._row_cache is not None and self._row_cache[0] == vocab_size:
             return self._row_cache[1]
-        p = self.params
-        fields = dict(
-            temperature=float(p.temperature) if p.temperature >= SAMPLING_EPS else 0.0,
-            top_k=min(max(p.top_k, 0), vocab_size),
-            top_p=float(p.top_p),
-            min_p=float(p.min_p),
-            presence_penalty=float(p.presence_penalty),
-            frequency_penalty=float(p.frequency_penalty),
-            repetition_penalty=float(p.repetition_penalty),
-            logit_bias=tuple((p.logit_bias or {}).items()),
-        )
+        fields = row_fields(self.params, vocab_size)
         self._row_cache = (vocab_size, fields)
         return fields
+
+
+def row_fields(p: SamplingParams, vocab_size: int) -> dict:
+    """The SamplingRow fields that ``p`` alone sets."""
+    return dict(
+        temperature=float(p.temperature) if p.temperature >= SAMPLING_EPS else 0.0,
+        top_k=min(max(p.top_k, 0), vocab_size),
+        top_p=float(p.top_p),
+        min_p=float(p.min_p),
+        presence_penalty=float(p.presence_penalty),
+        frequency_penalty=float(p.frequency_penalty),
+        repetition_penalty=float(p.repetition_penalty),
+        logit_bias=tuple((p.logit_bias or {}).items()),
+    )
 
 
 def token_bitmask(token_ids, vocab_size: int, allow: bool = True) -> np.ndarray:

@@ -19,8 +19,11 @@ import time
 
 from prometheus_client.core import GaugeMetricFamily
 
+from pagedjax.engine.request import row_fields
+from pagedjax.sampling_params import SamplingParams
+from pagedjax.worker.sampler import SamplingInput, SamplingRow, Variant
 from pagedjax.worker.warmup import BackgroundCompile, Job, WarmupReport
-from pagedjax.worker.warmup_jobs import PROMPT_ROWS, plain_traffic
+from pagedjax.worker.warmup_jobs import DEFAULT_SAMPLING, PROMPT_ROWS, plain_traffic
 
 logger = logging.getLogger("pagedjax.api_server")
 
@@ -132,18 +135,27 @@ def prepare(
     swap = engine.block_manager.num_host_blocks > 0
     if warmup_all or not hasattr(runner, "startup_jobs"):  # a draft model's: everything
         return Startup(runner.warmup(*limits, swap=swap))
-    first = runner.startup_jobs(*limits)
+    default = default_variant(engine)
+    first = runner.startup_jobs(*limits, default)
     report = runner.compile(first, progress=True)
     if not background or not engine.is_driver:  # a follower compiles on the driver's first use
         return Startup(report)
     done = {name for name, _ in first}
-    rest = _rarest_last(runner.warmup_jobs(*limits, swap=swap), done)
-    nearest = NearTraffic(runner.batcher.shapes_built)
+    rest = _rarest_last(runner.warmup_jobs(*limits, swap=swap), done, default)
+    nearest = NearTraffic(runner.batcher.shapes_built, default)
     background = BackgroundCompile(runner.compile, rest, freeze_compiled_objects, prefer=nearest)
     return Startup(report, background)
 
 
-def _rarest_last(jobs: list[Job], done: set[str]) -> list[Job]:
+def default_variant(engine) -> Variant:
+    """The sampler variant of a request that sets nothing: temperature 1 alone, unless the
+    model's generation config sets defaults (``engine.default_sampling_params``)."""
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(**engine.default_sampling_params)
+    return SamplingInput.build([SamplingRow(**row_fields(params, vocab))], 1, vocab).variant
+
+
+def _rarest_last(jobs: list[Job], done: set[str], default: Variant = DEFAULT_SAMPLING) -> list[Job]:
     """The jobs not compiled yet: first the programs plain requests run (``plain_traffic``:
     model steps, default sampling), then the rarer ones (penalties, masks, logprobs, block
     moves), then those that score prompt rows (prompt logprobs). Within each, those of fewer
@@ -162,7 +174,7 @@ def _rarest_last(jobs: list[Job], done: set[str]) -> list[Job]:
 
     def key(i: int) -> tuple[int, float]:
         name = rest[i][0]
-        return 2 if PROMPT_ROWS in name else 0 if plain_traffic(name) else 1, rank(i)
+        return 2 if PROMPT_ROWS in name else 0 if plain_traffic(name, default) else 1, rank(i)
 
     return [rest[i] for i in sorted(range(len(rest)), key=key)]
 
@@ -179,8 +191,9 @@ class NearTraffic:
 
     MAX_STEPS = 2  # buckets up, summed over sequences, tokens and table width
 
-    def __init__(self, shapes: list):
+    def __init__(self, shapes: list, default: Variant = DEFAULT_SAMPLING):
         self.shapes = shapes  # appended on the engine thread; read here as a copy
+        self.default = default  # the sampler variant of a request that sets nothing
         self._sizes: dict[str, tuple[bool | None, dict[str, int]] | None] = {}
 
     def __call__(self, jobs: list[Job]) -> int | None:
@@ -203,7 +216,7 @@ class NearTraffic:
             sizes = {k: int(v) for k, v in _SIZE.findall(name)}
             # A step's kind (decode or not); a sampler's (sizes: s alone) serves either.
             kind = "decode" in name.split() if "t" in sizes else None
-            plain = plain_traffic(name) and "s" in sizes
+            plain = plain_traffic(name, self.default) and "s" in sizes
             self._sizes[name] = (kind, sizes) if plain else None
         return self._sizes[name]
 

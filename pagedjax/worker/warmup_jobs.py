@@ -8,6 +8,7 @@ compiled before a server answers; ``warmup_jobs``: every program within a worklo
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -21,32 +22,41 @@ from pagedjax.worker.sampler import SamplingInput
 from pagedjax.worker.warmup import Job, common_shapes
 
 PROMPT_ROWS = "prompt rows"  # in the name of a job whose program scores prompt rows
-DEFAULT_SAMPLING = sampler.Variant(random=True)  # temperature alone: a request that sets nothing
-_DEFAULT_SAMPLER = re.compile(
-    rf"(step \S.* sampler|sampler s\d+) {re.escape(str(DEFAULT_SAMPLING))}"
-)
+# A request that sets nothing, without sampling defaults from the model: temperature alone
+DEFAULT_SAMPLING = sampler.Variant(random=True)
 
 
-def plain_traffic(name: str) -> bool:
+@functools.cache
+def _default_sampler(default: sampler.Variant) -> re.Pattern:
+    return re.compile(rf"(step \S.* sampler|sampler s\d+) {re.escape(str(default))}")
+
+
+def plain_traffic(name: str, default: sampler.Variant = DEFAULT_SAMPLING) -> bool:
     """Whether the job ``name`` compiles a program that plain requests run: a model step (which
-    samples a greedy batch itself), a decode step that samples default sampling rows, or the
-    sampler of default rows (after a prefill step)."""
+    samples a greedy batch itself), a decode step that samples ``default`` rows (the sampler
+    variant of a request that sets nothing), or the sampler of such rows (after a prefill)."""
     if name.startswith("model "):
         return PROMPT_ROWS not in name
-    return _DEFAULT_SAMPLER.fullmatch(name) is not None
+    return _default_sampler(default).fullmatch(name) is not None
 
 
-def startup_jobs(runner, max_num_seqs: int, max_num_batched_tokens: int) -> list[Job]:
+def startup_jobs(
+    runner,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    default: sampler.Variant = DEFAULT_SAMPLING,
+) -> list[Job]:
     """The step program of each common model shape (which samples a plain greedy batch and fills
-    async placeholders itself), the step program of each common decode shape that samples default
-    sampling rows itself, and the sampler of a default sampling request for each of their
-    sequence buckets (a prefill step's)."""
+    async placeholders itself), the step program of each common decode shape that samples
+    ``default`` rows itself, and the sampler of such a request for each of their sequence
+    buckets (a prefill step's); with a greedy ``default``, the model steps alone."""
     shapes = runner.step_shapes(max_num_seqs, max_num_batched_tokens)
     common = common_shapes(runner.batcher, shapes)
     jobs = [(f"model {s}", lambda s=s: lower_step(runner, s)) for s in common]
     jobs += lora_jobs(runner)
-    default = DEFAULT_SAMPLING
-    for s in common:
+    if default == sampler.Variant():  # plain greedy: sampled in the step programs
+        return jobs
+    for s in common if step_program.samples_in_step(default) else ():
         if s.max_query_len == 1:  # a decode step sampling default rows: one program
             jobs.append((_step_name(s, default), lambda s=s: lower_step(runner, s, default)))
     for s in sorted({shape.num_seqs for shape in common}):  # named as in warmup_jobs: done once

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.request
 
 import jax
@@ -27,6 +28,7 @@ from pagedjax.entrypoints.api_server import build_app
 from pagedjax.worker import prompt_logprobs
 from pagedjax.worker.input_batch import StepShape
 from pagedjax.worker.runner import Runner
+from pagedjax.worker.sampler import Filters, Variant
 from pagedjax.worker.warmup import BackgroundCompile, compile_jobs
 from pagedjax.worker.warmup_jobs import plain_traffic
 
@@ -370,3 +372,34 @@ def test_a_background_compile_follows_its_preference_and_survives_a_broken_one()
     bg.start()
     assert bg.finished.wait(120)
     assert compiled == [4, 5, 6] and bg.prefer is None  # the queue's order, after a log line
+
+
+@pytest.mark.parametrize(
+    "defaults, variant",
+    [
+        ({}, Variant(random=True)),  # temperature 1 alone
+        (  # Qwen-like: a repetition penalty, top-p, top-k
+            {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05},
+            Variant(penalties=True, random=True, filters=Filters.SORT),
+        ),
+        ({"temperature": 0.0}, Variant()),  # greedy: the step programs sample it
+    ],
+)
+def test_the_programs_before_health_follow_the_models_sampling_defaults(defaults, variant):
+    """A server whose model's generation config sets sampling defaults compiles the sampler of
+    those defaults before /health, and counts it as plain traffic in the background."""
+    engine = types.SimpleNamespace(
+        default_sampling_params=defaults, model_config=types.SimpleNamespace(vocab_size=64)
+    )
+    assert startup.default_variant(engine) == variant
+    runner = _runner()
+    first = _names(runner.startup_jobs(*DEFAULT_LIMITS, variant))
+    samplers = [n for n in first if not n.startswith("model ")]
+    if variant == Variant():
+        assert not samplers
+        return
+    assert samplers and all(n.endswith(f" {variant}") for n in samplers)
+    assert all(plain_traffic(n, variant) for n in samplers)
+    # each of them is one the full warm-up compiles, under the same name
+    assert set(samplers) <= set(_names(runner.warmup_jobs(*DEFAULT_LIMITS, swap=True)))
+    assert not any(plain_traffic(n) for n in samplers) or variant == Variant(random=True)
