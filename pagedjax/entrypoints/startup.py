@@ -136,7 +136,7 @@ def prepare(
     if warmup_all or not hasattr(runner, "startup_jobs"):  # a draft model's: everything
         return Startup(runner.warmup(*limits, swap=swap))
     default = default_variant(engine)
-    first = runner.startup_jobs(*limits, default)
+    first = runner.startup_jobs(*limits, default=default)
     report = runner.compile(first, progress=True)
     if not background or not engine.is_driver:  # a follower compiles on the driver's first use
         return Startup(report)

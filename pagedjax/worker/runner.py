@@ -329,13 +329,10 @@ class Runner(LoRASlotsHolder):
         self.warmed_up = True
         return report
 
-    def startup_jobs(
-        self, max_num_seqs: int, max_num_batched_tokens: int, default=warmup_jobs.DEFAULT_SAMPLING
-    ) -> list[Job]:
-        """The programs a server compiles before it answers (worker/warmup_jobs.py; the step
-        program fills async placeholders itself); ``default``: the sampler variant of a request
-        that sets nothing."""
-        return warmup_jobs.startup_jobs(self, max_num_seqs, max_num_batched_tokens, default)
+    def startup_jobs(self, *limits, default=warmup_jobs.DEFAULT_SAMPLING) -> list[Job]:
+        """The programs a server compiles before it answers within ``limits`` (max_num_seqs,
+        max_num_batched_tokens) for requests that sample as ``default`` (worker/warmup_jobs.py)."""
+        return warmup_jobs.startup_jobs(self, *limits, default)
 
     def warmup_jobs(
         self,

@@ -393,7 +393,7 @@ def test_the_programs_before_health_follow_the_models_sampling_defaults(defaults
     )
     assert startup.default_variant(engine) == variant
     runner = _runner()
-    first = _names(runner.startup_jobs(*DEFAULT_LIMITS, variant))
+    first = _names(runner.startup_jobs(*DEFAULT_LIMITS, default=variant))
     samplers = [n for n in first if not n.startswith("model ")]
     if variant == Variant():
         assert not samplers
