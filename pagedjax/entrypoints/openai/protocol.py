@@ -287,11 +287,25 @@ class UnloadLoRAAdapterRequest(_Strict):  # /v1/unload_lora_adapter
     lora_int_id: Int | None = None  # vLLM's, accepted; the name decides
 
 
-def _refuse_unsupported(req: GenerationRequest) -> None:
-    for name, neutral in _NEUTRAL.items():
+def unsupported_field(req: BaseModel, neutral: dict[str, tuple]) -> str | None:
+    """The first field of ``req`` set to a value that is not one of ``neutral``'s for it (None
+    is always neutral; a boolean equals only itself: False is not 0), else None."""
+    for name, values in neutral.items():
         value = getattr(req, name, None)
-        if value is not None and not any(value == v for v in neutral):
-            raise bad_request(f"{name} is not supported by this server", name)
+        if value is not None and not any(_same(value, v) for v in values):
+            return name
+    return None
+
+
+def _same(value, neutral) -> bool:
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    return value == neutral
+
+
+def _refuse_unsupported(req: GenerationRequest) -> None:
+    if (name := unsupported_field(req, _NEUTRAL)) is not None:
+        raise bad_request(f"{name} is not supported by this server", name)
     if req.n < 1:  # checked here, not only by SamplingParams: best_of stands in for it there
         raise bad_request(f"n must be at least 1, got {req.n}", "n")
     if req.best_of is not None and req.best_of < req.n:

@@ -12,6 +12,7 @@ from pagedjax.entrypoints.openai.protocol import (
     GenerationRequest,
     ServerLimits,
     bad_request,
+    unsupported_field,
 )
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
@@ -151,28 +152,28 @@ def sampling_params(
         raise bad_request(message, field) from None
 
 
-# field -> the values beam search takes: it ranks beams by the model's own logprobs (vLLM's
-# beam search at temperature 0 does too) and stops on EOS and max_tokens alone
+# field -> the values beam search takes besides None: it ranks beams by the model's own
+# logprobs (vLLM's beam search at temperature 0 does too) and stops on EOS and max_tokens alone
 _BEAM_NEUTRAL: dict[str, tuple] = {
     "stream": (False,),
-    "best_of": (None,),
-    "temperature": (None, 0.0, 1.0),
-    "top_p": (None, 1.0),
-    "top_k": (None, 0, -1),
-    "min_p": (None, 0.0),
-    "presence_penalty": (None, 0.0),
-    "frequency_penalty": (None, 0.0),
-    "repetition_penalty": (None, 1.0),
-    "stop": (None, "", []),
-    "stop_token_ids": (None, []),
-    "logit_bias": (None, {}),
+    "best_of": (),
+    "temperature": (0.0, 1.0),
+    "top_p": (1.0,),
+    "top_k": (0, -1),
+    "min_p": (0.0,),
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+    "repetition_penalty": (1.0,),
+    "stop": ("", []),
+    "stop_token_ids": ([],),
+    "logit_bias": ({},),
     "min_tokens": (0,),
-    "allowed_token_ids": (None,),
-    "prompt_logprobs": (None,),
+    "allowed_token_ids": (),
+    "prompt_logprobs": (),
     "include_stop_str_in_output": (False,),
-    "truncate_prompt_tokens": (None,),
-    "logprobs": (None, False),
-    "top_logprobs": (None,),
+    "truncate_prompt_tokens": (),
+    "logprobs": (False,),
+    "top_logprobs": (),
 }
 
 
@@ -182,10 +183,8 @@ def beam_search_params(
     """vLLM's use_beam_search: ``n`` beams, the n best returned best first. A field beam search
     does not take (a sampling filter, a stop string, logprobs, streaming, a constraint from
     ``constraint_field``) is a 400 naming it."""
-    for name, neutral in _BEAM_NEUTRAL.items():
-        value = getattr(req, name, None)
-        if not any(_same(value, v) for v in neutral):
-            raise bad_request(f"{name} is not supported with use_beam_search", name)
+    if (name := unsupported_field(req, _BEAM_NEUTRAL)) is not None:
+        raise bad_request(f"{name} is not supported with use_beam_search", name)
     if constraint_field is not None:
         raise bad_request(
             f"{constraint_field} is not supported with use_beam_search", constraint_field
@@ -200,13 +199,6 @@ def beam_search_params(
     except ValueError as e:
         field = {"beam_width": "n", "max_tokens": max_tokens_field}.get(str(e).split()[0])
         raise bad_request(str(e).replace("beam_width", "n (the beams)", 1), field) from None
-
-
-def _same(value, neutral) -> bool:
-    """``value == neutral``, where a boolean equals only itself (False is not 0)."""
-    if isinstance(value, bool) or isinstance(neutral, bool) or neutral is None:
-        return value is neutral
-    return value == neutral
 
 
 def _or_default(value, name: str, defaults: dict, fallback):
