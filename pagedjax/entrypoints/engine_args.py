@@ -202,24 +202,28 @@ def _cache_field(name: str):
     return parse
 
 
-def _speculative_config(text: str) -> dict:
-    """--speculative-config: a JSON object SpeculativeConfig accepts (checked before loading)."""
+def _json_option(check):
+    """An argparse type: JSON text whose value ``check`` accepts (a ValueError, which
+    json.JSONDecodeError is too, becomes the usage error, before anything loads)."""
+
+    def parse(text: str):
+        try:
+            value = json.loads(text)
+            check(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+
+    return parse
+
+
+def _check_speculative_config(value) -> None:
     from pagedjax.spec_decode import SpeculativeConfig
 
-    try:
-        value = json.loads(text)
-        SpeculativeConfig.of(value)
-    except ValueError as e:  # json.JSONDecodeError is a ValueError
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return value
+    SpeculativeConfig.of(value)
 
 
-def _override_generation_config(text: str) -> dict:
-    """--override-generation-config: a JSON object of generation config values (checked before
-    loading)."""
-    try:
-        value = json.loads(text)
-        check_generation_config("auto", value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return value
+# --speculative-config: a JSON object SpeculativeConfig accepts
+_speculative_config = _json_option(_check_speculative_config)
+# --override-generation-config: a JSON object of generation config values
+_override_generation_config = _json_option(lambda value: check_generation_config("auto", value))
