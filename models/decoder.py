@@ -220,9 +220,22 @@ class DecoderModel(nn.Module):
     layout: WeightLayout = WeightLayout()
 
     @nn.compact
-    def __call__(self, kv_pool: KVPool, step: StepInput, lora: LoRABatch | None = None):
+    def __call__(
+        self,
+        kv_pool: KVPool | None,
+        step: StepInput | None,
+        lora: LoRABatch | None = None,
+        *,
+        hidden_rows: jax.Array | None = None,
+        return_hidden: bool = False,
+    ):
+        """(logits f32[num_logits, vocab], kv_pool), and with ``return_hidden`` the last layer's
+        output of every token row, [num_tokens, hidden] before the final norm. Given
+        ``hidden_rows`` (such rows), the head alone: their logits."""
         c, dt = self.config, self.dtype
         embed = Embed(c.vocab_size, c.embed_dim, dt, self.layout.table, name="embed_tokens")
+        if hidden_rows is not None:
+            return self._head(embed, hidden_rows)
         x = embed(step.token_ids)  # [num_tokens, embed_dim]
         if c.word_embed_proj_dim:
             x = self._dense(c.hidden_size, "project_in")(x)
@@ -241,8 +254,13 @@ class DecoderModel(nn.Module):
         else:
             cos, sin = rope_tables(c, step, dt)
         run = _unrolled_layers if self.layer_loop == "unrolled" else _scanned_layers
-        x, kv_pool = run(self, x, tuple(kv_pool), cos, sin, step, lora)
-        x = x[step.logits_indices]
+        hidden, kv_pool = run(self, x, tuple(kv_pool), cos, sin, step, lora)
+        logits = self._head(embed, hidden[step.logits_indices])
+        return (logits, kv_pool, hidden) if return_hidden else (logits, kv_pool)
+
+    def _head(self, embed: Embed, x: jax.Array) -> jax.Array:
+        """The logits f32[rows, vocab] of rows of the last layer's output."""
+        c, dt = self.config, self.dtype
         if c.final_norm:
             x = norm(c, dt, "norm")(x)
         if c.word_embed_proj_dim:
@@ -260,7 +278,7 @@ class DecoderModel(nn.Module):
         logits = logits.astype(jnp.float32)  # [num_logits, vocab]
         if c.final_soft_cap:
             logits = c.final_soft_cap * jnp.tanh(logits / c.final_soft_cap)
-        return logits, kv_pool
+        return logits
 
     def _dense(self, features: int, name: str) -> nn.Module:
         return dense(features, False, self.dtype, name, method=self.layout.linear(name))

@@ -85,8 +85,11 @@ def forward(
     mesh: Mesh | None = None,
     layout: WeightLayout | None = None,
     lora: LoRABatch | None = None,
+    return_hidden: bool = False,
 ):
-    """Pure forward: ``(params, kv_pool, step_input) -> (logits f32[num_logits, vocab], kv_pool)``.
+    """Pure forward: ``(params, kv_pool, step_input) -> (logits f32[num_logits, vocab], kv_pool)``;
+    with ``return_hidden``, also the last layer's output of every token row (``head_logits``
+    turns rows of it into logits: prompt logprobs score them).
 
     The compute dtype is the embedding's (linear kernels may be 8-bit: models/quant.py). With a
     ``mesh``, parameters and pool are sharded by heads (models/sharding.py) and attention runs
@@ -98,11 +101,30 @@ def forward(
     XLA's, for weights as loaded). ``lora``: per-row LoRA adapters (models/lora.py), each
     targeted projection adding its row's adapter product; None compiles no LoRA op.
     """
+    model = _model(params, config, backend, mesh, layout)
+    args = (kv_pool, step_input, lora)
+    return model.apply({"params": flax_tree(params)}, *args, return_hidden=return_hidden)
+
+
+def head_logits(
+    params,
+    hidden_rows: jax.Array,  # [rows, hidden]: rows of ``forward``'s hidden output
+    config: ModelConfig,
+    backend: pallas_kernels.AttentionBackend | str | None = None,
+    mesh: Mesh | None = None,
+    layout: WeightLayout | None = None,
+) -> jax.Array:
+    """The logits f32[rows, vocab] of rows of the last layer's output, as ``forward`` computes
+    them (final norm, head, soft cap)."""
+    model = _model(params, config, backend, mesh, layout)
+    return model.apply({"params": flax_tree(params)}, None, None, hidden_rows=hidden_rows)
+
+
+def _model(params, config, backend, mesh, layout) -> DecoderModel:
     dtype = compute_dtype(params)
     backend = pallas_kernels.select_backend(backend)  # an object as is; else by name or setting
     loop = "unrolled" if is_per_layer(params) else "scan"
-    model = DecoderModel(config, dtype, backend, mesh, loop, layout or WeightLayout())
-    return model.apply({"params": flax_tree(params)}, kv_pool, step_input, lora)
+    return DecoderModel(config, dtype, backend, mesh, loop, layout or WeightLayout())
 
 
 @functools.lru_cache(maxsize=16)

@@ -31,6 +31,9 @@ class AttentionBackend:
     # A ragged step's work follows its real query rows (not num_seqs x max_query_len), so the
     # runner need not bucket query lengths.
     follows_rows: ClassVar[bool] = False
+    # Its work follows each sequence's context length, not the block table's width (pages past
+    # a length are never read), so the runner buckets table widths coarsely.
+    follows_context: ClassVar[bool] = False
 
     @property
     def reads_rows_only(self) -> bool:

@@ -19,11 +19,12 @@ import time
 
 from prometheus_client.core import GaugeMetricFamily
 
+from pagedjax import executables
 from pagedjax.engine.request import row_fields
 from pagedjax.sampling_params import SamplingParams
-from pagedjax.worker.sampler import SamplingInput, SamplingRow, Variant
+from pagedjax.worker.sampler import SamplingInput, SamplingRow, Variant, plain_greedy
 from pagedjax.worker.warmup import BackgroundCompile, Job, WarmupReport
-from pagedjax.worker.warmup_jobs import DEFAULT_SAMPLING, PROMPT_ROWS, plain_traffic
+from pagedjax.worker.warmup_jobs import DEFAULT_SAMPLING, SCORE, plain_traffic
 
 logger = logging.getLogger("pagedjax.api_server")
 
@@ -65,9 +66,15 @@ class Startup:
     """Programs compiled before the server answered (``report``) and those left to compile in
     the background (``background``; None: they compile on first use)."""
 
-    def __init__(self, report: WarmupReport, background: BackgroundCompile | None = None):
+    def __init__(
+        self,
+        report: WarmupReport,
+        background: BackgroundCompile | None = None,
+        bound: int | None = None,
+    ):
         self.report = report
         self.background = background
+        self.bound = bound  # the engine's program set (None: not listed, no warm-up)
         self.seconds_to_ready: float | None = None  # process start -> the server answers
 
     def ready(self) -> None:
@@ -117,6 +124,18 @@ class Startup:
                 bg.num_jobs - bg.num_done if bg is not None else 0,
             ),
         )
+        guard = executables.guard()
+        maps, limit = executables.memory_maps()
+        figures += (
+            ("program_bound", "The most programs the engine can compile.", self.bound or 0),
+            ("memory_maps", "Memory mappings the process holds.", maps),
+            ("memory_map_limit", "The kernel's limit on them (vm.max_map_count).", limit),
+            (
+                "executable_evictions",
+                "Times every compiled program was dropped near the memory-map limit.",
+                guard.num_evictions,
+            ),
+        )
         for name, help_, value in figures:
             yield GaugeMetricFamily(f"pagedjax_{name}", help_, value=value)
 
@@ -136,29 +155,38 @@ def prepare(
     if warmup_all or not hasattr(runner, "startup_jobs"):  # a draft model's: everything
         return Startup(runner.warmup(*limits, swap=swap))
     default = default_variant(engine)
+    every = runner.warmup_jobs(*limits, swap=swap)
+    logger.info("the engine's program set: at most %d programs", len(every))
+    executables.warn_if_unsafe(len(every))
     first = runner.startup_jobs(*limits, default=default)
     report = runner.compile(first, progress=True)
     if not background or not engine.is_driver:  # a follower compiles on the driver's first use
-        return Startup(report)
+        return Startup(report, bound=len(every))
     done = {name for name, _ in first}
-    rest = _rarest_last(runner.warmup_jobs(*limits, swap=swap), done, default)
+    rest = _rarest_last(every, done, default)
     nearest = NearTraffic(runner.batcher.shapes_built, default)
-    background = BackgroundCompile(runner.compile, rest, freeze_compiled_objects, prefer=nearest)
-    return Startup(report, background)
+    background = BackgroundCompile(
+        runner.compile, rest, freeze_compiled_objects, prefer=nearest, guard=runner.calls.guard
+    )
+    return Startup(report, background, bound=len(every))
 
 
-def default_variant(engine) -> Variant:
+def default_variant(engine) -> Variant | None:
     """The sampler variant of a request that sets nothing: temperature 1 alone, unless the
-    model's generation config sets defaults (``engine.default_sampling_params``)."""
+    model's generation config sets defaults (``engine.default_sampling_params``); None when
+    such a request is plain greedy (no sampler at all)."""
     vocab = engine.model_config.vocab_size
     params = SamplingParams(**engine.default_sampling_params)
-    return SamplingInput.build([SamplingRow(**row_fields(params, vocab))], 1, vocab).variant
+    row = SamplingRow(**row_fields(params, vocab))
+    return None if plain_greedy([row]) else SamplingInput.build([row], 1, vocab).variant
 
 
-def _rarest_last(jobs: list[Job], done: set[str], default: Variant = DEFAULT_SAMPLING) -> list[Job]:
+def _rarest_last(
+    jobs: list[Job], done: set[str], default: Variant | None = DEFAULT_SAMPLING
+) -> list[Job]:
     """The jobs not compiled yet: first the programs plain requests run (``plain_traffic``:
     model steps, default sampling), then the rarer ones (penalties, masks, logprobs, block
-    moves), then those that score prompt rows (prompt logprobs). Within each, those of fewer
+    moves), then the score programs (prompt logprobs). Within each, those of fewer
     sequences (s), narrower tables (b) and fewer tokens (t) first, as their names say (``model
     decode t16 s16 b64``): more requests meet them. Ties keep their order; a name without these
     sizes (block copies) goes first."""
@@ -174,7 +202,8 @@ def _rarest_last(jobs: list[Job], done: set[str], default: Variant = DEFAULT_SAM
 
     def key(i: int) -> tuple[int, float]:
         name = rest[i][0]
-        return 2 if PROMPT_ROWS in name else 0 if plain_traffic(name, default) else 1, rank(i)
+        rarest = name.startswith(SCORE)
+        return 2 if rarest else 0 if plain_traffic(name, default) else 1, rank(i)
 
     return [rest[i] for i in sorted(range(len(rest)), key=key)]
 
@@ -191,7 +220,7 @@ class NearTraffic:
 
     MAX_STEPS = 2  # buckets up, summed over sequences, tokens and table width
 
-    def __init__(self, shapes: list, default: Variant = DEFAULT_SAMPLING):
+    def __init__(self, shapes: list, default: Variant | None = DEFAULT_SAMPLING):
         self.shapes = shapes  # appended on the engine thread; read here as a copy
         self.default = default  # the sampler variant of a request that sets nothing
         self._sizes: dict[str, tuple[bool | None, dict[str, int]] | None] = {}

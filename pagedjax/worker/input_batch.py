@@ -22,6 +22,13 @@ from pagedjax.worker.sampler import SamplingRow
 MIN_TOKENS_BUCKET = 32
 MIN_SEQS_BUCKET = 8
 MIN_CONTEXT_BUCKET = 256  # tokens of context covered by the smallest block-table bucket
+# Where the attention kernels' work follows each sequence's context length rather than the
+# table's width (GPU, TPU and the native CPU kernels), a wider table costs its transfer alone
+# (4 bytes a block a sequence slot): widths start at this many tokens and grow 16-fold, one width
+# up to an 8192-token context, three at 128K. XLA's reference path reads every entry of the
+# table: there widths double from MIN_CONTEXT_BUCKET.
+MIN_CONTEXT_BUCKET_FOLLOWING = 8192
+WIDTH_GROWTH_FOLLOWING = 16
 MIN_QUERY_BUCKET = 16
 
 
@@ -51,11 +58,33 @@ def widest_seqs_bucket(max_num_seqs: int) -> int:
     return next_pow2(max_num_seqs, MIN_SEQS_BUCKET)
 
 
-def query_bucket(n: int) -> int:
-    """Coarser buckets (powers of four from 16) for the longest query of a prefill step."""
-    b = MIN_QUERY_BUCKET
+def seqs_bucket(n: int, decode: bool, widest: int) -> int:
+    """The sequence slots (and logits rows) of a step of ``n``: powers of two in a decode step,
+    the engine's hot path; powers of four in a step with prompt rows, whose extra slots cost
+    their logits rows alone, so that prefill shapes number a few dozen. At most ``widest``."""
+    if decode:
+        return next_pow2(n, MIN_SEQS_BUCKET)
+    b = MIN_SEQS_BUCKET
     while b < n:
         b *= 4
+    return max(min(b, widest), n)
+
+
+def seqs_buckets(max_n: int, decode: bool, widest: int) -> list[int]:
+    """Every ``seqs_bucket`` of a step of 1 .. ``max_n`` sequences (or rows)."""
+    out = [seqs_bucket(1, decode, widest)]
+    while out[-1] < max_n:
+        out.append(seqs_bucket(out[-1] + 1, decode, widest))
+    return out
+
+
+def query_bucket(n: int) -> int:
+    """Coarse buckets (powers of eight from 16: 16, 128, 1024, 8192) for the longest query of a
+    prefill step: the kernels' grids follow it, and their tiles past a sequence's rows return at
+    once, so a coarse bound costs little and keeps prefill shapes few."""
+    b = MIN_QUERY_BUCKET
+    while b < n:
+        b *= 8
     return b
 
 
@@ -79,12 +108,26 @@ class InputBatcher:
     proposals an engine that speculates may verify per sequence); a decode step, which verifies
     nothing, one. The width follows the step's shape, so speculation adds no model programs."""
 
-    def __init__(self, block_size: int, max_model_len: int, logits_per_seq: int = 1):
+    def __init__(
+        self,
+        block_size: int,
+        max_model_len: int,
+        logits_per_seq: int = 1,
+        *,
+        follows_context: bool = False,
+        max_num_seqs: int = 256,
+    ):
+        """``follows_context``: the attention kernels' work follows each sequence's context, not
+        the table's width (coarse width buckets). ``max_num_seqs``: the engine's, which caps
+        the sequence buckets."""
         self.block_size = block_size
+        self.widest_seqs = widest_seqs_bucket(max_num_seqs)
         self.max_model_len = max_model_len
         self.logits_per_seq = logits_per_seq
         self.max_blocks_per_seq = cdiv(max_model_len, block_size)
-        self.min_blocks_bucket = min(self.max_blocks_per_seq, cdiv(MIN_CONTEXT_BUCKET, block_size))
+        min_context = MIN_CONTEXT_BUCKET_FOLLOWING if follows_context else MIN_CONTEXT_BUCKET
+        self.min_blocks_bucket = min(self.max_blocks_per_seq, cdiv(min_context, block_size))
+        self.width_growth = WIDTH_GROWTH_FOLLOWING if follows_context else 2
         # The shapes ``build`` has produced, in the order first seen (appended on the engine
         # thread; a background compile reads a copy to compile what the traffic needs next).
         self.shapes_built: list[StepShape] = []
@@ -104,7 +147,10 @@ class InputBatcher:
         return min(query_bucket(max_q), num_tokens_b) if self.query_buckets else num_tokens_b
 
     def blocks_bucket(self, max_blocks: int) -> int:
-        b = next_pow2(max_blocks, self.min_blocks_bucket)
+        """The table width (blocks) of a step whose longest table has ``max_blocks``."""
+        b = self.min_blocks_bucket
+        while b < max_blocks:
+            b *= self.width_growth
         return max(min(b, self.max_blocks_per_seq), max_blocks)
 
     def build(
@@ -125,7 +171,7 @@ class InputBatcher:
         num_rows = sum(len(s.samples) for s in seqs)
         decode = max_q == 1
         per_seq = self.logits_per_step(decode)
-        num_seqs_b = next_pow2(max(num, cdiv(num_rows, per_seq)), MIN_SEQS_BUCKET)
+        num_seqs_b = seqs_bucket(max(num, cdiv(num_rows, per_seq)), decode, self.widest_seqs)
         num_tokens_b = num_seqs_b if decode else next_pow2(num_tokens, MIN_TOKENS_BUCKET)
         max_blocks_b = self.blocks_bucket(int(widths.max()))
 
@@ -189,11 +235,17 @@ class InputBatcher:
     def step_shapes(self, max_num_seqs: int, max_num_batched_tokens: int) -> list[StepShape]:
         """Every shape ``build`` can produce for batches of at most ``max_num_seqs`` sequences
         (and sample rows) and ``max_num_batched_tokens`` tokens."""
-        seq_buckets = powers_of_two(MIN_SEQS_BUCKET, widest_seqs_bucket(max_num_seqs))
+        widest = widest_seqs_bucket(max_num_seqs)
+        if widest > self.widest_seqs:
+            raise ValueError(
+                f"max_num_seqs={max_num_seqs} exceeds the batcher's ({self.widest_seqs} slots)"
+            )
         tables: dict[int, list[int]] = {}  # block bucket -> longest tables padded to it
         for m in range(1, self.max_blocks_per_seq + 1):
             tables.setdefault(self.blocks_bucket(m), []).append(m)
-        shapes = [StepShape(s, s, b, 1) for s in seq_buckets for b in tables]  # decode
+        decode_seqs = seqs_buckets(max_num_seqs, True, self.widest_seqs)
+        shapes = [StepShape(s, s, b, 1) for s in decode_seqs for b in tables]  # decode
+        seq_buckets = seqs_buckets(max_num_seqs, False, self.widest_seqs)
         token_buckets = powers_of_two(
             MIN_TOKENS_BUCKET, next_pow2(max_num_batched_tokens, MIN_TOKENS_BUCKET)
         )
@@ -207,7 +259,7 @@ class InputBatcher:
             while prev < max_q:
                 span = (prev + 1, min(edge, max_q))
                 queries.setdefault(self.max_query_bucket(edge, t), []).append(span)
-                prev, edge = edge, edge * 4
+                prev, edge = edge, query_bucket(edge + 1)
             for q, spans in sorted(queries.items()):
                 if any(
                     _packable(tokens, min(s, max_num_seqs), span, max(m) * self.block_size)
@@ -299,9 +351,18 @@ def _packable(tokens, max_seqs: int, queries, max_context: int) -> bool:
     return False
 
 
+def moves_bucket(n: int) -> int:
+    """The padded length of a block move of ``n`` blocks: a power of eight (8, 64, 512, ...), so
+    that copies and swaps of any size take three or four programs each."""
+    b = 8
+    while b < n:
+        b *= 8
+    return b
+
+
 def padded_ids(pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Two id columns padded with -1 to a power of two (bounded programs)."""
-    ids = np.full((2, next_pow2(len(pairs), 8)), -1, np.int32)
+    """Two id columns padded with -1 to ``moves_bucket`` (bounded programs)."""
+    ids = np.full((2, moves_bucket(len(pairs))), -1, np.int32)
     if pairs:
         ids[:, : len(pairs)] = np.asarray(pairs, np.int32).T
     return ids[0], ids[1]

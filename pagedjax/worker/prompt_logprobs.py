@@ -1,15 +1,14 @@
 """Prompt logprobs: the log-probability of every prompt token under the model, and the top k.
 
 Prompt token ``j`` (``j >= 1``) is scored by the logits at position ``j - 1``, which the step that
-computes that position produces: a prefill chunk, whether or not it finishes the prompt. Only the
-steps that hold such rows pay for them: there ``logits_indices`` grows by a bucketed block of rows
-(``rows_bucket``: powers of four from 32, at most the step's token bucket, so that a prefill shape
-has a handful of such programs, ``rows_buckets``) and the step program scores them (``score``)
-beside sampling the usual per-sequence rows; the rows' targets travel in the step's packed input.
-These programs are compiled with the rest in warm-up and a server's background compile
-(worker/warmup_jobs.py), not on a request's first step. Steps without such rows run the usual
-programs, unchanged. The runner returns the scores with the step's output (``PromptScores`` per
-scheduled sequence) and the step loop stores them into the request's ``PromptLogprobs``.
+computes that position produces: a prefill chunk, whether or not it finishes the prompt. Every
+step program returns the last layer's output of each of its token rows (worker/programs.py), and a
+step that holds such rows scores them from it with the score program (``score``: the model's
+head on the rows, then log-softmax, rank and top k), in chunks of at most ``CHUNK_ROWS`` rows
+(``chunks``): one score program per token bucket, whatever the number of rows, so prompt
+logprobs never multiply the model's programs. Steps without such rows run nothing more. The
+runner returns the scores with the step's output (``PromptScores`` per scheduled sequence) and the
+step loop stores them into the request's ``PromptLogprobs``.
 
 A cached prefix has no logits, so a request that asks for prompt logprobs does not read the shared
 prefix cache (``PromptLogprobs.cache_key``): it computes its whole prompt. After a preemption by
@@ -28,8 +27,8 @@ from flax import struct
 
 from pagedjax.worker.sampler import TOP_LOGPROBS_WIDTH
 
-MIN_ROWS_BUCKET = 32  # smallest block of extra logits rows (bounded programs)
-ROWS_BUCKET_GROWTH = 4  # each next block of rows this many times the last
+# Rows a score program scores at once (its logits are [rows, vocab]): at most this many.
+CHUNK_ROWS = 256
 _nonce = itertools.count()
 
 
@@ -98,28 +97,15 @@ class PromptLogprobs:
         self.next_target = max(self.next_target, stop)
 
 
-def rows_bucket(num_rows: int, num_tokens: int) -> int:
-    """The block of logits rows a step of ``num_tokens`` (padded) tokens appends for
-    ``num_rows`` prompt rows (at most one per token): the least power of ``ROWS_BUCKET_GROWTH``
-    times MIN_ROWS_BUCKET that holds them, or all the step's tokens when that is fewer."""
-    size = MIN_ROWS_BUCKET
-    while size < num_rows:
-        size *= ROWS_BUCKET_GROWTH
-    return min(size, max(num_tokens, num_rows))
+def chunk_rows(num_tokens: int) -> int:
+    """Rows per score program call in a step of ``num_tokens`` (padded) token rows."""
+    return min(num_tokens, CHUNK_ROWS)
 
 
-def rows_buckets(num_tokens: int) -> list[int]:
-    """Every block of rows a step of ``num_tokens`` padded tokens can append."""
-    out = [rows_bucket(1, num_tokens)]
-    while out[-1] < num_tokens:
-        out.append(rows_bucket(out[-1] + 1, num_tokens))
-    return out
-
-
-def extend_logits_rows(step_input, seqs) -> tuple[object, np.ndarray | None]:
-    """The step input with the rows to score appended to ``logits_indices`` (padded to
-    ``rows_bucket``), and their targets (i32[P], padding 0); (step_input, None) when no row is
-    asked."""
+def chunks(seqs, num_tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The step's rows to score and their targets (the prompt token each row predicts), in
+    chunks of ``chunk_rows(num_tokens)`` (i32 each, padded with row 0 and target 0), sequence
+    by sequence; [] when no row is asked."""
     rows, targets, row = [], [], 0
     for s in seqs:
         p = s.prompt_rows
@@ -127,18 +113,24 @@ def extend_logits_rows(step_input, seqs) -> tuple[object, np.ndarray | None]:
             rows.extend(range(row + p.first_row, row + p.first_row + len(p.targets)))
             targets.extend(p.targets)
         row += len(s.token_ids)
-    if not rows:
-        return step_input, None
-    size = rows_bucket(len(rows), len(step_input.token_ids))
-    padded = np.zeros((2, size), np.int32)
-    padded[0, : len(rows)], padded[1, : len(rows)] = rows, targets
-    indices = np.concatenate([np.asarray(step_input.logits_indices, np.int32), padded[0]])
-    return step_input.replace(logits_indices=indices), padded[1]
+    size = chunk_rows(num_tokens)
+    out = []
+    for start in range(0, len(rows), size):
+        padded = np.zeros((2, size), np.int32)
+        n = len(rows[start : start + size])
+        padded[0, :n], padded[1, :n] = rows[start : start + size], targets[start : start + size]
+        out.append((padded[0], padded[1]))
+    return out
+
+
+def concat(outs: list[PromptLogprobsOutput]) -> PromptLogprobsOutput:
+    """The chunks' scores (host arrays) as one, rows in order."""
+    return jax.tree.map(lambda *xs: np.concatenate(xs), *outs)
 
 
 def split_scores(seqs, out: PromptLogprobsOutput) -> list[PromptScores]:
-    """Each scheduled sequence's rows of ``out`` (host arrays, rows in ``extend_logits_rows``
-    order), for the sequences that have rows to score."""
+    """Each scheduled sequence's rows of ``out`` (host arrays, rows in ``chunks``' order), for
+    the sequences that have rows to score."""
     scores, i = [], 0
     for index, s in enumerate(seqs):
         p = s.prompt_rows
@@ -151,7 +143,7 @@ def split_scores(seqs, out: PromptLogprobsOutput) -> list[PromptScores]:
 
 
 def score(logits: jax.Array, targets: jax.Array) -> PromptLogprobsOutput:
-    """The prompt rows' scores, inside the step program: logits f32[P, vocab] (the rows to
+    """The prompt rows' scores, inside the score program: logits f32[P, vocab] (the rows to
     score), targets i32[P] (the token each row predicts)."""
     x = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(x, axis=-1)

@@ -24,21 +24,20 @@ jitted programs programs'; their lowering for warm-up warmup_jobs'.
 
 With a ``lora_config`` the runner holds LoRA adapters' device slots (worker/lora.py).
 
-In a multi-process run (``pagedjax.distributed``) every device operation goes through ``_call``:
-the driver broadcasts it with its host arrays and the followers, looping in ``follow``, replay it.
+Every device operation goes through ``DeviceCalls`` (worker/device_calls.py): in a multi-process
+run (``pagedjax.distributed``) the driver broadcasts it with its host arrays and the followers
+replay it; it counts what compiles and keeps compiled programs within the memory-map limit.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from pagedjax import compilation, pallas_kernels
+from pagedjax import compilation, executables, pallas_kernels
 from pagedjax.distributed import Channel
 from pagedjax.inspection.step_profile import StepProfile
 from pagedjax.models.config import ModelConfig
@@ -49,6 +48,7 @@ from pagedjax.models.step_input import StepInput
 from pagedjax.pallas_kernels.layer_matmul import CpuLinearMethods
 from pagedjax.spec_decode.rejection import verify_step
 from pagedjax.worker import programs, prompt_logprobs, sampler, step_program, warmup_jobs
+from pagedjax.worker.device_calls import DeviceCalls
 from pagedjax.worker.input_batch import (
     InputBatcher,
     ScheduledSeq,
@@ -80,8 +80,6 @@ def placed(params, mesh: Mesh | None):
 
 class Runner(LoRASlotsHolder):
     """Owns the parameters, the device KV pool and the jitted step."""
-
-    call_observer = None  # see _call
 
     def __init__(
         self,
@@ -117,7 +115,13 @@ class Runner(LoRASlotsHolder):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_speculative_tokens = num_speculative_tokens
-        self.batcher = InputBatcher(block_size, max_model_len, 1 + num_speculative_tokens)
+        self.batcher = InputBatcher(
+            block_size,
+            max_model_len,
+            1 + num_speculative_tokens,
+            follows_context=self.backend.follows_context,
+            max_num_seqs=max_num_seqs,
+        )
         self.batcher.query_buckets = not self.backend.follows_rows
         self.max_blocks_per_seq = self.batcher.max_blocks_per_seq
         self.dtype = compute_dtype(params)  # linear kernels may be 8-bit (models/quant.py)
@@ -142,7 +146,6 @@ class Runner(LoRASlotsHolder):
         self.num_host_blocks = num_host_blocks
         self.init_lora(lora_config, pool)
         self.max_model_len = max_model_len
-        self.num_compilations = 0  # programs compiled because of this runner's device operations
         # Every step's device tokens are i32[W] (worker/step_program.py); one placed zeros array
         # stands for the tokens of no step.
         self.fill_width = step_program.fill_width(max_num_seqs)
@@ -152,10 +155,8 @@ class Runner(LoRASlotsHolder):
         self._zeros = None
         self.num_programs = 0  # programs the steps dispatched
         self.num_transfers = 0  # host arrays the steps sent to the device
-        self.compile_seconds = 0.0  # time spent tracing, lowering and compiling them
-        self._count_lock = threading.Lock()  # the engine thread and a background compile count
-        self.warmed_up = False  # a warm-up compiled programs: a step that compiles is logged
         self.channel = channel  # set in a multi-process run
+        self.calls = DeviceCalls(self.device_op, channel)  # every device operation's door
         self.profile = profile or StepProfile()
         # The profile's attention work: the native CPU kernel reads each row's own keys only.
         self._attention_rows_only = self.backend.reads_rows_only
@@ -197,19 +198,20 @@ class Runner(LoRASlotsHolder):
             step_input = self.batcher.build(seqs, self.table_rows)
             rows = [row for s in seqs for row in s.samples]
             logit_rows, drafts = self.batcher.sample_rows(seqs, step_input)
-            # None: a plain greedy batch, sampled in the step program (nothing to build)
-            sampling = None
-            if drafts is not None or not sampler.plain_greedy(rows, num_top_logprobs):
-                sampling = self.sampling_input(rows, len(logit_rows), num_top_logprobs)
-            step_input, targets = prompt_logprobs.extend_logits_rows(step_input, seqs)
+            # sampling: the sampler program's input; in_step: the one the step program samples
+            # (a sampled decode step); neither: a plain greedy batch (nothing to build)
+            sampling = in_step = None
+            own_program = any(sampler.needs_own_program(r) for r in rows)
+            if drafts is None and step_input.max_query_len == 1 and not own_program:
+                if not sampler.plain_greedy(rows, num_top_logprobs):
+                    in_step = self.sampling_input(rows, len(logit_rows))
+            elif drafts is not None or not sampler.plain_greedy(rows, num_top_logprobs):
+                sampling = self.sampling_input(rows, len(logit_rows), constrained=True)
+            score_chunks = prompt_logprobs.chunks(seqs, len(step_input.token_ids))
         kind = count_padding(prof, seqs, step_input, self.block_size, self._attention_rows_only)
-        in_step = None  # the sampling input the step program samples (a sampled decode step)
-        decode = drafts is None and step_input.max_query_len == 1
-        if decode and sampling is not None and step_program.samples_in_step(sampling.variant):
-            in_step, sampling = sampling, None
-        packed, layout = step_program.pack_inputs(step_input, logit_rows, in_step, targets)
+        packed, layout = step_program.pack_inputs(step_input, logit_rows, in_step)
         with prof.phase("device", kind):
-            args = (packed, layout, sampling, drafts, draft_probs)
+            args = (packed, layout, sampling, drafts, draft_probs, score_chunks)
             args += () if prev_tokens is None else (prev_tokens,)
             out, tokens, scored = self._call("run_step", *args)
             if isinstance(out, jax.Array):
@@ -220,8 +222,9 @@ class Runner(LoRASlotsHolder):
         """Wait for a dispatched step; its output as host arrays (see ``execute``)."""
         with self.profile.phase("fetch"):
             scores = []
-            if handle.scored is not None:
-                scores = prompt_logprobs.split_scores(handle.seqs, jax.device_get(handle.scored))
+            if handle.scored:
+                scored = prompt_logprobs.concat(jax.device_get(handle.scored))
+                scores = prompt_logprobs.split_scores(handle.seqs, scored)
             if isinstance(handle.out, jax.Array):
                 out = step_program.unpack_output(np.asarray(handle.out)[: handle.num_rows])
             else:
@@ -232,13 +235,14 @@ class Runner(LoRASlotsHolder):
         )
         return StepOutput(out, scores)
 
-    def sampling_input(self, rows: list[SamplingRow], size: int, num_top: int) -> SamplingInput:
+    def sampling_input(
+        self, rows: list[SamplingRow], size: int, constrained: bool = False
+    ) -> SamplingInput:
+        """The rows' sampling input (``constrained``: with bias and bitmask columns, as every
+        sampler program's is; a step program's never has them)."""
+        vocab = self.config.vocab_size
         return SamplingInput.build(
-            rows,
-            size,
-            self.config.vocab_size,
-            min(num_top, self.config.vocab_size),
-            history_width=self.max_model_len,
+            rows, size, vocab, history_width=self.max_model_len, constrained=constrained
         )
 
     def _run_step(
@@ -248,19 +252,25 @@ class Runner(LoRASlotsHolder):
         sampling: SamplingInput | None,
         drafts: np.ndarray | None = None,
         draft_probs: np.ndarray | None = None,
+        score_chunks: list[tuple[np.ndarray, np.ndarray]] = (),
         prev_tokens: jax.Array | None = None,
     ):
         """One step's programs: the step program (fill, model, and the sampling of a plain
         greedy batch or, its input packed in ``packed``, of a sampled decode step); else the
         sampler program (``sampling``) unless the batch is plain greedy; the verify program in a
-        step that verifies. A step with prompt rows scores them in the step program. Returns
-        (output, tokens i32[W] or None, the prompt rows' scores or None)."""
+        step that verifies; the score program for each chunk of prompt rows (``score_chunks``,
+        worker/prompt_logprobs.py). Returns (output, tokens i32[W] or None, the chunks' scores,
+        on the device)."""
         if prev_tokens is None:
             prev_tokens = self._no_tokens()
         outs, self.kv_cache.pages = self._launch(
             programs.step, *self._step_operands(packed, prev_tokens, layout)
         )
-        scored = outs.get("prompt_scores")  # worker/prompt_logprobs.py
+        model = (self.config, self.mesh, self.linear)
+        scored = [
+            self._launch(programs.score, self.params, outs["hidden"], *self._put(chunk), *model)
+            for chunk in score_chunks
+        ]
         if drafts is not None:
             # Speculation: rows with a proposal verify it (VerifyOutput: SamplerOutput +
             # accepted); the logits rows are the sampler's already.
@@ -271,7 +281,7 @@ class Runner(LoRASlotsHolder):
             return self._launch(verify_step, *args), None, scored
         # A plain greedy batch (None: nothing built for it) or a sampled decode step (its
         # sampling input in the layout) is sampled in the step program.
-        if sampling is None or sampling.variant == sampler.Variant():
+        if sampling is None:
             return outs["packed"], outs["tokens"], scored
         packed_sampling, sampling_layout = step_program.pack_sampling(sampling)
         args = (outs["logits"], self._put(packed_sampling), sampling_layout, self.fill_width)
@@ -312,21 +322,26 @@ class Runner(LoRASlotsHolder):
         swap: bool | None = None,
         progress: bool = True,
     ) -> WarmupReport:
-        """Compile every program a workload within these limits can need (``warmup_jobs``) on a
-        thread pool (XLA compiles outside the GIL); returns the seconds each program took
-        (compiled, or loaded from the persistent cache)."""
+        """Compile every program a workload within these limits can need (``warmup_jobs``: the
+        program set's bound) on a thread pool (XLA compiles outside the GIL); returns the
+        seconds each program took (compiled, or loaded from the persistent cache)."""
         limits = (max_num_seqs, max_num_batched_tokens)
         jobs = self.warmup_jobs(*limits, swap=swap)
+        logger.info("warm-up: the engine's whole program set, %d programs", len(jobs))
+        executables.warn_if_unsafe(len(jobs))
         return self.compile(jobs, progress=progress)
+
+    def program_bound(self, max_num_seqs: int, max_num_batched_tokens: int, swap=None) -> int:
+        """The most programs this runner's steps can compile within these limits (the warm-up's
+        job count; worker/warmup_jobs.py lists them)."""
+        return len(self.warmup_jobs(max_num_seqs, max_num_batched_tokens, swap=swap))
 
     def compile(self, jobs: list[Job], **kwargs) -> WarmupReport:
         """Compile ``jobs`` (worker/warmup.py's ``compile_jobs``, which takes ``kwargs``) and
         count what they compiled as this runner's; safe on a thread beside the engine's."""
-        report = compile_jobs(jobs, **kwargs)
-        with self._count_lock:
-            self.num_compilations += report.num_compiled
-            self.compile_seconds += report.compile_seconds
-        self.warmed_up = True
+        report = compile_jobs(jobs, guard=self.calls.guard, **kwargs)
+        self.calls.count(report.num_compiled, report.compile_seconds)
+        self.calls.warmed_up = True
         return report
 
     def startup_jobs(self, *limits, default=warmup_jobs.DEFAULT_SAMPLING) -> list[Job]:
@@ -431,46 +446,22 @@ class Runner(LoRASlotsHolder):
         return ops.get(op)
 
     def _call(self, op: str, *args):
-        """Run device operation ``op`` here and, in a multi-process run, on every follower;
-        counts the programs it compiles; then ``call_observer(op, args, start, returned, out)``
-        if one is set (a probe timing the dispatch)."""
         if not self.kv_cache.pages:
             raise RuntimeError("the engine is closed")
-        if self.channel is not None:
-            self.channel.send((op, args))
-        compiles, seconds = compilation.this_thread()  # a background compile is not this op's
-        start = time.perf_counter()
-        try:
-            out = self.device_op(op)(*args)
-        finally:
-            now = compilation.this_thread()
-            with self._count_lock:
-                self.num_compilations += now[0] - compiles
-                self.compile_seconds += now[1] - seconds
-            if now[0] > compiles and self.warmed_up:  # every step in flight waited for it
-                logger.info(
-                    "%s compiled %d program(s) on first use (%.2f s; warm-up had not): %s",
-                    op,
-                    now[0] - compiles,
-                    now[1] - seconds,
-                    _describe(op, args),
-                )
-        if self.call_observer is not None:
-            self.call_observer(op, args, start, time.perf_counter(), out)
-        return out
+        return self.calls.run(op, *args)
 
     def follow(self):
-        """Follower: replay the driver's device operations until a message that is not one
-        (the caller's business, e.g. "stop"); returns that message as ``(op, payload)``."""
-        while True:
-            op, args = self.channel.recv()
-            run = self.device_op(op)
-            if run is None:
-                return op, args
-            try:
-                run(*args)
-            except Exception:  # the driver meets the same failure; its next message says more
-                logger.exception("device operation %s failed on this follower", op)
+        """Follower: replay the driver's device operations (worker/device_calls.py)."""
+        return self.calls.follow()
+
+    @property
+    def num_compilations(self) -> int:
+        """Programs compiled (or loaded) by this runner's device operations and warm-ups."""
+        return self.calls.num_compilations
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.calls.compile_seconds
 
     def synchronize(self) -> None:
         """Wait for the device operations issued so far (the pool is the last thing they write)."""
@@ -478,23 +469,3 @@ class Runner(LoRASlotsHolder):
 
     def free_device_memory(self) -> None:
         self.kv_cache.free()
-
-
-def _describe(op: str, args: tuple) -> str:
-    """What a device operation ran, for a log line (a step: its layout and sampler variant)."""
-    if op != "run_step":
-        return op
-    layout, sampling = args[1], args[2]
-    out = (
-        f"step t{layout.num_tokens} s{layout.num_seqs} b{layout.max_blocks} "
-        f"q{layout.max_query_len}, {layout.num_logits} sampler rows"
-    )
-    if layout.num_prompt_rows:
-        out += f", {layout.num_prompt_rows} prompt rows"
-    if layout.sampling is not None:
-        out += ", sampling in the step"
-    if sampling is not None:
-        out += f", sampler {sampling.variant}"
-    if args[3] is not None:
-        out += ", verifying proposals"
-    return out

@@ -17,21 +17,19 @@ inside them), else from a full sort; each row takes the one its own settings and
 whatever shares its batch, so the sort cannot change another row's tokens.
 
 Nothing here branches on data (no ``lax.cond`` or loop): on a GPU a conditional makes the host wait
-for the device before it can dispatch the next program. What a batch needs is decided on the host
-from its rows, as static fields of ``SamplingInput`` (part of the program): whether some row has a
-penalty, whether some row samples, how much filtering the sampling rows need (``Filters``: min-p
-only, the candidates, or the candidates and a full sort: a batch with a top-p row, or a top-k
-beyond the candidates, sorts every row's logits), and whether some row wants top logprobs (no
-top-k over the vocabulary otherwise). A greedy batch without penalties, bias or logprobs runs
-the argmax alone.
+for the device before it can dispatch the next program. Sampling is data (worker/sampling_input.py):
+what a batch needs beyond that is decided on the host from its rows, as a few static fields of
+``SamplingInput``: whether some row has a penalty, whether the batch is constrained, whether some
+row samples, and whether some sampling row has top-k or top-p (``Filters``: a batch with one
+takes the candidates and, for rows they do not decide, the full sort). Top logprobs are computed
+at one width whenever a sampler runs. A greedy batch without penalties, bias or logprobs needs no
+sampler: the step program takes its argmax (``greedy``).
 
-The input is built on the host (worker/sampling_input.py). Every input here has a shape set by the
-batch's row count alone (plus one token-history width when some row uses penalties, and one bias
-width and bitmask width when some row has a logit bias or a grammar), so a new request never
-compiles (the runner's warm-up compiles each variant: ``variants``). A decode step without
-penalties, bias or masks samples inside the model's step program (worker/step_program.py), so
-there its few variants multiply a decode shape's programs (up to seven each: ``step_variants``),
-the price of one program per step; everything else runs sampling as a program of its own.
+Every input here has a shape set by the batch's row count alone (plus one token-history width when
+some row uses penalties, and one bias width and bitmask width in a constrained batch), so a new
+request never compiles (the runner's warm-up compiles each variant). A decode step without
+penalties, bias or masks samples inside the model's step program (worker/step_program.py: three
+variants at most per decode shape), everything else runs sampling as a program of its own.
 """
 
 from __future__ import annotations
@@ -41,6 +39,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from pagedjax.worker.sampling_input import (
+    MODES,
     NUM_CANDIDATES,
     TOP_LOGPROBS_WIDTH,
     Filters,
@@ -48,6 +47,7 @@ from pagedjax.worker.sampling_input import (
     SamplingRow,
     Variant,
     bitmask_width,
+    needs_own_program,
     plain_greedy,
     variants,
 )
@@ -154,16 +154,13 @@ def _threshold(x: jax.Array, s: SamplingInput, active: jax.Array) -> jax.Array:
     xs = jax.lax.optimization_barrier(jax.lax.top_k(x, width)[0])  # [num_seqs, width]
     n1 = survivors(xs)
     in_xs = (k <= width) | (n1 < width)
-    if s.filters == Filters.SORT:  # static: some row's nucleus may reach past the candidates
-        kept = jnp.where(x >= min_p_threshold[:, None], jnp.exp(x - row_max[:, None]), 0.0)
-        mass_outside = jnp.sum(kept, -1)
-    else:  # every active row's prefix lies within the candidates (in_xs)
-        mass_outside = jnp.zeros(num_seqs, x.dtype)
+    # The mass of min-p's survivors, which a nucleus past the candidates is measured against.
+    kept = jnp.where(x >= min_p_threshold[:, None], jnp.exp(x - row_max[:, None]), 0.0)
+    mass_outside = jnp.sum(kept, -1)
     threshold, exact = _cutoff(xs, row_max, n1, in_xs, mass_outside, s.top_p, top_k_on)
-    if s.filters == Filters.SORT:
-        xs = _sort_descending(x)
-        full, _ = _cutoff(xs, row_max, survivors(xs), True, mass_outside, s.top_p, top_k_on)
-        threshold = jnp.where(exact, threshold, full)
+    xs = _sort_descending(x)
+    full, _ = _cutoff(xs, row_max, survivors(xs), True, mass_outside, s.top_p, top_k_on)
+    threshold = jnp.where(exact, threshold, full)
     threshold = jnp.where(sorts, threshold, min_p_threshold)
     return jnp.minimum(threshold, row_max)  # the most likely token always survives
 
@@ -211,19 +208,20 @@ def sample(logits: jax.Array, s: SamplingInput) -> SamplerOutput:
         x = _filter(_scale(penalised, s), s, random)
         sampled = jax.vmap(jax.random.categorical)(row_keys(s.seeds, s.positions), x)
         tokens = jnp.where(random, sampled, greedy)
-    return _with_logprobs(logits, tokens.astype(jnp.int32), s.top_logprobs)
+    return _with_logprobs(logits, tokens.astype(jnp.int32), True)
 
 
 def greedy(logits: jax.Array) -> SamplerOutput:
     """``sample`` for a batch of plain greedy rows (no penalty, bias, mask or top logprobs):
-    bit for bit its output, with no sampling input at all (the step program runs it)."""
+    its tokens and logprobs bit for bit, no top logprobs, no sampling input at all (the step
+    program runs it)."""
     logits = logits.astype(jnp.float32)
     return _with_logprobs(logits, argmax(logits).astype(jnp.int32), False)
 
 
 def _with_logprobs(logits: jax.Array, tokens: jax.Array, top_logprobs: bool) -> SamplerOutput:
     lse = jax.nn.logsumexp(logits, axis=-1)  # [num_seqs]
-    # Top logprobs at one width whatever a row asks (no new program), none when no row asks.
+    # Top logprobs at one width whatever a row asks (no new program); none in a plain greedy batch.
     width = min(TOP_LOGPROBS_WIDTH, logits.shape[1]) if top_logprobs else 0
     if width:
         top_logits, top_ids = jax.lax.top_k(logits, width)  # [num_seqs, K]
@@ -249,6 +247,8 @@ __all__ = [
     "Filters",
     "Variant",
     "variants",
+    "MODES",
+    "needs_own_program",
     "plain_greedy",
     "process_logits",
     "row_keys",

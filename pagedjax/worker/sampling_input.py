@@ -2,17 +2,20 @@
 
 ``SamplingRow`` is one row's settings; ``SamplingInput.build`` packs rows into numpy arrays whose
 shapes the row count alone sets (plus one token-history width when some row uses penalties, and
-one bias width and bitmask width when some row has a logit bias or a grammar). What a batch needs
-is decided here, as the input's static fields (``Variant``): whether some row has a penalty,
-whether some row samples, how much filtering the sampling rows need (``Filters``), whether some
-row wants top logprobs.
+one bias width and bitmask width when the batch is constrained). Sampling is data: temperature,
+seeds, min-p, top-k, top-p, penalties' strengths, biases and masks are arrays, and top logprobs
+are always computed at one width. What a batch needs is decided here as a few static fields
+(``Variant``), each of which keeps a large cost off the batches that do not need it: whether some
+row has a penalty (the token history), whether the batch is constrained (bias and bitmask
+columns), whether some row samples (the random draw), and whether some sampling row has top-k or
+top-p (the candidates and the sort, ``Filters``). ``MODES`` and ``variants`` list the few
+programs this makes: the sampler never multiplies the model's programs by more than three.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import itertools
 from collections.abc import Sequence
 
 import jax
@@ -53,21 +56,17 @@ class Filters(enum.IntEnum):
     """How much of the top-k / top-p machinery a batch's sampling rows need (static)."""
 
     MIN_P = 0  # no row has top-k or top-p: min-p's threshold alone
-    CANDIDATES = 1  # every such row's top-k is within the candidates: they decide it exactly
-    SORT = 2  # some row may need the full sort (top-p, or a top-k beyond the candidates)
+    # Some row has top-k or top-p: the candidates decide each row's threshold where they can
+    # (a top-k within them, a nucleus that closes inside them), the full sort elsewhere.
+    SORT = 1
 
 
 def filters_needed(rows: Sequence[SamplingRow], vocab_size: int) -> Filters:
     """The least filtering that gives every row in ``rows`` its exact threshold."""
-    level = Filters.MIN_P
-    width = min(vocab_size, NUM_CANDIDATES)
     for r in rows:
-        k = min(r.top_k, vocab_size) if r.top_k > 0 else vocab_size  # vocab_size: off
-        if r.top_p < 1 or width < k < vocab_size:
+        if r.top_p < 1 or 0 < r.top_k < vocab_size:
             return Filters.SORT
-        if k < vocab_size:
-            level = Filters.CANDIDATES
-    return level
+    return Filters.MIN_P
 
 
 def _bucket(n: int) -> int:
@@ -89,37 +88,28 @@ class SamplingInput:
     # output tokens; padded with vocab_size. One column wide when no row uses penalties.
     token_history: jax.Array  # i32[num_seqs, W]
     prompt_lens: jax.Array  # i32[num_seqs]
-    # Logit bias and allowed tokens: MAX_LOGIT_BIAS and ceil(vocab / 32) columns when some row
-    # has either (bias ids padded with vocab_size, masks with -1: all allowed), else 0 columns.
+    # Logit bias and allowed tokens: MAX_LOGIT_BIAS and ceil(vocab / 32) columns in a
+    # constrained batch (bias ids padded with vocab_size, masks with -1: all allowed), else 0.
     bias_ids: jax.Array  # i32[num_seqs, B]
     bias_values: jax.Array  # f32[num_seqs, B]
     token_bitmask: jax.Array  # i32[num_seqs, W], packed: bit t % 32 of word t // 32 = token t
     # Static, so part of the program (see the module doc): some row has a penalty; some row
-    # samples (temperature > 0); the filtering the rows need; some row wants top logprobs. A
-    # greedy batch (the common case) runs the argmax alone: on a CPU the work around the
-    # [num_seqs, vocab] logits costs several times the argmax (the sampler program at 64 rows of
-    # a 49152-token vocabulary: 20.4 ms with it skipped by conditionals, 4.8 ms without it;
-    # benchmarks/sampler_cpu.py).
+    # samples (temperature > 0); the filtering the sampling rows need. A greedy batch runs the
+    # argmax alone: on a CPU the random draw over the [num_seqs, vocab] logits costs about
+    # twenty times the argmax (benchmarks/sampler_cpu.py).
     penalties: bool = struct.field(pytree_node=False, default=True)
     random: bool = struct.field(pytree_node=False, default=True)
     filters: Filters = struct.field(pytree_node=False, default=Filters.SORT)
-    top_logprobs: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def variant(self) -> Variant:
-        return Variant(
-            self.penalties,
-            self.token_bitmask.shape[1] > 0,
-            self.random,
-            self.filters,
-            self.top_logprobs,
-        )
+        constrained = self.token_bitmask.shape[1] > 0
+        return Variant(self.penalties, constrained, self.random, self.filters)
 
     def without_flags(self) -> SamplingInput:
-        """The same rows with the static flags at their general values (top logprobs off), for
-        a program that reads none of them (the draft model's sampler), so that they never
-        compile it twice."""
-        return self.replace(penalties=True, random=True, filters=Filters.SORT, top_logprobs=False)
+        """The same rows with the static flags at their general values, for a program that reads
+        none of them (the draft model's sampler), so that they never compile it twice."""
+        return self.replace(penalties=True, random=True, filters=Filters.SORT)
 
     @classmethod
     def build(
@@ -127,11 +117,13 @@ class SamplingInput:
         rows: list[SamplingRow],
         size: int,
         vocab_size: int,
-        num_top_logprobs: int = 0,
         *,
         history_width: int | None = None,
+        constrained: bool = False,
     ) -> SamplingInput:
-        """Pack ``rows`` (numpy), padded to ``size`` rows with greedy no-op rows.
+        """Pack ``rows`` (numpy), padded to ``size`` rows with greedy no-op rows. The batch is
+        constrained (bias and bitmask columns) when ``constrained`` or some row has a logit bias
+        or an allowed-token mask.
 
         The token history holds only the rows whose penalties read it (a row's prompt only when
         it has a repetition penalty); a row whose penalties are all neutral gets padding. It is
@@ -141,18 +133,14 @@ class SamplingInput:
         """
         if len(rows) > size:
             raise ValueError(f"size must be >= the number of rows ({len(rows)}), got {size}")
-        if not 0 <= num_top_logprobs <= min(TOP_LOGPROBS_WIDTH, vocab_size):
-            raise ValueError(
-                f"num_top_logprobs must be in [0, {min(TOP_LOGPROBS_WIDTH, vocab_size)}], "
-                f"got {num_top_logprobs}"
-            )
         pad = size - len(rows)
 
         def col(name, dtype, fill):
             return np.asarray([getattr(r, name) for r in rows] + [fill] * pad, dtype=dtype)
 
         history, prompt_lens = _token_history(rows, size, vocab_size, history_width)
-        bias_ids, bias_values, bitmask = _constraints(rows, size, vocab_size)
+        constrained = constrained or any(r.logit_bias or r.token_bitmask is not None for r in rows)
+        bias_ids, bias_values, bitmask = _constraints(rows, size, vocab_size, constrained)
         random = any(r.temperature > 0 for r in rows)
         return cls(
             temperature=col("temperature", np.float32, 0.0),
@@ -173,7 +161,6 @@ class SamplingInput:
             random=random,
             # Greedy rows are never filtered: a batch without a sampling row needs no filter.
             filters=filters_needed(rows, vocab_size) if random else Filters.MIN_P,
-            top_logprobs=num_top_logprobs > 0,
         )
 
 
@@ -221,10 +208,9 @@ def _token_history(rows, size: int, vocab_size: int, history_width: int | None):
     return history, prompt_lens
 
 
-def _constraints(rows, size: int, vocab_size: int):
+def _constraints(rows, size: int, vocab_size: int, constrained: bool):
     """(bias_ids i32[size, B], bias_values f32[size, B], token_bitmask i32[size, M]): B and M
-    zero unless some row has a logit bias or an allowed-token mask."""
-    constrained = any(r.logit_bias or r.token_bitmask is not None for r in rows)
+    zero unless ``constrained``."""
     bias_width = MAX_LOGIT_BIAS if constrained else 0
     bias_ids = np.full((size, bias_width), vocab_size, np.int32)
     bias_values = np.zeros((size, bias_width), np.float32)
@@ -246,47 +232,50 @@ class Variant:
     """The static part of a ``SamplingInput``: which sampler program a batch runs."""
 
     penalties: bool = False
-    constrained: bool = False  # some row has a logit bias or an allowed-token mask
+    constrained: bool = False  # bias and bitmask columns (some row may have either)
     random: bool = False
     filters: Filters = Filters.MIN_P
-    top_logprobs: bool = False
 
     def __str__(self) -> str:
-        words = [k for k in ("penalties", "constrained", "top_logprobs") if getattr(self, k)]
-        if self.random:
-            words.append(f"sampling {self.filters.name.lower()}")
-        return " ".join(words) or "greedy"
+        # Not ``constrained``: every sampler program's input is, no step program's is.
+        words = ["penalties"] if self.penalties else []
+        words.append(f"sampling {self.filters.name.lower()}" if self.random else "greedy")
+        return " ".join(words)
 
     def row(self) -> SamplingRow:
         """A row whose batch runs this variant's program (warm-up)."""
         return SamplingRow(
             temperature=1.0 if self.random else 0.0,
-            top_k={Filters.MIN_P: 0, Filters.CANDIDATES: 1, Filters.SORT: 0}[self.filters],
             top_p=0.5 if self.filters == Filters.SORT else 1.0,
             repetition_penalty=1.5 if self.penalties else 1.0,
             logit_bias=((0, 1.0),) if self.constrained else (),
         )
 
 
+# (random, filters) of the batches a sampler runs: greedy with top logprobs, sampling with
+# temperature and min-p, sampling with top-k or top-p too.
+MODES = ((False, Filters.MIN_P), (True, Filters.MIN_P), (True, Filters.SORT))
+
+
 def plain_greedy(rows: Sequence[SamplingRow], num_top_logprobs: int = 0) -> bool:
-    """Whether ``SamplingInput.build(rows, ..., num_top_logprobs)`` would be ``Variant()``: no
-    row samples or has a penalty, bias or mask, and no top logprobs (the step program samples
-    such a batch itself; nothing to build)."""
+    """Whether the batch needs no sampling input at all: no row samples or has a penalty, bias
+    or mask, and no top logprobs (the step program takes its argmax itself)."""
     return num_top_logprobs == 0 and all(
-        r.temperature <= 0
-        and r.repetition_penalty == 1
-        and r.presence_penalty == 0
-        and r.frequency_penalty == 0
-        and not r.logit_bias
-        and r.token_bitmask is None
-        for r in rows
+        r.temperature <= 0 and not needs_own_program(r) for r in rows
     )
 
 
+def needs_own_program(row: SamplingRow) -> bool:
+    """Whether the row's batch needs the sampler program of its own (after the model step): a
+    penalty (its token history) or a logit bias or allowed-token mask (their columns)."""
+    return _reads_history(row) or bool(row.logit_bias) or row.token_bitmask is not None
+
+
 def variants() -> list[Variant]:
-    """Every sampler program a batch of some row count can run (greedy ones filter nothing)."""
-    out = []
-    for pen, con, lp in itertools.product((False, True), repeat=3):
-        out.append(Variant(pen, con, False, Filters.MIN_P, lp))
-        out += [Variant(pen, con, True, f, lp) for f in Filters]
-    return out
+    """The sampler programs' variants (for each row count): with or without penalties, always
+    constrained (the columns are cheap beside a program of its own), in each of the ``MODES``."""
+    return [
+        Variant(penalties, True, random, filters)
+        for penalties in (False, True)
+        for random, filters in MODES
+    ]

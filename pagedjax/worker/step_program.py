@@ -13,9 +13,10 @@ by ``sampler.sample`` on the sampling input packed with the step's (``samples_in
 variant is part of the layout, so such a step is one program too). A prefill step that needs
 more, and a batch with penalties, logit bias or an allowed-token mask, run the sampler program
 on the gathered rows (``sample_program``), its sampling input packed into one buffer too
-(``pack_sampling``); a step that verifies proposals, the verify program. A step whose prefill
-chunks score prompt rows (prompt logprobs, worker/prompt_logprobs.py) scores them in the step
-program as well, their targets packed after the sampler's rows.
+(``pack_sampling``); a step that verifies proposals, the verify program. Every step program also
+returns the last layer's output of each token row (``hidden``), from which a step whose chunks
+score prompt rows (prompt logprobs, worker/prompt_logprobs.py) scores them with programs of its
+own, so that no model program exists per count of such rows.
 
 Every step's sampled tokens come back as one i32[rows, 2 + 2K] array (``pack_output``: token,
 logprob bits, K top ids, K top logprob bits), copied to the host as soon as it is dispatched.
@@ -31,15 +32,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.models.step_input import StepInput
-from pagedjax.worker import prompt_logprobs
 from pagedjax.worker.input_batch import widest_seqs_bucket
 from pagedjax.worker.sampler import (
+    MODES,
     SamplerOutput,
     SamplingInput,
     Variant,
     greedy,
     sample,
-    variants,
 )
 
 # StepInput's arrays, in field order: the packed buffer holds them in this order (a field added
@@ -66,9 +66,6 @@ class StepLayout:
     # each of StepInput's arrays (ARRAY_FIELDS order); None for a field that is None
     shapes: tuple[tuple[int, ...] | None, ...]
     num_logits: int  # logits rows the sampler reads (its rows gather from these)
-    # logits rows appended for prompt logprobs, scored in the program (0: none); their targets
-    # are packed after the sampler's rows
-    num_prompt_rows: int
     max_query_len: int
     # The sampler's input, packed after the step's (a sampled decode step: the step program
     # samples it); None: the program samples greedily.
@@ -91,50 +88,37 @@ class StepLayout:
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        """i32 words of each part: StepInput's arrays, the sampler's logits rows, the prompt
-        rows' targets, the sampling input (0 without one)."""
+        """i32 words of each part: StepInput's arrays, the sampler's logits rows, the sampling
+        input (0 without one)."""
         sampling = (
             sum(math.prod(shape) for shape, _ in self.sampling.leaves) if self.sampling else 0
         )
         arrays = (0 if shape is None else math.prod(shape) for shape in self.shapes)
-        return (*arrays, self.num_logits, self.num_prompt_rows, sampling)
+        return (*arrays, self.num_logits, sampling)
 
 
 def pack_inputs(
     step_input: StepInput,
     logit_rows: np.ndarray,
     sampling: SamplingInput | None = None,
-    targets: np.ndarray | None = None,
 ) -> tuple[np.ndarray, StepLayout]:
     """One i32 host buffer holding the step's inputs, and its layout. ``logit_rows``: the logits
     row each sampler row reads (as many as the step's sampler rows); ``sampling``: the sampler's
-    input when the step program samples a batch that needs more than greedy; ``targets``: the
-    prompt token each prompt row scores (the rows of ``logits_indices`` past the sampler's,
-    worker/prompt_logprobs.py's ``extend_logits_rows``), required when there are such rows."""
+    input when the step program samples a batch that needs more than greedy."""
     values = [getattr(step_input, name) for name in ARRAY_FIELDS]
     arrays = [np.asarray(x) for x in values if x is not None]
     for name, x in zip(ARRAY_FIELDS, values, strict=True):
         if x is not None and x.dtype != np.int32:
             raise ValueError(f"StepInput.{name} must be int32 to be packed, got {x.dtype}")
-    num_rows = len(logit_rows)
-    num_prompt_rows = len(step_input.logits_indices) - num_rows
-    if num_prompt_rows != (0 if targets is None else len(targets)):
-        raise ValueError(
-            f"{num_prompt_rows} prompt rows past the sampler's {num_rows} need as many targets, "
-            f"got {None if targets is None else len(targets)}"
-        )
     parts = [x.ravel() for x in arrays]
     parts.append(np.asarray(logit_rows, np.int32))
-    if targets is not None:
-        parts.append(np.asarray(targets, np.int32))
     sampling_layout = None
     if sampling is not None:
         sampling_parts, sampling_layout = _sampling_parts(sampling)
         parts += sampling_parts
     layout = StepLayout(
         tuple(None if x is None else np.shape(x) for x in values),
-        num_rows,
-        num_prompt_rows,
+        len(logit_rows),
         step_input.max_query_len,
         sampling_layout,
     )
@@ -142,8 +126,8 @@ def pack_inputs(
 
 
 def unpack_inputs(buf: jax.Array, layout: StepLayout):
-    """``pack_inputs`` undone inside a program: (StepInput, logit_rows i32[num_logits], the
-    prompt rows' targets i32[num_prompt_rows] or None, SamplingInput or None)."""
+    """``pack_inputs`` undone inside a program: (StepInput, logit_rows i32[num_logits],
+    SamplingInput or None)."""
     offsets = np.cumsum((0, *layout.sizes))
     parts = [buf[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
     arrays = {
@@ -151,9 +135,9 @@ def unpack_inputs(buf: jax.Array, layout: StepLayout):
         for name, part, shape in zip(ARRAY_FIELDS, parts, layout.shapes, strict=False)
     }
     step = StepInput(**arrays, max_query_len=layout.max_query_len)
-    rows, targets = parts[len(ARRAY_FIELDS)], parts[len(ARRAY_FIELDS) + 1]
+    rows = parts[len(ARRAY_FIELDS)]
     sampling = unpack_sampling(parts[-1], layout.sampling) if layout.sampling else None
-    return step, rows, targets if layout.num_prompt_rows else None, sampling
+    return step, rows, sampling
 
 
 def samples_in_step(variant: Variant) -> bool:
@@ -165,8 +149,9 @@ def samples_in_step(variant: Variant) -> bool:
 
 
 def step_variants() -> list[Variant]:
-    """The sampler variants a decode step program can hold besides plain greedy."""
-    return [v for v in variants() if v != Variant() and samples_in_step(v)]
+    """The sampler variants a decode step program can hold besides plain greedy: one per mode
+    (greedy with top logprobs, sampling, sampling with top-k or top-p)."""
+    return [Variant(False, False, random, filters) for random, filters in MODES]
 
 
 def fill_width(max_num_seqs: int) -> int:
@@ -210,25 +195,19 @@ def unpack_output(packed: np.ndarray) -> SamplerOutput:
 def after_model(
     logits: jax.Array,
     logit_rows: jax.Array,
-    layout: StepLayout,
     prev_tokens: jax.Array,
     sampling: SamplingInput | None = None,
-    targets: jax.Array | None = None,
 ) -> dict:
-    """The step program's outputs from the model's logits f32[num_logits + P, vocab]: the
-    sample packed (greedy, or by ``sampling``), its tokens at width W, the sampler's rows of
-    logits and, when the step has prompt rows (P > 0, their ``targets`` i32[P]), their scores
-    (``prompt_scores``, a PromptLogprobsOutput of P rows)."""
+    """The step program's outputs from the model's logits f32[num_logits, vocab]: the sample
+    packed (greedy, or by ``sampling``), its tokens at width W and the sampler's rows of
+    logits."""
     sample_logits = logits[logit_rows]  # [num_logits, vocab]
     out = greedy(sample_logits) if sampling is None else sample(sample_logits, sampling)
-    outs = {
+    return {
         "packed": pack_output(out),
         "tokens": to_width(out.tokens, prev_tokens.shape[0]),
         "logits": sample_logits,
     }
-    if targets is not None:
-        outs["prompt_scores"] = prompt_logprobs.score(logits[layout.num_logits :], targets)
-    return outs
 
 
 def _sampling_parts(sampling: SamplingInput) -> tuple[list[np.ndarray], SamplingLayout]:

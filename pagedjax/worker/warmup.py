@@ -31,6 +31,7 @@ from collections.abc import Callable
 from tqdm.auto import tqdm
 
 from pagedjax import compilation
+from pagedjax.executables import ExecutableGuard
 from pagedjax.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -87,11 +88,18 @@ def compile_jobs(
     progress: bool = False,
     stop: threading.Event | None = None,
     skip_failures: bool = False,
+    guard: ExecutableGuard | None = None,
+    background: bool = False,
 ) -> WarmupReport:
     """Lower each job (one at a time: tracing holds the GIL) and compile it on ``workers``
     threads (default: one per CPU; one: on the calling thread, job after job).
     ``skip_failures``: a job that fails is logged and skipped (its program then compiles on
-    first use) instead of raising. ``stop``: once set, no further job starts."""
+    first use) instead of raising. ``stop``: once set, no further job starts. ``guard``
+    (pagedjax/executables.py): checked after each job, so that compiled programs stay within
+    the memory-map limit however many the jobs are; or, ``background`` (a thread beside the
+    one that steps, which checks it), held while each job compiles."""
+    held = guard.compiling if guard is not None and background else contextlib.nullcontext()
+    check = guard is not None and not background
     start = time.perf_counter()
     report = WarmupReport([], 0.0)
     workers = max(1, min(len(jobs), workers or os.cpu_count() or 1))
@@ -112,23 +120,28 @@ def compile_jobs(
             if stop is not None and stop.is_set():
                 break
             before, t0 = compilation.this_thread(), time.perf_counter()
-            try:
-                lowered = lower()
-            except Exception:
-                if not skip_failures:
-                    raise
-                logger.exception("could not lower %s; it compiles on first use", name)
-                continue
-            after = compilation.this_thread()
-            report.num_compiled += after[0] - before[0]
-            report.compile_seconds += after[1] - before[1]
-            future = pool.submit(compile_one, name, lowered)
-            future.lower_s = time.perf_counter() - t0
-            pending.append(future)
-            if workers == 1:  # one program at a time (the background), stoppable between
-                _collect([future], report, bar, skip_failures)
-                pending.clear()
+            with held:
+                try:
+                    lowered = lower()
+                except Exception:
+                    if not skip_failures:
+                        raise
+                    logger.exception("could not lower %s; it compiles on first use", name)
+                    continue
+                after = compilation.this_thread()
+                report.num_compiled += after[0] - before[0]
+                report.compile_seconds += after[1] - before[1]
+                future = pool.submit(compile_one, name, lowered)
+                future.lower_s = time.perf_counter() - t0
+                pending.append(future)
+                if workers == 1:  # one program at a time (the background), stoppable between
+                    _collect([future], report, bar, skip_failures)
+                    pending.clear()
+            if check and workers == 1:
+                guard.check()
         _collect(pending, report, bar, skip_failures)
+        if check:
+            guard.check()
     report.seconds = time.perf_counter() - start
     return report
 
@@ -179,10 +192,12 @@ class BackgroundCompile:
         jobs: list[Job],
         on_finished: Callable[[], None] | None = None,
         prefer: Callable[[list[Job]], int | None] | None = None,
+        guard: ExecutableGuard | None = None,
     ):
         self._compile = compile
         self.on_finished = on_finished  # called on its thread once every job has gone through
         self.prefer = prefer
+        self.guard = guard  # past its share of the memory-map limit, no further job starts
         self.jobs = list(jobs)
         self.num_jobs = len(self.jobs)
         self.num_done = 0
@@ -217,10 +232,19 @@ class BackgroundCompile:
         start = time.perf_counter()
         try:
             while self.jobs and not self._stop.is_set():
+                if self.guard is not None and self.guard.over_share():
+                    logger.warning(
+                        "background compile stopped with %d programs left: the process's "
+                        "memory mappings passed %d%% of vm.max_map_count; they compile on "
+                        "first use",
+                        len(self.jobs),
+                        round(100 * self.guard.share),
+                    )
+                    break
                 name, lower = self.jobs.pop(self._next())
-                report = self._compile(
-                    [(name, lower)], workers=1, progress=False, stop=self._stop, skip_failures=True
-                )
+                job = [(name, lower)]
+                options = dict(progress=False, stop=self._stop, skip_failures=True)
+                report = self._compile(job, workers=1, background=True, **options)
                 self.num_done += 1
                 self.num_compiled += report.num_compiled
             if not self._stop.is_set():

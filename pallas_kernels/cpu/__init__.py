@@ -31,6 +31,7 @@ def _window_as_array(opts):
 class NativeBackend(AttentionBackend):
     name = "native"
     follows_rows = True
+    follows_context = True
     num_threads: int | None = None  # at most this many threads; None: XLA's intra-op pool
     tile_rows: int = native.TILE_ROWS  # query rows per ragged task
 

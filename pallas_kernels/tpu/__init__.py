@@ -25,6 +25,8 @@ class TpuBackend(AttentionBackend):
     ``interpret=True`` runs the kernels in TPU interpret mode (tests on CPU)."""
 
     name = "tpu"
+    follows_rows = True  # the ragged kernel's grid tiles the packed rows, whatever the queries
+    follows_context = True  # pages past a context length are never copied in
     interpret: bool = False
     pages_per_block: int | None = None
     partition_size: int | None = None

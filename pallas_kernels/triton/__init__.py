@@ -32,6 +32,7 @@ class TritonBackend(AttentionBackend):
     kernels in interpret mode (tests on CPU)."""
 
     name = "triton"
+    follows_context = True  # partitions past a context length return at once
     interpret: bool = False
     pages_per_block: int | None = None
     partition_size: int | None = None

@@ -152,6 +152,53 @@ def test_after_warmup_nothing_compiles(tiny):
     llm.close()
 
 
+@pytest.mark.slow
+def test_the_embedded_model_warmed_up_compiles_nothing_for_a_mixed_workload():
+    """The embedded SmolLM2 warmed up (its whole program set, within the bound) serves a mixed
+    workload (odd prompt lengths, n = 3, beams, logprobs, prompt logprobs, penalties, stops, a
+    grammar) compiling nothing more, its memory mappings within half the kernel's limit."""
+    from pagedjax import executables
+    from pagedjax.sampling_params import StructuredOutputsParams
+
+    llm = LLM(max_model_len=512, num_blocks=40, warmup=True)
+    warm = llm.get_stats()
+    sched = llm.config.scheduler
+    bound = llm.runner.program_bound(sched.max_num_seqs, sched.token_budget)
+    assert 0 < warm.num_compilations <= bound
+    words = [
+        "the",
+        "cache",
+        "is",
+        "paged",
+        "in",
+        "blocks",
+        "of",
+        "sixteen",
+        "tokens",
+        "like",
+        "virtual",
+        "memory",
+    ]
+    prompts = [" ".join(words[i % len(words)] for i in range(n)) for n in (3, 17, 41, 77, 5)]
+    params = [
+        SamplingParams(max_tokens=7, n=3, temperature=0.8, seed=1),
+        SamplingParams(max_tokens=9, logprobs=5, prompt_logprobs=2),
+        SamplingParams(max_tokens=11, repetition_penalty=1.3, presence_penalty=0.5, stop=["."]),
+        SamplingParams(max_tokens=13, temperature=0.7, top_p=0.9, top_k=20, seed=2),
+        SamplingParams(
+            max_tokens=6, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])
+        ),
+    ]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(o.finished for o in outs) and len(outs[0].outputs) == 3
+    assert outs[4].outputs[0].text in ("yes", "no")
+    llm.beam_search(prompts[:2], BeamSearchParams(beam_width=3, max_tokens=5))
+    assert llm.get_stats().num_compilations == warm.num_compilations
+    used, limit = executables.memory_maps()
+    assert used < limit / 2
+    llm.close()
+
+
 _SECOND_PROCESS = textwrap.dedent(
     """
     import json, sys

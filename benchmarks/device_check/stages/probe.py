@@ -122,12 +122,12 @@ def decode_batch(config, m: int, context: int, row=None):
 
 
 class CallTimer:
-    """Observes a runner's device calls (``Runner.call_observer``): (op, args, call start, call
+    """Observes a runner's device calls (``DeviceCalls.observer``): (op, args, call start, call
     return, output) of the last one."""
 
     def __init__(self, runner):
         self.last = None
-        runner.call_observer = self
+        runner.calls.observer = self
 
     def __call__(self, op, args, start, returned, out):
         self.last = (op, args, start, returned, out)
@@ -135,7 +135,7 @@ class CallTimer:
 
 def timed_dispatch(runner, seqs, num_top: int = 0) -> tuple[float, float]:
     """Median (ms until the step program's call returns, ms until its output is ready)."""
-    timer = runner.call_observer
+    timer = runner.calls.observer
     if not isinstance(timer, CallTimer):
         timer = CallTimer(runner)
     for _ in range(2):  # compiled, warm
@@ -160,7 +160,7 @@ def loop_row(runner, config, loop: str, m: int, context: int, copy: float) -> di
 
     seqs = decode_batch(config, m, context)
     timed_dispatch(runner, seqs)  # compiled; the timer holds the step's arguments
-    op, args, *_ = runner.call_observer.last
+    op, args, *_ = runner.calls.observer.last
     n = 3 * REPEATS
     run = runner.device_op(op)
     start = time.perf_counter()

@@ -25,12 +25,11 @@ from server_helpers import free_port, live_server, raw
 from pagedjax import LLM, SamplingParams, compilation
 from pagedjax.entrypoints import startup
 from pagedjax.entrypoints.api_server import build_app
-from pagedjax.worker import prompt_logprobs
 from pagedjax.worker.input_batch import StepShape
 from pagedjax.worker.runner import Runner
 from pagedjax.worker.sampler import Filters, Variant
 from pagedjax.worker.warmup import BackgroundCompile, compile_jobs
-from pagedjax.worker.warmup_jobs import plain_traffic
+from pagedjax.worker.warmup_jobs import own_program_variant, plain_traffic
 
 # The server's defaults for a model with an 8192-token context: 256 sequences, 8192 tokens.
 DEFAULT_LIMITS = (256, 8192)
@@ -54,7 +53,6 @@ def test_a_dozen_model_programs_before_health_and_the_rest_in_the_background(que
     first = _names(runner.startup_jobs(*DEFAULT_LIMITS))
     models = [n for n in first if n.startswith("model ")]
     assert 8 <= len(models) <= 16, models
-    assert len(shapes) > 10 * len(models)  # the full set is an order of magnitude more
     by_name = {f"model {s}": s for s in shapes}
     assert set(models) <= set(by_name)
     picked = [by_name[n] for n in models]
@@ -62,8 +60,8 @@ def test_a_dozen_model_programs_before_health_and_the_rest_in_the_background(que
     assert all(s.num_seqs <= 32 for s in picked)
     assert {s.num_tokens for s in picked if s.max_query_len == 1} == {8, 16, 32}
     assert {s.num_tokens for s in picked if s.max_query_len > 1} == {32, 64, 128, 256, 512}
-    # Nothing rare: no penalties, masks, logprobs, speculation, block moves or long contexts.
-    rare = re.compile(r"penalt|constrain|logprob|prompt rows|verify|blocks|b(64|128|256|512)\b")
+    # Nothing rare: no penalties, masks, logprobs, speculation, block moves.
+    rare = re.compile(r"penalt|constrain|logprob|score|verify|blocks")
     assert not [n for n in first if rare.search(n)]
 
     everything = _names(runner.warmup_jobs(*DEFAULT_LIMITS, swap=True))
@@ -79,20 +77,35 @@ def test_a_dozen_model_programs_before_health_and_the_rest_in_the_background(que
     assert {"copy_blocks 8", "gather_blocks 8", "scatter_blocks 8"} <= set(background)
     assert any("penalties" in n for n in background)
     # First what plain requests run (model steps, default sampling), then the rare programs.
-    plain = [plain_traffic(n) for n in background if "prompt rows" not in n]
+    plain = [plain_traffic(n) for n in background if not n.startswith("score")]
     assert plain == sorted(plain, reverse=True) and 0 < sum(plain) < len(plain)
-    rare_kind = re.compile(r"penalt|constrain|logprob|prompt rows|verify|blocks")
+    rare_kind = re.compile(r"penalt|constrain|logprob|score|verify|blocks")
     assert not [n for n in background[: sum(plain)] if rare_kind.search(n)]
-    # The background starts where requests are likeliest: few sequences, short contexts.
+    # The background starts where requests are likeliest: few sequences first.
     model_bg = [by_name[n] for n in background if n in by_name]
-    assert model_bg[0].num_seqs == 8 and model_bg[-1].num_seqs == 256
-    assert model_bg[0].max_blocks < model_bg[-1].max_blocks
-    # Last, each prefill shape's programs that score prompt rows (prompt logprobs).
-    scoring = [n for n in background if "prompt rows" in n]
+    assert model_bg[0].num_seqs <= 32 and model_bg[-1].num_seqs == 256
+    # Last, the score programs of prompt logprobs: one per token bucket.
+    scoring = [n for n in background if n.startswith("score")]
     assert background[-len(scoring) :] == scoring
-    prefill = [s for s in shapes if s.max_query_len > 1]
-    assert len(scoring) == sum(len(prompt_logprobs.rows_buckets(s.num_tokens)) for s in prefill)
-    assert f"model {prefill[-1]} prompt rows p{prefill[-1].num_tokens}" in scoring
+    assert len(scoring) == len({s.num_tokens for s in shapes})
+
+
+def test_the_program_set_is_bounded_and_small():
+    """What makes programs: the model's work alone (token, sequence and width buckets, and on
+    kernels that need it the longest query's); sampling, logprobs and prompt logprobs add a
+    fixed few, never a multiple of the model's programs."""
+    runner = _runner()
+    shapes = runner.step_shapes(*DEFAULT_LIMITS)
+    decode = [s for s in shapes if s.max_query_len == 1]
+    jobs = _names(runner.warmup_jobs(*DEFAULT_LIMITS, swap=True))
+    assert len({s.max_blocks for s in shapes}) == 1  # the kernels follow context lengths
+    assert len(decode) == 6  # 8 .. 256 sequences
+    steps = [n for n in jobs if n.startswith("step ")]
+    assert len(steps) == 3 * len(decode)  # greedy with top logprobs, sampling, top-k / top-p
+    samplers = [n for n in jobs if n.startswith("sampler ")]
+    assert len(samplers) == 6 * len({s.num_seqs for s in shapes})
+    assert len(jobs) == runner.program_bound(*DEFAULT_LIMITS, swap=True) <= 130
+    assert len(jobs) == len(set(jobs))
 
 
 def test_small_limits_keep_the_policy_within_the_shapes():
@@ -382,7 +395,7 @@ def test_a_background_compile_follows_its_preference_and_survives_a_broken_one()
             {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05},
             Variant(penalties=True, random=True, filters=Filters.SORT),
         ),
-        ({"temperature": 0.0}, Variant()),  # greedy: the step programs sample it
+        ({"temperature": 0.0}, None),  # plain greedy: the step programs take its argmax
     ],
 )
 def test_the_programs_before_health_follow_the_models_sampling_defaults(defaults, variant):
@@ -395,10 +408,11 @@ def test_the_programs_before_health_follow_the_models_sampling_defaults(defaults
     runner = _runner()
     first = _names(runner.startup_jobs(*DEFAULT_LIMITS, default=variant))
     samplers = [n for n in first if not n.startswith("model ")]
-    if variant == Variant():
+    if variant is None:
         assert not samplers
         return
-    assert samplers and all(n.endswith(f" {variant}") for n in samplers)
+    own = own_program_variant(variant)  # a sampler program's (constrained columns)
+    assert samplers and all(n.endswith((f" {variant}", f" {own}")) for n in samplers)
     assert all(plain_traffic(n, variant) for n in samplers)
     # each of them is one the full warm-up compiles, under the same name
     assert set(samplers) <= set(_names(runner.warmup_jobs(*DEFAULT_LIMITS, swap=True)))

@@ -22,7 +22,7 @@ def mask_of(allowed, vocab=V) -> np.ndarray:
 
 
 def run(logits, rows, size=4):
-    s = SamplingInput.build(rows, size, V, 3, history_width=16)
+    s = SamplingInput.build(rows, size, V, history_width=16)
     return jax.tree.map(np.asarray, _sample(logits, s))
 
 

@@ -36,7 +36,7 @@ def cuda_text(fn, *args) -> str:
 
 
 def _args(variant: sampler.Variant):
-    s = SamplingInput.build([variant.row()], ROWS, V, int(variant.top_logprobs), history_width=16)
+    s = SamplingInput.build([variant.row()], ROWS, V, history_width=16)
     assert s.variant == variant
     logits = np.zeros((ROWS, V), np.float32)
     return logits, np.arange(ROWS, dtype=np.int32), s
@@ -60,7 +60,7 @@ def _step_program_args(variant: sampler.Variant | None):
     logit_rows = np.arange(ROWS, dtype=np.int32)
     sampling = None
     if variant is not None:
-        sampling = SamplingInput.build([variant.row()], ROWS, V, int(variant.top_logprobs))
+        sampling = SamplingInput.build([variant.row()], ROWS, V)
     packed, layout = step_program.pack_inputs(step, logit_rows, sampling)
     pool = jax.ShapeDtypeStruct((1, 16, 4, 16), np.float32)  # (kv heads, blocks, block, dim)
     prev = np.zeros(ROWS, np.int32)
@@ -80,7 +80,7 @@ def test_decode_step_programs_hold_no_branch(variant):
 
 
 def test_verify_and_compiled_programs_hold_no_branch():
-    general = sampler.Variant(True, True, True, Filters.SORT, True)
+    general = sampler.Variant(True, True, True, Filters.SORT)
     logits, rows, s = _args(general)
     drafts = np.full(ROWS, -1, np.int32)
     assert not branches(cuda_text(verify_step, logits, rows, s, drafts))
@@ -102,11 +102,14 @@ def test_the_variant_follows_the_rows():
     # Greedy rows are never filtered, whatever they set.
     assert build([SamplingRow(top_p=0.5, top_k=3)]).filters == Filters.MIN_P
     assert build([SamplingRow(1.0, min_p=0.1)]).filters == Filters.MIN_P
-    assert build([SamplingRow(1.0, top_k=256)]).filters == Filters.CANDIDATES
-    assert build([SamplingRow(1.0, top_k=257)]).filters == Filters.SORT
+    assert build([SamplingRow(1.0, top_k=256)]).filters == Filters.SORT
     assert build([SamplingRow(1.0, top_k=V + 5)]).filters == Filters.MIN_P  # k >= vocab: off
     assert build([SamplingRow(1.0, top_k=5), SamplingRow(top_p=0.9)]).filters == Filters.SORT
-    assert len(set(sampler.variants())) == len(sampler.variants()) == 32
+    # Six sampler programs per row count, three sampling in a decode step: no more.
+    assert len(set(sampler.variants())) == len(sampler.variants()) == 6
+    assert all(v.constrained for v in sampler.variants())
+    assert len(set(step_program.step_variants())) == 3
+    assert SamplingInput.build([SamplingRow()], ROWS, V, constrained=True).variant.constrained
 
 
 def test_plain_greedy_agrees_with_the_built_variant():
@@ -126,5 +129,5 @@ def test_plain_greedy_agrees_with_the_built_variant():
             for _ in range(int(rng.integers(1, 4)))
         ]
         k = int(pick(0, 0, 2))
-        built = SamplingInput.build(rows, ROWS, V, k).variant
-        assert sampler.plain_greedy(rows, k) == (built == sampler.Variant()), (rows, k)
+        built = SamplingInput.build(rows, ROWS, V).variant
+        assert sampler.plain_greedy(rows, k) == (k == 0 and built == sampler.Variant()), rows

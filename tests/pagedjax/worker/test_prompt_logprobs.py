@@ -134,13 +134,22 @@ def test_split_scores_hands_each_scheduled_sequence_its_rows():
     assert scores[1].scores.ranks.tolist() == [3]
 
 
-def test_rows_buckets_grow_by_four_up_to_the_steps_tokens():
-    from pagedjax.worker.prompt_logprobs import rows_bucket, rows_buckets
+def test_chunks_cover_every_row_at_one_size_per_token_bucket():
+    """A step's rows to score go to the score program in chunks of one size per token bucket,
+    whatever their count, sequence by sequence, padded with row 0 and target 0."""
+    from pagedjax.worker.input_batch import ScheduledSeq
+    from pagedjax.worker.prompt_logprobs import CHUNK_ROWS, PromptRows, chunk_rows, chunks
 
-    sizes = [rows_bucket(n, 2048) for n in (1, 32, 33, 128, 129, 600)]
-    assert sizes == [32, 32, 128, 128, 512, 2048]
-    assert rows_bucket(10, 16) == 16 and rows_bucket(40, 64) == 64  # never past the step's
-    assert rows_buckets(16) == [16] and rows_buckets(64) == [32, 64]
-    assert rows_buckets(2048) == [32, 128, 512, 2048]
-    for t in (16, 32, 64, 256, 1024):  # every bucket a step of t tokens can pick is listed
-        assert {rows_bucket(n, t) for n in range(1, t + 1)} == set(rows_buckets(t))
+    assert chunk_rows(16) == 16 and chunk_rows(4096) == CHUNK_ROWS
+    seqs = [
+        ScheduledSeq([5, 6, 7], 0, [1], [], PromptRows(0, 1, [6, 7])),
+        ScheduledSeq([9], 4, [2], []),
+        ScheduledSeq([3, 4], 2, [3], [], PromptRows(1, 4, [4])),
+    ]
+    assert chunks([seqs[1]], 32) == []
+    ((rows, targets),) = chunks(seqs, 32)
+    assert rows.tolist() == [0, 1, 5] + [0] * 29 and targets.tolist() == [6, 7, 4] + [0] * 29
+    many = [ScheduledSeq([1] * 300, 0, [1], [], PromptRows(0, 1, list(range(300))))]
+    parts = chunks(many, 512)
+    assert [len(r) for r, _ in parts] == [CHUNK_ROWS, CHUNK_ROWS]
+    assert np.concatenate([t for _, t in parts])[:300].tolist() == list(range(300))

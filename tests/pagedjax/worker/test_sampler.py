@@ -17,7 +17,7 @@ from pagedjax.worker.sampler import TOP_LOGPROBS_WIDTH, SamplerOutput, SamplingI
 
 V = 1000
 S = 8
-K = 5
+
 HISTORY = 64  # token-history width when some row uses penalties (no row here holds more)
 DELTA = 1e-4  # slack on top_p / min_p for tokens on the float32 edge of a filter
 
@@ -29,8 +29,8 @@ def _run(logits, s):
     return sampler.sample(logits, s), sampler.process_logits(logits, s)
 
 
-def run(logits, rows, size=S, k=K, vocab=V):
-    s = SamplingInput.build(rows, size, vocab, k, history_width=HISTORY)
+def run(logits, rows, size=S, vocab=V):
+    s = SamplingInput.build(rows, size, vocab, history_width=HISTORY)
     out, processed = _run(np.asarray(logits, np.float32), s)
     return jax.tree.map(np.asarray, out), np.asarray(processed), s
 
@@ -148,7 +148,7 @@ def test_random_batches_match_the_reference():
             else:
                 assert np.isfinite(processed[i, out.tokens[i]]), "sampled outside the support"
             np.testing.assert_allclose(out.logprobs[i], raw[out.tokens[i]], atol=1e-5)
-            top = np.argsort(-raw)[:TOP_LOGPROBS_WIDTH]  # computed at one width, whatever K
+            top = np.argsort(-raw)[:TOP_LOGPROBS_WIDTH]  # computed at one width, whatever is asked
             np.testing.assert_array_equal(out.top_token_ids[i], top)
             np.testing.assert_allclose(out.top_logprobs[i], raw[top], atol=1e-5)
 
@@ -216,7 +216,7 @@ def test_temperature_scales_and_samples_the_right_distribution():
     counts = np.zeros(V)
     for step in range(8):
         rows = [SamplingRow(temperature=0.7, top_k=4, seed=i, position=step) for i in range(n)]
-        out, processed, _ = run(logits, rows, size=n, k=0)
+        out, processed, _ = run(logits, rows, size=n)
         counts += np.bincount(out.tokens, minlength=V)
     np.testing.assert_allclose(processed[0, :4], logits[0, :4] / 0.7, rtol=1e-6)
     assert np.all(np.isneginf(processed[0, 4:]))
@@ -233,7 +233,7 @@ def test_sampled_support_matches_the_filters():
     logits = np.repeat(rng.normal(size=(1, V)).astype(np.float32) * 3, n, 0)
     for kw in [dict(top_p=0.6), dict(min_p=0.1), dict(top_k=3, top_p=0.9)]:
         rows = [SamplingRow(temperature=1.0, seed=i, position=7, **kw) for i in range(n)]
-        out, processed, _ = run(logits, rows, size=n, k=0)
+        out, processed, _ = run(logits, rows, size=n)
         support = np.flatnonzero(np.isfinite(processed[0]))
         ref = np.flatnonzero(np.isfinite(ref_process(logits[0], rows[0])))
         np.testing.assert_array_equal(support, ref)
@@ -271,9 +271,9 @@ def test_seeded_tokens_ignore_batch_composition_and_row_order():
 def test_different_seeds_or_positions_draw_differently():
     rng = np.random.default_rng()
     logits = np.repeat(rng.normal(size=(1, V)).astype(np.float32), 256, 0)
-    by_seed, _, _ = run(logits, [SamplingRow(1.0, seed=i) for i in range(256)], size=256, k=0)
-    by_pos, _, _ = run(logits, [SamplingRow(1.0, position=i) for i in range(256)], size=256, k=0)
-    same, _, _ = run(logits, [SamplingRow(1.0, seed=5, position=9)] * 256, size=256, k=0)
+    by_seed, _, _ = run(logits, [SamplingRow(1.0, seed=i) for i in range(256)], size=256)
+    by_pos, _, _ = run(logits, [SamplingRow(1.0, position=i) for i in range(256)], size=256)
+    same, _, _ = run(logits, [SamplingRow(1.0, seed=5, position=9)] * 256, size=256)
     assert len(set(by_seed.tokens)) > 100 and len(set(by_pos.tokens)) > 100
     assert len(set(same.tokens)) == 1
 
@@ -281,7 +281,7 @@ def test_different_seeds_or_positions_draw_differently():
 def test_padded_rows_are_greedy_no_ops():
     rng = np.random.default_rng()
     rows = [random_row(rng, penalties=True), random_row(rng)]
-    s = SamplingInput.build(rows, S, V, K)
+    s = SamplingInput.build(rows, S, V)
     np.testing.assert_array_equal(s.temperature[2:], 0)
     np.testing.assert_array_equal(s.top_k[2:], 0)
     np.testing.assert_array_equal(s.top_p[2:], 1)
@@ -300,7 +300,6 @@ def test_padded_rows_are_greedy_no_ops():
 def test_token_history_packs_only_what_penalties_read():
     none = SamplingInput.build([SamplingRow(prompt_token_ids=range(100))], 4, V, history_width=64)
     assert none.token_history.shape == (4, 1) and np.all(none.token_history == V)
-    assert not none.top_logprobs
     out_only = SamplingInput.build(
         [SamplingRow(presence_penalty=0.5, prompt_token_ids=range(50), output_token_ids=[7])],
         4,
@@ -315,12 +314,11 @@ def test_token_history_packs_only_what_penalties_read():
             SamplingRow(repetition_penalty=1.1, prompt_token_ids=range(n), output_token_ids=[1]),
             SamplingRow(prompt_token_ids=range(300)),  # neutral: its tokens are not packed
         ]
-        s = SamplingInput.build(rows, 2, V, num_top_logprobs=3, history_width=64)
+        s = SamplingInput.build(rows, 2, V, history_width=64)
         assert s.token_history.shape == (2, 64) and list(s.prompt_lens) == [n, 0]
         np.testing.assert_array_equal(s.token_history[0, : n + 1], [*range(n), 1])
         assert np.all(s.token_history[0, n + 1 :] == V) and np.all(s.token_history[1] == V)
         assert s.token_history.dtype == np.int32 and s.seeds.dtype == np.uint32
-        assert s.top_logprobs
     with pytest.raises(ValueError, match="history_width=64"):
         SamplingInput.build([SamplingRow(frequency_penalty=1, output_token_ids=[1] * 65)], 2, V,
                             history_width=64)  # fmt: skip
@@ -338,23 +336,22 @@ def test_build_rejects_bad_input():
         SamplingInput.build([SamplingRow(frequency_penalty=1, output_token_ids=[V])], 2, V)
     with pytest.raises(ValueError, match="prompt_token_ids"):
         SamplingInput.build([SamplingRow(repetition_penalty=2, prompt_token_ids=[-1])], 2, V)
-    with pytest.raises(ValueError, match="num_top_logprobs"):
-        SamplingInput.build([], 2, V, num_top_logprobs=-1)
 
 
-def test_no_logprobs_requested_skips_the_top_k():
+def test_top_logprobs_at_one_width_and_none_for_plain_greedy():
     logits = np.random.default_rng(0).normal(size=(256, V)).astype(np.float32)
-    out, _, s = run(logits, [], size=256, k=0)
-    assert not s.top_logprobs
-    assert out.top_token_ids.shape == out.top_logprobs.shape == (256, 0)
+    out, _, _ = run(logits, [], size=256)
+    width = (256, TOP_LOGPROBS_WIDTH)  # one width whatever a row asks: no new program
+    assert out.top_token_ids.shape == out.top_logprobs.shape == width
     assert out.top_token_ids.dtype == np.int32
-    assert "top_k" not in str(jax.jit(sampler.sample).lower(logits, s).as_text())
-    asked, _, s = run(logits, [], size=256, k=1)
-    width = (256, TOP_LOGPROBS_WIDTH)  # one width whatever is asked: no new program
-    assert s.top_logprobs and asked.top_token_ids.shape == width
-    np.testing.assert_array_equal(asked.top_token_ids[:, 0], logits.argmax(-1))
+    np.testing.assert_array_equal(out.top_token_ids[:, 0], logits.argmax(-1))
+    plain = jax.tree.map(np.asarray, jax.jit(sampler.greedy)(logits))
+    assert plain.top_token_ids.shape == plain.top_logprobs.shape == (256, 0)
+    assert "top_k" not in str(jax.jit(sampler.greedy).lower(logits).as_text())
+    np.testing.assert_array_equal(plain.tokens, out.tokens)
+    np.testing.assert_array_equal(plain.logprobs, out.logprobs)
     logits = np.zeros((256, V), np.float32)
-    out, _, _ = run(logits, [], size=256, k=0)
+    out, _, _ = run(logits, [], size=256)
     np.testing.assert_allclose(out.logprobs, -np.log(V), rtol=1e-6)
 
 
@@ -409,7 +406,7 @@ def test_greedy_batches_take_the_branchless_program_with_the_same_outputs():
     rng = np.random.default_rng(11)
     logits = rng.standard_normal((S, V)).astype(np.float32) * 3
     greedy = [SamplingRow(position=i) for i in range(S - 2)]
-    s = SamplingInput.build(greedy, S, V, K, history_width=HISTORY)
+    s = SamplingInput.build(greedy, S, V, history_width=HISTORY)
     assert (s.penalties, s.random) == (False, False)
     general = s.replace(penalties=True, random=True)  # the branches, here all not taken
     fast, slow = (jax.tree.map(np.asarray, _run(logits, x)[0]) for x in (s, general))
@@ -419,7 +416,7 @@ def test_greedy_batches_take_the_branchless_program_with_the_same_outputs():
     # One row that samples, or one penalty, switches the batch to the general program; the
     # greedy rows' tokens stay the same.
     mixed = [*greedy, SamplingRow(temperature=0.8, seed=3, position=1)]
-    m = SamplingInput.build(mixed, S, V, K, history_width=HISTORY)
+    m = SamplingInput.build(mixed, S, V, history_width=HISTORY)
     assert (m.penalties, m.random) == (False, True)
     out = jax.tree.map(np.asarray, _run(logits, m)[0])
     np.testing.assert_array_equal(out.tokens[: S - 2], fast.tokens[: S - 2])
@@ -427,7 +424,6 @@ def test_greedy_batches_take_the_branchless_program_with_the_same_outputs():
         [*greedy, SamplingRow(presence_penalty=0.5, output_token_ids=[1])],
         S,
         V,
-        K,
         history_width=HISTORY,
     )
     assert (pen.penalties, pen.random) == (True, False)

@@ -17,7 +17,7 @@ from pagedjax.models.config import ModelConfig
 from pagedjax.models.llama import param_shapes
 
 from pagedjax import LLM, SamplingParams
-from pagedjax.worker import programs, step_program
+from pagedjax.worker import programs, sampler, step_program
 from pagedjax.worker.input_batch import InputBatcher, ScheduledSeq
 from pagedjax.worker.sampler import SamplerOutput, SamplingInput, SamplingRow
 
@@ -70,11 +70,10 @@ def test_inputs_and_outputs_pack_and_unpack():
     rows = np.arange(len(step.logits_indices), dtype=np.int32)[::-1].copy()
     packed, layout = step_program.pack_inputs(step, rows)
     assert packed.dtype == np.int32 and packed.ndim == 1
-    back, back_rows, no_targets, no_sampling = jax.jit(
-        step_program.unpack_inputs, static_argnums=1
-    )(packed, layout)
+    back, back_rows, no_sampling = jax.jit(step_program.unpack_inputs, static_argnums=1)(
+        packed, layout
+    )
     assert no_sampling is None and layout.sampling is None
-    assert no_targets is None and layout.num_prompt_rows == 0
     for name in ("token_ids", "positions", "slot_mapping", "block_tables", "context_lens"):
         np.testing.assert_array_equal(getattr(back, name), getattr(step, name), err_msg=name)
     np.testing.assert_array_equal(back.query_start_loc, step.query_start_loc)
@@ -82,31 +81,15 @@ def test_inputs_and_outputs_pack_and_unpack():
     np.testing.assert_array_equal(back_rows, rows)
     assert back.max_query_len == step.max_query_len
     # A sampled decode step's sampling input travels in the same buffer.
-    sampling = SamplingInput.build([SamplingRow(0.7, top_k=3, seed=9)] * 2, len(rows), 300, 2)
+    sampling = SamplingInput.build([SamplingRow(0.7, top_k=3, seed=9)] * 2, len(rows), 300)
     packed, layout = step_program.pack_inputs(step, rows, sampling)
     assert packed.ndim == 1 and layout.sampling is not None
-    back, back_rows, _, back_sampling = jax.jit(step_program.unpack_inputs, static_argnums=1)(
+    back, back_rows, back_sampling = jax.jit(step_program.unpack_inputs, static_argnums=1)(
         packed, layout
     )
     np.testing.assert_array_equal(back.block_tables, step.block_tables)
     np.testing.assert_array_equal(back_rows, rows)
     assert back_sampling.variant == sampling.variant
-    for a, b in zip(jax.tree.leaves(back_sampling), jax.tree.leaves(sampling), strict=True):
-        np.testing.assert_array_equal(a, b)
-    # Prompt rows (logits_indices past the sampler's rows) carry their targets in it too.
-    extra = np.array([0, 1, 2], np.int32)
-    scored = step.replace(logits_indices=np.concatenate([step.logits_indices, extra]))
-    targets = np.array([6, 7, 0], np.int32)
-    with pytest.raises(ValueError, match="3 prompt rows .* need as many targets, got None"):
-        step_program.pack_inputs(scored, rows)
-    packed, layout = step_program.pack_inputs(scored, rows, sampling, targets)
-    assert layout.num_prompt_rows == 3 and layout.num_logits == len(rows)
-    back, back_rows, back_targets, back_sampling = jax.jit(
-        step_program.unpack_inputs, static_argnums=1
-    )(packed, layout)
-    np.testing.assert_array_equal(back.logits_indices, scored.logits_indices)
-    np.testing.assert_array_equal(back_rows, rows)
-    np.testing.assert_array_equal(back_targets, targets)
     for a, b in zip(jax.tree.leaves(back_sampling), jax.tree.leaves(sampling), strict=True):
         np.testing.assert_array_equal(a, b)
     out = SamplerOutput(
@@ -198,7 +181,7 @@ def test_a_sampling_input_packs_into_one_buffer():
                     prompt_token_ids=[4, 5], output_token_ids=[6], logit_bias=((7, -1.5),)),
         SamplingRow(),
     ]  # fmt: skip
-    s = SamplingInput.build(rows, 4, 300, 2, history_width=8)
+    s = SamplingInput.build(rows, 4, 300, history_width=8)
     packed, layout = step_program.pack_sampling(s)
     assert packed.dtype == np.int32 and packed.ndim == 1
     back = jax.jit(step_program.unpack_sampling, static_argnums=1)(packed, layout)
@@ -226,7 +209,7 @@ def test_a_sampled_decode_step_samples_as_the_sampler_program_does(tiny, monkeyp
     programs = runner.num_programs
     one = runner.execute(decode, num_top_logprobs=3).sampled
     assert runner.num_programs - programs == 1
-    monkeypatch.setattr(step_program, "samples_in_step", lambda variant: False)
+    monkeypatch.setattr(sampler, "needs_own_program", lambda row: True)  # the sampler program
     two = runner.execute(decode, num_top_logprobs=3).sampled
     assert runner.num_programs - programs == 3
     for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two), strict=True):
