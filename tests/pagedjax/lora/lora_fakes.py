@@ -42,7 +42,7 @@ def fake_loader(path: str, model_config, max_rank: int):
     return SimpleNamespace(rank=rank, path=path)
 
 
-def lora_engine(runner=FakeLoRARunner, **lora) -> LLMEngine:
+def lora_engine(runner=FakeLoRARunner, loader=fake_loader, **lora) -> LLMEngine:
     config = EngineConfig(
         model="fake",
         cache=CacheConfig(8, 64, None, 0.001, True),
@@ -50,7 +50,7 @@ def lora_engine(runner=FakeLoRARunner, **lora) -> LLMEngine:
         **({"enable_lora": True, "max_loras": 2, "max_lora_rank": 8} | lora),
     )
     loaded = LoadedModel(config=FAKE_CONFIG, params={}, source="fake", tokenizer_dir=None)
-    return LLMEngine(config, loaded, runner_factory=runner, lora_loader=fake_loader)
+    return LLMEngine(config, loaded, runner_factory=runner, lora_loader=loader)
 
 
 def adapter(i: int, rank: int = 4) -> LoRARequest:
