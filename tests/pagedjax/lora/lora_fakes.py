@@ -3,6 +3,7 @@ needs no files, and an engine of the fake model (tests/fake_model.py) with LoRA 
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 from fake_model import FAKE_CONFIG, FakeRunner
@@ -55,3 +56,13 @@ def lora_engine(runner=FakeLoRARunner, loader=fake_loader, **lora) -> LLMEngine:
 
 def adapter(i: int, rank: int = 4) -> LoRARequest:
     return LoRARequest(f"adapter{i}", i, f"/adapters/{i}/rank{rank}")
+
+
+def adapter_dir(root: Path, name: str) -> str:
+    """A directory that passes a server's check of run-time adapter paths (an
+    adapter_config.json and a weight file, which fake_loader does not read)."""
+    directory = root / name
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "adapter_config.json").write_text("{}")
+    (directory / "adapter_model.safetensors").write_bytes(b"")
+    return str(directory)
