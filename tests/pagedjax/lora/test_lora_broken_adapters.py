@@ -1,11 +1,13 @@
-"""Broken adapter directories as a careless operator or a hostile client leaves them: every one
-is a ValueError naming the path and the cause (models/lora.py ``load_adapter``), never a
+"""Broken adapter directories as a careless operator or a hostile client leaves them (truncated
+or garbage weights, malformed configs, wrong shapes, NaN or inf weights): every one is a
+ValueError naming the path and the cause (models/lora.py ``load_adapter``), never a
 reader's own exception: offline, at a server's start (--lora-modules) and on
 /v1/load_lora_adapter (a 400, the server serving on)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from safetensors.numpy import load_file, save_file
 
 from pagedjax import LLM, LoRARequest
 from pagedjax.entrypoints.api_server import build_app
+from pagedjax.lora.updates import LoRAUpdates
 
 CONFIG, WEIGHTS, BIN = "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"
 
@@ -52,6 +55,19 @@ def _one_dimensional_a(d: Path) -> None:
     save_file(tensors, str(d / WEIGHTS))
 
 
+def _set_first(which: str, value: float, everywhere: bool = False) -> callable:
+    def write(d: Path) -> None:
+        tensors = load_file(str(d / WEIGHTS))
+        key = sorted(k for k in tensors if f".{which}." in k)[0]
+        if everywhere:
+            tensors[key][:] = value
+        else:
+            tensors[key][0, 0] = value
+        save_file(tensors, str(d / WEIGHTS))
+
+    return write
+
+
 def _garbage_bin(d: Path) -> None:
     (d / WEIGHTS).unlink()
     (d / BIN).write_bytes(b"\x80\x04garbage, not a pickle" * 4)
@@ -68,6 +84,9 @@ BROKEN = [
     ("alpha_object", _config_with(lora_alpha={}), r"lora_alpha=\{\} is not a finite number"),
     ("a_1d", _one_dimensional_a, r"lora_A.weight' has shape \(\d+,\)"),
     ("garbage_bin", _garbage_bin, f"{BIN}' cannot be read"),
+    ("nan_a", _set_first("lora_A", float("nan")), r"lora_A.weight' is not finite"),
+    ("inf_b", _set_first("lora_B", float("-inf")), r"lora_B.weight' is not finite"),
+    ("overflow_b", _set_first("lora_B", 3e38, True), "not finite after scaling by lora_alpha"),
 ]
 
 
@@ -109,3 +128,25 @@ def test_broken_adapters_offline_and_at_a_servers_start(tiny):
             "/v1/completions", json={"model": "ok", "prompt": [5, 6], "max_tokens": 2}
         )
         assert out.status_code == 200
+
+
+def test_broken_adapters_are_400s_naming_path_and_cause_and_the_server_serves_on(tiny):
+    base, good, broken, _ = tiny
+    llm = LLM(base, block_size=8, max_model_len=64, enable_lora=True, max_lora_rank=16)
+    app = build_app(llm.engine, "base", lora_updates=LoRAUpdates(enabled=True))
+    messages = {n: m for n, _, m in BROKEN}
+    with TestClient(app) as client:
+        for name, path in broken.items():
+            r = client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+            assert r.status_code == 400, (name, r.text)
+            error = r.json()["error"]
+            assert error["param"] == "lora_path" and f"LoRA adapter {name!r}" in error["message"]
+            assert path in error["message"] and re.search(messages[name], error["message"])
+        body = {"lora_name": "good", "lora_path": good.lora_path}
+        assert client.post("/v1/load_lora_adapter", json=body).status_code == 200
+        for model in ("base", "good"):
+            out = client.post(
+                "/v1/completions", json={"model": model, "prompt": [5, 6], "max_tokens": 2}
+            )
+            assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 2
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["base", "good"]
