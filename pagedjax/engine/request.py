@@ -95,7 +95,7 @@ class Request:
             return []
         p, fields = self.params, self._row_fields(vocab_size)
         penalties = p.uses_penalties
-        early = p.masks_early_stops and seq.get_output_len() < p.min_tokens  # stops masked
+        early = p.masks_early_stops and output_len_in_flight(seq) < p.min_tokens  # stops masked
         masked = early or self.grammar is not None or p.allowed_token_ids is not None
         if num_samples == 1 and not penalties and not masked:
             seed = (self.seed + seq.sample_index * GOLDEN) % 2**32
@@ -145,6 +145,12 @@ class Request:
         fields = row_fields(self.params, vocab_size)
         self._row_cache = (vocab_size, fields)
         return fields
+
+
+def output_len_in_flight(seq: Sequence) -> int:
+    """The output tokens ``seq`` has before the token its next row samples: its own, and the
+    placeholder of a step still in flight (core/in_flight.py puts it in ``token_ids`` only)."""
+    return seq.get_len() - seq.get_prompt_len()
 
 
 def row_fields(p: SamplingParams, vocab_size: int) -> dict:
