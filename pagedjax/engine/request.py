@@ -121,10 +121,17 @@ class Request:
             ids, stops = self.params.allowed_token_ids, self.min_tokens_stops
             only = None if ids is None else token_bitmask(ids, vocab_size)
             self._masks = (vocab_size, only, token_bitmask(stops, vocab_size, allow=False))
-        _, mask, not_stops = self._masks
+        _, only, not_stops = self._masks
+        mask = only
         if self.grammar is not None:
             grammar = self.grammar.mask(seq)
             mask = grammar if mask is None else grammar & mask
+            if only is not None and not mask.any():  # it would sample what nothing allows
+                kind = self.params.structured_outputs.kind
+                raise ValueError(
+                    f"allowed_token_ids and structured_outputs.{kind} have no token in common "
+                    f"after {seq.get_output_len()} output tokens: the request ends with none"
+                )
         if early and self.min_tokens_stops:
             if mask is None:
                 return not_stops
