@@ -21,11 +21,10 @@ def path(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
-def test_min_tokens_holds_stops_back_for_exactly_k_tokens(path, async_scheduling):
+def test_min_tokens_holds_stops_back_for_exactly_k_tokens(path):
     """A logit bias makes STOP every step's greedy token: each output is k other tokens, then
-    STOP, finish "stop"."""
-    llm = LLM(path, block_size=8, max_model_len=64, async_scheduling=async_scheduling)
+    STOP, finish "stop" (synchronous steps: tests/models/test_sampling_extras.py)."""
+    llm = LLM(path, block_size=8, max_model_len=64, async_scheduling=True)
     prompts = [[5, 6, 7], [9, 10, 12, 13, 14], [20]]
     for k in (1, 2, 5):
         params = SamplingParams(
@@ -39,5 +38,4 @@ def test_min_tokens_holds_stops_back_for_exactly_k_tokens(path, async_scheduling
             c = out.outputs[0]
             assert len(c.token_ids) == k + 1 and c.token_ids[-1] == STOP, (k, c.token_ids)
             assert STOP not in c.token_ids[:k] and c.finish_reason == "stop"
-    if async_scheduling:
-        assert llm.engine.get_stats().num_overlapped_steps > 0  # the path under test ran
+    assert llm.engine.get_stats().num_overlapped_steps > 0  # the path under test ran

@@ -16,6 +16,7 @@ from hf_models import hf_greedy
 from lora_peft import build
 from pagedjax.models import lora as model_lora
 from pagedjax.models import lora_slots
+from pagedjax.models.loader import load_model
 from pagedjax.models.lora import LoRAConfig, init_slots, load_adapter
 from pagedjax.models.lora_slots import check_adapter_fits, lora_delta
 from safetensors.numpy import load_file, save_file
@@ -85,19 +86,11 @@ def _broken_copy(src: Path, dst: Path, which: str, value: float) -> tuple[Path, 
 
 def test_non_finite_adapters_are_refused_at_load_naming_the_tensor(tiny):
     base, _, loras, (nan_dir, nan_key), (inf_dir, inf_key) = tiny
-    llm = LLM(base, block_size=8, max_model_len=64, enable_lora=True, max_lora_rank=16)
-    config = llm.engine.model_config
+    config = load_model(base, "float32", use_cache=False).config
     with pytest.raises(ValueError, match=f"{nan_key}.*not finite"):
         load_adapter(str(nan_dir), config, 16)
     with pytest.raises(ValueError, match=f"{inf_key}.*not finite after scaling"):
         load_adapter(str(inf_dir), config, 16)
-    # Offline: refused before anything is queued, the engine untouched.
-    bad = LoRARequest("nan", 7, str(nan_dir))
-    with pytest.raises(ValueError, match=f"{nan_dir}.*{nan_key}"):
-        llm.generate([[5, 6, 7]], GREEDY, lora_request=bad, use_tqdm=False)
-    with pytest.raises(ValueError, match=inf_key):
-        llm.add_lora(LoRARequest("inf", 8, str(inf_dir)))
-    assert llm.list_loras() == set() and not llm.engine.has_unfinished_requests()
     # Finite in float32, not in the slots' float16: refused before the slot is written.
     adapter = load_adapter(loras[0].lora_path, config, 16)
     wa, wb = adapter.weights["q_proj"]
@@ -111,15 +104,22 @@ def test_non_finite_adapters_are_refused_at_load_naming_the_tensor(tiny):
 
 
 def test_a_nan_and_an_inf_adapter_in_slots_leave_every_other_request_alone(tiny, monkeypatch):
-    """With the load checks bypassed, a NaN adapter and an overflowing one sit in two of the
+    """Offline, the NaN and the overflowing adapter are refused naming the tensor. With the
+    load checks bypassed, a NaN adapter and an overflowing one sit in two of the
     four slots while the base model and two good adapters run in the same batches, before and
     after the bad adapters' own requests finish: the others' tokens equal transformers + PEFT."""
-    base, models, loras, (nan_dir, _), (inf_dir, _) = tiny
+    base, models, loras, (nan_dir, nan_key), (inf_dir, inf_key) = tiny
+    llm = LLM(base, block_size=8, max_model_len=64, enable_lora=True, max_loras=4, max_lora_rank=16)
+    nan, inf = LoRARequest("nan", 3, str(nan_dir)), LoRARequest("inf", 4, str(inf_dir))
+    # Offline, with the checks: refused before anything is queued, the engine untouched.
+    with pytest.raises(ValueError, match=f"{nan_dir}.*{nan_key}"):
+        llm.generate([[5, 6, 7]], GREEDY, lora_request=nan, use_tqdm=False)
+    with pytest.raises(ValueError, match=inf_key):
+        llm.add_lora(inf)
+    assert llm.list_loras() == set() and not llm.engine.has_unfinished_requests()
     monkeypatch.setattr(model_lora, "_check_finite", lambda *args: None)
     for module in (worker_lora, lora_slots):
         monkeypatch.setattr(module, "check_adapter_fits", lambda *args: None)
-    llm = LLM(base, block_size=8, max_model_len=64, enable_lora=True, max_loras=4, max_lora_rank=16)
-    nan, inf = LoRARequest("nan", 3, str(nan_dir)), LoRARequest("inf", 4, str(inf_dir))
     rng = np.random.default_rng(3)
     batch = [rng.integers(3, 256, int(n)).tolist() for n in rng.integers(4, 20, 8)]
     adapters = [None, loras[0], loras[1], nan, None, inf, loras[1], loras[0]]
