@@ -110,14 +110,28 @@ _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
 
 def load_adapter(path: str, model_config: ModelConfig, max_rank: int) -> LoRAAdapter:
     """The adapter saved by PEFT under ``path``, for a model of ``model_config``; a ValueError
-    names what is missing, too large, or not supported."""
+    names the path and what is missing, unreadable, malformed, not finite, too large, or not
+    supported. Nothing else escapes: an unexpected failure to read is a ValueError naming its
+    cause too."""
+    try:
+        return _load_adapter(path, model_config, max_rank)
+    except ValueError:
+        raise
+    except Exception as e:  # a reader's own error (OSError, SafetensorError, unpickling, ...)
+        raise ValueError(
+            f"LoRA adapter {str(path)!r} cannot be read: {type(e).__name__}: {e}"
+        ) from e
+
+
+def _load_adapter(path: str, model_config: ModelConfig, max_rank: int) -> LoRAAdapter:
     directory = Path(path)
     if not directory.is_dir():
         raise ValueError(f"LoRA adapter path {path!r} is not a directory")
     config = _read_config(directory)
-    rank, scaling = _rank_and_scaling(config, max_rank)
+    rank, scaling = _rank_and_scaling(config, max_rank, path)
     tensors = _read_tensors(directory)
     pairs = _pairs(tensors, path)
+    _check_finite(tensors, scaling, path)
     parts = _module_parts(model_config)
     dims = module_dims(model_config)
     weights: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -152,7 +166,17 @@ def _read_config(directory: Path) -> dict:
     file = directory / ADAPTER_CONFIG
     if not file.is_file():
         raise ValueError(f"LoRA adapter {str(directory)!r} has no {ADAPTER_CONFIG}")
-    config = json.loads(file.read_text())
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(
+            f"LoRA adapter {str(directory)!r}: cannot read {ADAPTER_CONFIG}: {e}"
+        ) from e
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"LoRA adapter {str(directory)!r}: {ADAPTER_CONFIG} must hold a JSON object, got "
+            f"{type(config).__name__}"
+        )
     peft_type = config.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise ValueError(f"LoRA adapter {str(directory)!r}: peft_type {peft_type!r} is not LORA")
@@ -163,13 +187,34 @@ def _read_config(directory: Path) -> dict:
     return config
 
 
-def _rank_and_scaling(config: dict, max_rank: int) -> tuple[int, float]:
-    rank = int(config.get("r", 8))
-    if not 1 <= rank <= max_rank:
+def _rank_and_scaling(config: dict, max_rank: int, path: str) -> tuple[int, float]:
+    rank, alpha = config.get("r", 8), config.get("lora_alpha", 8)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(
+            f"LoRA adapter {path!r}: {ADAPTER_CONFIG}'s r={rank!r} is not an integer >= 1"
+        )
+    if rank > max_rank:
         raise ValueError(f"LoRA adapter rank r={rank} exceeds max_lora_rank={max_rank}")
-    alpha = float(config.get("lora_alpha", 8))
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise ValueError(
+            f"LoRA adapter {path!r}: {ADAPTER_CONFIG}'s lora_alpha={alpha!r} is not a finite number"
+        )
     root = math.sqrt(rank) if config.get("use_rslora") else rank
-    return rank, alpha / root
+    return rank, float(alpha) / root
+
+
+def _check_finite(tensors: dict[str, np.ndarray], scaling: float, path: str) -> None:
+    """Refuse a NaN or inf in any weight, each lora_B as the step uses it: scaled by
+    lora_alpha / r in float32 (finite weights can overflow there)."""
+    for key in sorted(tensors):
+        value = tensors[key]
+        scaled = ".lora_B." in key
+        if scaled:
+            with np.errstate(over="ignore", invalid="ignore"):  # an overflow is what we look for
+                value = value * np.float32(scaling)
+        if not np.isfinite(value).all():
+            after = f" after scaling by lora_alpha / r = {scaling:g}" if scaled else ""
+            raise ValueError(f"LoRA adapter {path!r}: tensor {key!r} is not finite{after}")
 
 
 def _read_tensors(directory: Path) -> dict[str, np.ndarray]:
@@ -178,15 +223,23 @@ def _read_tensors(directory: Path) -> dict[str, np.ndarray]:
     if safetensors.is_file():
         from safetensors import safe_open
 
-        with safe_open(str(safetensors), framework="flax") as st:
-            return {k: np.asarray(st.get_tensor(k), np.float32) for k in st.keys()}  # noqa: SIM118
+        try:
+            with safe_open(str(safetensors), framework="flax") as st:
+                return {k: np.asarray(st.get_tensor(k), np.float32) for k in st.keys()}  # noqa: SIM118
+        except Exception as e:  # SafetensorError (truncated, garbage), OSError, a bad dtype
+            raise ValueError(f"{str(safetensors)!r} cannot be read: {type(e).__name__}: {e}") from e
     if binary.is_file():
         try:
             import torch
         except ImportError as e:
             raise ValueError(f"{str(binary)!r} needs torch to read; save as safetensors") from e
-        state = torch.load(str(binary), map_location="cpu", weights_only=True)
-        return {k: v.float().numpy() for k, v in state.items()}
+        try:
+            state = torch.load(str(binary), map_location="cpu", weights_only=True)
+            if not isinstance(state, dict):
+                raise TypeError(f"it holds a {type(state).__name__}, not a dict of tensors")
+            return {str(k): v.float().numpy() for k, v in state.items()}
+        except Exception as e:  # unpickling errors, truncation, non-tensor values
+            raise ValueError(f"{str(binary)!r} cannot be read: {type(e).__name__}: {e}") from e
     raise ValueError(f"LoRA adapter {str(directory)!r} has neither of {list(WEIGHT_FILES)}")
 
 
@@ -202,6 +255,11 @@ def _pairs(tensors: dict[str, np.ndarray], path: str) -> dict[tuple[int, str], t
         match = _KEY.search(key)
         if match is None:
             raise ValueError(f"LoRA adapter {path!r}: unsupported tensor {key!r}")
+        if value.ndim != 2:
+            raise ValueError(
+                f"LoRA adapter {path!r}: tensor {key!r} has shape {value.shape}; lora_A and "
+                "lora_B are matrices"
+            )
         layer, module, which = int(match[1]), match[2], match[3]
         found.setdefault((layer, module), {})[which] = value
     for (layer, module), ab in found.items():

@@ -10,14 +10,20 @@ its base projection is (models/sharding.py): a column-parallel projection's ``a`
 replicated.
 
 ``LoRABatch(slots, token_slot)`` is the model's ``lora`` argument: each token row's slot (0: the
-base model). Every targeted projection adds ``(x @ a[slot]) @ b[slot]`` to each row, computed
-for all slots at once and masked by the row's slot (``lora_delta``). Measured on a CPU against
-a gather of each row's ``a``/``b`` (which copies every row's weights) and against rows grouped
-by slot (``jax.lax.ragged_dot``, which XLA:CPU computes group by group over all rows), at 64
-and 512 rows of a 2048 -> 2048 projection with rank 16: the masked product was the fastest with
-4 adapters (several times at 64 rows, tens of times at 512) and with 16; only with 32 did the
-gather overtake it, at 64 rows. Its cost grows with the slots: keep ``max_loras`` to what the
-batches use.
+base model). Every targeted projection adds ``(x @ a[slot]) @ b[slot]`` to each row
+(``lora_delta``): the products of every slot are computed in one batched matmul per stage, and
+each row selects its own with ``jnp.where``, never by multiplying the others by a zero mask,
+since 0 x NaN is NaN: a slot holding a NaN or an inf reaches no row but its own (not the base
+model's, not padding). Measured on a CPU against a gather of each row's ``a``/``b`` (which
+copies every row's weights) and against rows grouped by slot (``jax.lax.ragged_dot``, which
+XLA:CPU computes group by group over all rows), at 64 and 512 rows of a 2048 -> 2048 projection
+with rank 16: computing every slot's product was the fastest with 4 adapters (several times at
+64 rows, tens of times at 512) and with 16; only with 32 did the gather overtake it, at 64 rows.
+Its cost grows with the slots: keep ``max_loras`` to what the batches use.
+
+Slots hold finite values only: ``check_adapter_fits`` refuses an adapter whose weights, scaled
+and cast to the slots' dtype, are not finite (models/lora.py refuses non-finite weights at load
+already; this catches an overflow of the cast, e.g. to float16).
 """
 
 from __future__ import annotations
@@ -80,14 +86,18 @@ class ModuleLoRA:
 
 
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, token_slot: jax.Array) -> jax.Array:
-    """``(x[t] @ a[s]) @ b[s]`` for each row t and its slot s = token_slot[t]: every adapter slot
-    (1..S-1; slot 0 is zero) applied to every row, then masked by the row's slot.
+    """``(x[t] @ a[s]) @ b[s]`` for each row t and its slot s = token_slot[t] (slot 0, the base
+    model, and padding rows: zero). Each stage computes every adapter slot (1..S-1) for every
+    row and keeps the row's own by selection, so another slot's NaN or inf never reaches it.
     x: [T, in]; a: [S, in, r]; b: [S, r, out] -> [T, out]."""
-    num_adapters = a.shape[0] - 1
+    adapters = jnp.arange(1, a.shape[0], dtype=token_slot.dtype)
+    own = token_slot[:, None] == adapters[None, :]  # bool[T, S - 1]: at most one True per row
     xa = jnp.einsum("ti,sir->tsr", x, a[1:].astype(x.dtype), preferred_element_type=jnp.float32)
-    mask = jax.nn.one_hot(token_slot - 1, num_adapters, dtype=jnp.float32)  # slot 0: all zero
-    xa = (xa * mask[:, :, None]).astype(x.dtype)  # [T, S - 1, r]
-    y = jnp.einsum("tsr,sro->to", xa, b[1:].astype(x.dtype), preferred_element_type=jnp.float32)
+    xa = jnp.where(own[:, :, None], xa, 0.0).sum(axis=1).astype(x.dtype)  # [T, r]: own slot's
+    y = jnp.zeros((x.shape[0], b.shape[2]), jnp.float32)  # [T, out]
+    for s in range(1, a.shape[0]):  # S - 1 matmuls [T, r] x [r, out]: the FLOPs of one einsum
+        ys = jnp.dot(xa, b[s].astype(x.dtype), preferred_element_type=jnp.float32)
+        y = jnp.where(own[:, s - 1 : s], ys, y)
     return y.astype(x.dtype)
 
 
@@ -159,9 +169,32 @@ def set_slot(slots: LoRASlots, slot: int, adapter) -> LoRASlots:
     the slots' rank and scaled on the host, so every call runs the same compiled program."""
     if not 1 <= slot < slots.num_slots:
         raise ValueError(f"slot must be in [1, {slots.num_slots - 1}], got {slot}")
-    if adapter is not None and adapter.rank > slots.max_rank:
-        raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {slots.max_rank}")
+    check_adapter_fits(slots, adapter)
     return _writer_of(slots)(slots, jnp.int32(slot), _one_slot(slots, adapter))
+
+
+def check_adapter_fits(slots: LoRASlots, adapter) -> None:
+    """Refuse, with a ValueError naming the adapter and the module, an adapter these slots
+    cannot hold: a rank above theirs, or weights that are not finite once scaled and cast to
+    the slots' dtype (a NaN or inf in a slot would make its rows' outputs NaN)."""
+    if adapter is None:
+        return
+    if adapter.rank > slots.max_rank:
+        raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {slots.max_rank}")
+    for name, (wa, wb) in sorted(adapter.weights.items()):
+        if name not in slots.a:
+            continue
+        dtype = slots.a[name].dtype
+        with np.errstate(over="ignore", invalid="ignore"):
+            scaled = np.asarray(wb, np.float32) * np.float32(adapter.scaling)
+        for which, w in (("lora_A", wa), (f"lora_B x scaling {adapter.scaling:g}", scaled)):
+            with np.errstate(over="ignore", invalid="ignore"):  # what the check is for
+                cast = np.asarray(w, np.float32).astype(dtype).astype(np.float32)
+            if not np.isfinite(cast).all():
+                raise ValueError(
+                    f"LoRA adapter {adapter.path!r}: {name} {which} is not finite in the slots' "
+                    f"dtype {np.dtype(dtype).name}"
+                )
 
 
 def lower_set_slot(slots: LoRASlots):
@@ -229,6 +262,7 @@ __all__ = [
     "LoRASlots",
     "ModuleLoRA",
     "TARGET_MODULES",
+    "check_adapter_fits",
     "init_slots",
     "lora_delta",
     "lora_modules",

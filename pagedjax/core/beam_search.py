@@ -7,6 +7,8 @@ every block, copy-on-write on the next write), a parent with no kept candidate i
 from __future__ import annotations
 
 import dataclasses
+import math
+import sys
 from collections.abc import Collection
 
 from pagedjax.core.sequence import Sequence
@@ -15,9 +17,28 @@ from pagedjax.sampling_params import BeamSearchParams
 Hypothesis = tuple[list[int], float]  # (output token ids, cumulative logprob)
 
 
+def beam_rank(p: BeamSearchParams, length: int, cumulative_logprob: float) -> tuple[int, float]:
+    """What ranks hypotheses: the order of cumulative logprob / output_length **
+    length_penalty (vLLM's and HF's score), computed in log space, so that any finite
+    length_penalty ranks them (``length ** 1100`` overflows a float). The larger, the better:
+    (sign of the score, log of its magnitude, negated for a negative score)."""
+    if cumulative_logprob == 0:
+        return (0, 0.0)
+    log_magnitude = math.log(abs(cumulative_logprob)) - p.length_penalty * math.log(max(length, 1))
+    return (1, log_magnitude) if cumulative_logprob > 0 else (-1, -log_magnitude)
+
+
 def beam_score(p: BeamSearchParams, length: int, cumulative_logprob: float) -> float:
-    """Cumulative logprob / output_length ** length_penalty (vLLM's and HF's)."""
-    return cumulative_logprob / max(length, 1) ** p.length_penalty
+    """Cumulative logprob / output_length ** length_penalty, as a float: 0 or an infinity
+    where the score is beyond a float's range (``beam_rank`` orders them all)."""
+    sign, key = beam_rank(p, length, cumulative_logprob)
+    if sign == 0:
+        return 0.0
+    log_magnitude = key if sign > 0 else -key
+    return sign * (math.inf if log_magnitude > _MAX_LOG else math.exp(log_magnitude))
+
+
+_MAX_LOG = math.log(sys.float_info.max)
 
 
 @dataclasses.dataclass
@@ -65,11 +86,10 @@ def beam_step(
     done = not live or out_len >= p.max_tokens or longest >= max_model_len
     all_finished = finished_so_far + finished
     if not done and len(all_finished) >= width:
-        worst_kept = sorted((beam_score(p, len(t), c) for t, c in all_finished), reverse=True)[
-            width - 1
-        ]
+        ranks = sorted((beam_rank(p, len(t), c) for t, c in all_finished), reverse=True)
+        worst_kept = ranks[width - 1]
         best_live = max(
-            beam_score(p, s.get_output_len() + 1, s.cumulative_logprob + extend[s.seq_id][0][1])
+            beam_rank(p, s.get_output_len() + 1, s.cumulative_logprob + extend[s.seq_id][0][1])
             for s in live
         )
         done = best_live <= worst_kept
@@ -78,7 +98,8 @@ def beam_step(
 
 def best_hypotheses(p: BeamSearchParams, hypotheses: list[Hypothesis]) -> list[Hypothesis]:
     """The beam_width best, best first."""
-    return sorted(hypotheses, key=lambda h: -beam_score(p, len(h[0]), h[1]))[: p.beam_width]
+    ranked = sorted(hypotheses, key=lambda h: beam_rank(p, len(h[0]), h[1]), reverse=True)
+    return ranked[: p.beam_width]
 
 
 def finish_reason(p: BeamSearchParams, tokens: list[int], eos_token_ids: Collection[int]) -> str:

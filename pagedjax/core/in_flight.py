@@ -4,9 +4,11 @@ same account).
 Once step N is dispatched, and before its tokens reach the host, the scheduler counts each of its
 chunks as computed and each sequence that samples in it one placeholder token longer: id
 ``-1 - r`` for row r of N's sampler output, in ``seq.token_ids`` only (its output tokens, what
-sampling rows and outputs read, stay the real ones). Step N+1 is then scheduled exactly as it
-would be after N, and the runner fills the placeholders on the device. Before N's real tokens are
-applied (``Scheduler.update_from_output``) the account is undone. At most one step is in flight.
+outputs read, stay the real ones; step N+1's sampling rows count ``seq.get_len()``, the
+placeholder included, min_tokens' mask too: engine/request.py). Step N+1 is then scheduled
+exactly as it would be after N, and the runner fills the placeholders on the device. Before N's
+real tokens are applied (``Scheduler.update_from_output``) the account is undone. At most one
+step is in flight.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from pagedjax.core.window import live_blocks, shared_window
 from pagedjax.models.loading.tokenizer import encode_text
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 from pagedjax.structured_output.grammar import GrammarCompiler
+from pagedjax.structured_output.masks import check_allowed_ids_meet
 from pagedjax.utils import cdiv
 
 Prompt = str | list[int]
@@ -169,8 +170,11 @@ class InputProcessor:
                     f"allowed_token_ids: token ids {bad[:8]} are outside the vocabulary "
                     f"[0, {cap.vocab_size})"
                 )
-            if params.structured_outputs is not None:  # a bad schema, regex or grammar is named
-                self.grammars.compile(params.structured_outputs)
+            so = params.structured_outputs
+            if so is not None:  # a bad schema, regex or grammar is named
+                compiled = self.grammars.compile(so)
+                if params.allowed_token_ids is not None:
+                    check_allowed_ids_meet(compiled.first_mask(), params.allowed_token_ids, so.kind)
             width_name = "n"
         else:
             width_name = "beam_width"

@@ -95,7 +95,7 @@ class Request:
             return []
         p, fields = self.params, self._row_fields(vocab_size)
         penalties = p.uses_penalties
-        early = p.masks_early_stops and seq.get_output_len() < p.min_tokens  # stops masked
+        early = p.masks_early_stops and output_len_in_flight(seq) < p.min_tokens  # stops masked
         masked = early or self.grammar is not None or p.allowed_token_ids is not None
         if num_samples == 1 and not penalties and not masked:
             seed = (self.seed + seq.sample_index * GOLDEN) % 2**32
@@ -121,10 +121,17 @@ class Request:
             ids, stops = self.params.allowed_token_ids, self.min_tokens_stops
             only = None if ids is None else token_bitmask(ids, vocab_size)
             self._masks = (vocab_size, only, token_bitmask(stops, vocab_size, allow=False))
-        _, mask, not_stops = self._masks
+        _, only, not_stops = self._masks
+        mask = only
         if self.grammar is not None:
             grammar = self.grammar.mask(seq)
             mask = grammar if mask is None else grammar & mask
+            if only is not None and not mask.any():  # it would sample what nothing allows
+                kind = self.params.structured_outputs.kind
+                raise ValueError(
+                    f"allowed_token_ids and structured_outputs.{kind} have no token in common "
+                    f"after {seq.get_output_len()} output tokens: the request ends with none"
+                )
         if early and self.min_tokens_stops:
             if mask is None:
                 return not_stops
@@ -145,6 +152,12 @@ class Request:
         fields = row_fields(self.params, vocab_size)
         self._row_cache = (vocab_size, fields)
         return fields
+
+
+def output_len_in_flight(seq: Sequence) -> int:
+    """The output tokens ``seq`` has before the token its next row samples: its own, and the
+    placeholder of a step still in flight (core/in_flight.py puts it in ``token_ids`` only)."""
+    return seq.get_len() - seq.get_prompt_len()
 
 
 def row_fields(p: SamplingParams, vocab_size: int) -> dict:

@@ -50,6 +50,7 @@ def serve(
     warmup_all: bool = False,
     background_compile: bool = True,
     lora_modules: list[tuple[str, str]] | None = None,
+    lora_updates=None,
     engine_process: bool = False,
     chat_template: str | None = None,
     cors: Cors | None = None,
@@ -59,8 +60,9 @@ def serve(
     model loads. Before it answers the server compiles the common programs (``warmup``), or
     every program (``warmup_all``), or nothing; with ``background_compile`` the rest compile on
     a background thread once it answers, else each on first use. ``lora_modules``: (name, path)
-    LoRA adapters served from the start (needs ``enable_lora=True``). With ``engine_process``
-    the engine runs in a process of its own (openai/engine_process.py): this one only serves
+    LoRA adapters served from the start (needs ``enable_lora=True``); ``lora_updates``: those
+    loaded at run time, and from where (pagedjax/lora/updates.py). With ``engine_process`` the
+    engine runs in a process of its own (openai/engine_process.py): this one only serves
     HTTP, so its parsing, tokenizing and response building never hold the engine's GIL.
     ``chat_template`` (jinja) replaces the tokenizer's; ``cors`` opens the server to browser
     origins."""
@@ -78,16 +80,11 @@ def serve(
     names = served_model_name or model or Path(default_model_path()).stem
     model = model or default_model_path()
     log_to_stderr(log_level)
-    app_kwargs = dict(
-        api_key=api_key,
-        limits=limits,
-        public_metrics=public_metrics,
-        public_docs=public_docs,
-        tool_config=tool_config,
-        lora_modules=lora_modules,
-        chat_template=chat_template,
-        cors=cors,
+    app_kwargs = dict(api_key=api_key, limits=limits, public_metrics=public_metrics, cors=cors)
+    app_kwargs |= dict(
+        public_docs=public_docs, tool_config=tool_config, chat_template=chat_template
     )
+    app_kwargs |= dict(lora_modules=lora_modules, lora_updates=lora_updates)
     if engine_process:
         compiles = dict(warmup=warmup, warmup_all=warmup_all, background_compile=background_compile)
         options = EngineOptions(

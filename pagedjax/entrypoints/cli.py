@@ -69,6 +69,7 @@ def _serve(args: argparse.Namespace) -> int:
         serve,
     )
     from pagedjax.entrypoints.openai.tools import ToolConfig
+    from pagedjax.lora.updates import LoRAUpdates
 
     check_api_key(args.api_key)  # before anything loads
     chat_template = load_chat_template(args.chat_template)
@@ -86,6 +87,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_response_logprobs=args.max_response_logprobs,
     )
     lora_kwargs = _lora_kwargs(args)  # checked before anything loads
+    lora_updates = LoRAUpdates.from_options(
+        args.enable_lora_runtime_updates, args.lora_allowed_roots
+    )
     multi = args.ray or args.coordinator_address or (args.num_processes or 1) > 1
     if args.engine_process and multi:
         raise ValueError(
@@ -117,6 +121,7 @@ def _serve(args: argparse.Namespace) -> int:
         warmup_all=args.warmup_all,
         background_compile=args.background_compile,
         lora_modules=args.lora_modules,
+        lora_updates=lora_updates,
         engine_process=args.engine_process,
         chat_template=chat_template,
         cors=cors,
@@ -128,8 +133,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _lora_kwargs(args: argparse.Namespace) -> dict:
     """LLM's LoRA keyword arguments from the serve flags (--lora-modules needs --enable-lora)."""
-    if args.lora_modules and not args.enable_lora:
-        raise ValueError("--lora-modules needs --enable-lora")
+    for flag in ("lora_modules", "enable_lora_runtime_updates", "lora_allowed_roots"):
+        if getattr(args, flag) and not args.enable_lora:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --enable-lora")
     if not args.enable_lora:
         return {}
     return dict(
@@ -156,8 +162,22 @@ def _add_lora_args(srv: argparse.ArgumentParser) -> None:
     lora.add_argument(
         "--enable-lora",
         action="store_true",
-        help="serve LoRA adapters: a request's model names one; /v1/load_lora_adapter and "
-        "/v1/unload_lora_adapter change them at run time",
+        help="serve LoRA adapters: a request's model names one",
+    )
+    lora.add_argument(
+        "--enable-lora-runtime-updates",
+        action="store_true",
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, which also turns them on): any client that passes "
+        "the API key may make the server read a directory; confine them with "
+        "--lora-allowed-roots",
+    )
+    lora.add_argument(
+        "--lora-allowed-roots",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="directories that adapters loaded at run time must lie under",
     )
     lora.add_argument(
         "--lora-modules",

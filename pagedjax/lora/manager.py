@@ -14,6 +14,11 @@ holds at most max_loras adapters counting the pinned ones (``fits``).
 ``remove_lora`` drops an adapter from the host cache at once; requests already in flight keep
 it (as in vLLM): a running one keeps its slot until it finishes, a waiting one reloads the
 adapter from its path when admitted. Nothing in flight is refused or lost.
+
+Every failure to read an adapter is a ValueError naming it, its path and the cause (``read``),
+whatever the loader raised: a request whose adapter cannot be (re)loaded at admission fails
+alone (core/lora_admission.py). ``read`` touches none of the manager's state, so a server reads
+and checks an adapter on another thread and ``install``s it between steps.
 """
 
 from __future__ import annotations
@@ -76,8 +81,59 @@ class LoRAManager:
     # ---- vLLM's API ----------------------------------------------------------------------------
 
     def add_lora(self, request: LoRARequest) -> bool:
-        """Load the adapter into the host cache (a ValueError names a bad path or rank); False
-        if it was cached already. Evicts the least recently used unpinned adapter if full."""
+        """Load the adapter into the host cache (a ValueError names a bad path or rank, or why
+        the adapter cannot be read); False if it was cached already. Evicts the least recently
+        used unpinned adapter if full. ``read`` then ``install`` do the same in two steps."""
+        self._check_request(request)
+        if request.lora_int_id in self._cache:
+            self._cache.move_to_end(request.lora_int_id)
+            return False
+        self._check_room(request)
+        return self.install(request, self.read(request))
+
+    def is_cached(self, lora_int_id: int) -> bool:
+        return lora_int_id in self._cache
+
+    def read(self, request: LoRARequest):
+        """The request's adapter read from its path and checked, not cached: it touches none
+        of the manager's state, so it may run on another thread than the engine's. Every
+        failure is a ValueError naming the adapter, its path and the cause."""
+        if not isinstance(request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {request!r:.200}")
+        try:
+            adapter = self.loader(request.lora_path, self.model_config, self.max_lora_rank)
+        except ValueError:  # names the path and the cause (models/lora.py load_adapter)
+            raise
+        except Exception as e:  # a loader's own error: this adapter fails, nothing else
+            raise ValueError(
+                f"LoRA adapter {request.lora_name!r} at {request.lora_path!r} cannot be read: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        rank = getattr(adapter, "rank", None)
+        if rank is not None and rank > self.max_lora_rank:
+            raise ValueError(
+                f"adapter {request.lora_name!r} at {request.lora_path!r} has rank {rank}, above "
+                f"max_lora_rank={self.max_lora_rank}"
+            )
+        return adapter
+
+    def install(self, request: LoRARequest, adapter) -> bool:
+        """Put an adapter ``read`` returned into the host cache; False if one of its id was
+        cached already (the new copy is dropped). The same checks as ``add_lora``."""
+        self._check_request(request)
+        lid = request.lora_int_id
+        if lid in self._cache:
+            self._cache.move_to_end(lid)
+            return False
+        self._check_room(request)
+        self.num_loads += 1
+        while len(self._cache) >= self.max_cpu_loras:
+            del self._cache[self._evictable_host()[0]]
+        self._cache[lid] = (request, adapter)
+        self._paths[lid] = request.lora_path
+        return True
+
+    def _check_request(self, request: LoRARequest) -> None:
         if not isinstance(request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {request!r:.200}")
         lid = request.lora_int_id
@@ -87,20 +143,13 @@ class LoRAManager:
                 f"lora_int_id {lid} names the adapter at {known!r}, not {request.lora_path!r}: "
                 "an id names one adapter for the engine's life (cached KV blocks are keyed by it)"
             )
-        if lid in self._cache:
-            self._cache.move_to_end(lid)
-            return False
+
+    def _check_room(self, request: LoRARequest) -> None:
         if len(self._cache) >= self.max_cpu_loras and not self._evictable_host():
             raise ValueError(
                 f"cannot load adapter {request.lora_name!r}: all max_cpu_loras="
                 f"{self.max_cpu_loras} cached adapters are pinned"
             )
-        adapter = self._load(request)
-        while len(self._cache) >= self.max_cpu_loras:
-            del self._cache[self._evictable_host()[0]]
-        self._cache[lid] = (request, adapter)
-        self._paths[lid] = request.lora_path
-        return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop the adapter from the host cache and unpin it; False if it was not there. Its
@@ -180,24 +229,17 @@ class LoRAManager:
         if old != NO_LORA:
             del self._slot_lru[old]
         if self.load_slot is not None:
-            self.load_slot(slot, adapter)
+            try:
+                self.load_slot(slot, adapter)
+            except BaseException:  # what the slot holds is unknown now: nobody's
+                self._slots[slot] = NO_LORA
+                raise
         self.num_slot_loads += 1
         self._slots[slot] = lid
         self._slot_lru[lid] = slot
         return slot
 
     # ---- inside ---------------------------------------------------------------------------------
-
-    def _load(self, request: LoRARequest):
-        adapter = self.loader(request.lora_path, self.model_config, self.max_lora_rank)
-        rank = getattr(adapter, "rank", None)
-        if rank is not None and rank > self.max_lora_rank:
-            raise ValueError(
-                f"adapter {request.lora_name!r} at {request.lora_path!r} has rank {rank}, above "
-                f"max_lora_rank={self.max_lora_rank}"
-            )
-        self.num_loads += 1
-        return adapter
 
     def _evictable_host(self) -> list[int]:
         return [lid for lid in self._cache if lid not in self._pinned]

@@ -31,7 +31,8 @@ def build(
     engine = EngineReplica.options(**options.replica_deployment_options()).bind(
         model, names, llm_kwargs, server_kwargs, startup_kwargs
     )
-    return Ingress.bind(engine, routing=options.routing)
+    limits = (server_kwargs or {}).get("limits")  # the ingress reads bodies within them too
+    return Ingress.bind(engine, routing=options.routing, limits=limits)
 
 
 def app_builder(args: dict):

@@ -14,11 +14,16 @@ MAX_BLOCKS = 16  # only a prompt's start matters for routing
 
 def prompt_text(body: bytes) -> str:
     """The prompt's text from a /v1/completions or /v1/chat/completions body ('' when there is
-    none or the body is not JSON: the app itself rejects it)."""
+    none, or the body cannot be read: not JSON, nested deeper than the parser recurses, a lone
+    surrogate: the app itself answers it, as the plain server does)."""
     try:
-        req = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+        return _prompt_text(body)
+    except (ValueError, UnicodeError, RecursionError, TypeError):
         return ""
+
+
+def _prompt_text(body: bytes) -> str:
+    req = json.loads(body)
     if not isinstance(req, dict):
         return ""
     if "messages" in req:
@@ -34,10 +39,16 @@ def block_hashes(text: str) -> list[str]:
     a prompt shorter than one block gives one hash of the whole prompt)."""
     n = min(len(text) // BLOCK_CHARS, MAX_BLOCKS)
     if n == 0:
-        return [hashlib.blake2b(text.encode(), digest_size=8).hexdigest()] if text else []
+        return [hashlib.blake2b(_bytes(text), digest_size=8).hexdigest()] if text else []
     out, h = [], b""
     for i in range(n):
-        block = text[i * BLOCK_CHARS : (i + 1) * BLOCK_CHARS].encode()
+        block = _bytes(text[i * BLOCK_CHARS : (i + 1) * BLOCK_CHARS])
         h = hashlib.blake2b(h + block, digest_size=8).digest()
         out.append(h.hex())
     return out
+
+
+def _bytes(text: str) -> bytes:
+    """UTF-8, lone surrogates too (a body may hold "\\ud800": the app refuses it, the router
+    only hashes it)."""
+    return text.encode("utf-8", "surrogatepass")

@@ -82,3 +82,19 @@ def advance_together(pairs: Sequence[tuple[Any, Any]]) -> None:
         masks = fill([matcher for _, _, matcher in rows], vocab_size)
         for (g, seq, _), mask in zip(rows, masks, strict=True):
             g.keep_mask(seq, mask)
+
+
+def check_allowed_ids_meet(first_mask: np.ndarray, token_ids, constraint: str) -> None:
+    """Refuse (ValueError naming both) ``allowed_token_ids`` that allow none of the tokens a
+    constraint allows first (``first_mask``: its i32 bitmask): the request could only end with
+    no token."""
+    words = first_mask.view(np.uint32)
+    ids = np.asarray(sorted(set(token_ids)), np.int64)
+    ids = ids[ids < 32 * len(words)]
+    if not ((words[ids // 32] >> (ids % 32).astype(np.uint32)) & 1).any():
+        shown = sorted(set(token_ids))[:8]
+        raise ValueError(
+            f"allowed_token_ids {shown}{' ...' if len(set(token_ids)) > 8 else ''} and "
+            f"structured_outputs.{constraint} have no token in common: no first token could be "
+            "sampled"
+        )

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import jax
 
-from pagedjax.models.lora_slots import LoRASlots, init_slots, lower_set_slot, set_slot
+from pagedjax.models.lora_slots import (
+    LoRASlots,
+    check_adapter_fits,
+    init_slots,
+    lower_set_slot,
+    set_slot,
+)
 
 
 class LoRASlotsHolder:
@@ -32,7 +38,10 @@ class LoRASlotsHolder:
 
     def load_lora_slot(self, slot: int, adapter) -> None:
         """Write ``adapter`` (models/lora.py's LoRAAdapter; None clears) into device slot
-        ``slot``, in every process (the pool's steps read it from the next one on)."""
+        ``slot``, in every process (the pool's steps read it from the next one on). An adapter
+        the slots cannot hold (rank, or weights not finite in their dtype) is refused with a
+        ValueError before any process writes anything."""
+        check_adapter_fits(self.lora_slots, adapter)
         self._call("load_lora", slot, adapter)
 
     def _load_lora(self, slot: int, adapter) -> None:

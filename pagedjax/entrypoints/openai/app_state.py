@@ -6,22 +6,20 @@ that open routes. ``install`` puts them there once (build_app); the helpers here
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import time
 
 from fastapi import FastAPI, Request
-from starlette.requests import ClientDisconnect
 
 from pagedjax.entrypoints.openai.engine_loop import EngineLoop
 from pagedjax.entrypoints.openai.offload import INLINE_BODY_BYTES, Offload
 from pagedjax.entrypoints.openai.protocol import (
     APIError,
     ServerLimits,
-    bad_request,
     parse_json,
     parse_request,
 )
+from pagedjax.entrypoints.openai.request_body import read_body_within
 from pagedjax.entrypoints.openai.request_params import structured_outputs
 from pagedjax.entrypoints.openai.serving_engine import OpenAIServing
 from pagedjax.entrypoints.openai.serving_models import ServedModels, model_not_found
@@ -114,36 +112,8 @@ async def read_json(request: Request):
 
 
 async def read_body(request: Request) -> bytes:
-    """The body's bytes; it must arrive within ``limits.body_timeout_s``. Sets the request's
+    """The body's bytes, within the server's limits (request_body.py). Sets the request's
     offload lane by its size (``Offload.mark_body``)."""
-    limits: ServerLimits = request.app.state.limits
-    offload: Offload = request.app.state.offload
-    too_big = APIError(
-        413, f"request body over {limits.max_body_bytes} bytes", "invalid_request_error"
-    )
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
-        raise too_big
-    body = bytearray()
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limits.body_timeout_s
-    chunks = request.stream().__aiter__()
-    while True:
-        try:
-            chunk = await asyncio.wait_for(anext(chunks), deadline - loop.time())
-        except StopAsyncIteration:
-            break
-        except TimeoutError:
-            raise APIError(
-                408,
-                f"the request body did not arrive within {limits.body_timeout_s} s",
-                "invalid_request_error",
-                "request_timeout",
-            ) from None
-        except ClientDisconnect:
-            raise bad_request("the client left before sending the whole body") from None
-        body += chunk
-        if len(body) > limits.max_body_bytes:
-            raise too_big
-    offload.mark_body(len(body))  # heavy: its work never queues small requests' work
-    return bytes(body)
+    body = await read_body_within(request, request.app.state.limits)
+    request.app.state.offload.mark_body(len(body))  # heavy: its work never queues small ones'
+    return body

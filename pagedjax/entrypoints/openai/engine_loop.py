@@ -6,6 +6,12 @@ A request that fails inside the engine comes back as its own finished output wit
 if ``step()`` itself raises, every request in flight gets the exception and the thread goes on
 serving. Nothing a request does ends the thread.
 
+LoRA adapters are read from disk and checked on a reader thread of the loop's own (one thread:
+reads queue behind it), never on the engine thread, and installed in the engine's host cache
+between steps: ``command("add_lora", ...)`` (/v1/load_lora_adapter) and a request naming an
+adapter that is not in the host cache (``submit``). A request whose adapter must be re-read when
+it is admitted, after it left the host cache, reads it there (the scheduler's, on this thread).
+
 A server's start (pagedjax/entrypoints/startup.py) rides on the loop: ``start`` marks the moment
 the server answers and starts the background compile of the programs not yet compiled, which
 runs beside the engine thread (a step that needs one of them compiles it itself); ``stop`` ends
@@ -70,6 +76,7 @@ class EngineLoop:
         self._tracked: dict[str, _Tracked] = {}
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._lora_reader: concurrent.futures.ThreadPoolExecutor | None = None
         self.startup = None  # a server's start (startup.Startup), when ``attach_startup`` ran
         self._publish()
 
@@ -96,6 +103,8 @@ class EngineLoop:
         self._commands.put(None)
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self._lora_reader is not None:
+            self._lora_reader.shutdown(wait=False, cancel_futures=True)
 
     def submit(self, requests: list[tuple], params, lora_request=None) -> list:
         """Queue the adds of ``requests`` ((request id, prompt ids, sink) each, all with
@@ -104,8 +113,23 @@ class EngineLoop:
         prefilled together, as ``LLM.generate``'s are. One future per request; each fails with
         ValueError (bad request), QueueFull, or whatever else add_request raised."""
         futs = [concurrent.futures.Future() for _ in requests]
-        self._commands.put(("add", requests, params, futs, lora_request))
+        cmd = ("add", requests, params, futs, lora_request, None)
+        manager = self._lora_manager()
+        if lora_request is None or manager is None or manager.is_cached(lora_request.lora_int_id):
+            self._commands.put(cmd)
+        else:  # read the adapter first, off the engine thread; install it with the adds
+            self._reader().submit(self._read_then_add, manager, cmd)
         return futs
+
+    def _read_then_add(self, manager, cmd) -> None:
+        try:
+            adapter = manager.read(cmd[4])
+        except Exception as e:  # this request's adapter: it fails alone
+            for fut in cmd[3]:
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(e)
+            return
+        self._commands.put((*cmd[:5], adapter))
 
     def call(self, fn):
         """Run ``fn(engine)`` on the engine thread, between steps (e.g. loading a LoRA adapter);
@@ -119,7 +143,37 @@ class EngineLoop:
         as ``call`` does; the returned future holds its result or exception."""
         if name not in ENGINE_COMMANDS:
             raise ValueError(f"unknown engine command {name!r}; known: {sorted(ENGINE_COMMANDS)}")
+        manager = self._lora_manager()
+        if name == "add_lora" and manager is not None:
+            return self._add_lora(manager, *args)
         return self.call(lambda engine: getattr(engine, name)(*args))
+
+    def _add_lora(self, manager, lora):
+        """Read and check the adapter on the reader thread, then install it between steps."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def read() -> None:
+            try:
+                adapter = manager.read(lora)
+            except Exception as e:
+                fut.set_exception(e)
+                return
+            installed = self.call(lambda engine: manager.install(lora, adapter))
+            installed.add_done_callback(lambda done: _settle(fut, done))
+
+        self._reader().submit(read)
+        return fut
+
+    def _lora_manager(self):
+        manager = getattr(self.engine, "lora_manager", None)
+        return manager if callable(getattr(manager, "read", None)) else None
+
+    def _reader(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._lora_reader is None:
+            self._lora_reader = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="pagedjax-lora-read"
+            )
+        return self._lora_reader
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -173,7 +227,15 @@ class EngineLoop:
                 except Exception as e:
                     fut.set_exception(e)
             return
-        _, requests, params, futs, lora = cmd
+        _, requests, params, futs, lora, adapter = cmd
+        if adapter is not None:  # read on the reader thread for these requests
+            try:
+                self.engine.lora_manager.install(lora, adapter)
+            except Exception as e:
+                for fut in futs:
+                    if fut.set_running_or_notify_cancel():
+                        fut.set_exception(e)
+                return
         for (request_id, prompt_ids, sink), fut in zip(requests, futs, strict=True):
             self._add(request_id, prompt_ids, params, sink, fut, lora)
 
@@ -248,3 +310,11 @@ class EngineLoop:
             self.metrics.publish_lora(self.engine.lora_requests_info())
         if self._after_pass is not None:
             self._after_pass()
+
+
+def _settle(fut: concurrent.futures.Future, done: concurrent.futures.Future) -> None:
+    """``fut`` takes ``done``'s result or exception."""
+    if done.exception() is not None:
+        fut.set_exception(done.exception())
+    else:
+        fut.set_result(done.result())

@@ -5,7 +5,8 @@
 - ``models_router``: /v1/models, /v1/models/{id}, /version
 - ``tokenize_router``: /tokenize, /detokenize (vLLM's)
 - ``generate_router``: /v1/completions, /v1/chat/completions
-- ``lora_router`` (with --enable-lora only): /v1/load_lora_adapter, /v1/unload_lora_adapter
+- ``lora_router`` (with --enable-lora and run-time updates only: pagedjax/lora/updates.py):
+  /v1/load_lora_adapter, /v1/unload_lora_adapter
 """
 
 from __future__ import annotations
@@ -179,12 +180,20 @@ async def detokenize(request: Request):
 
 @lora_router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(request: Request):
-    """Load a PEFT adapter and serve it under ``lora_name``; 400 naming a taken name, a bad
-    path or a rank above --max-lora-rank. Requests in flight go on meanwhile."""
+    """Load a PEFT adapter and serve it under ``lora_name``; 400 naming a taken name, a path
+    the server may not read (one message for every reason), or what is wrong with the adapter.
+    The engine reads and checks it on a thread of its own and installs it between steps:
+    requests in flight go on meanwhile."""
     check_key(request)
     state = request.app.state
     body = parse_body(LoadLoRAAdapterRequest, await read_json(request))
-    lora = state.models.reserve(body.lora_name, body.lora_path)
+    try:
+        path = await asyncio.to_thread(state.models.updates.check_path, body.lora_path)
+    except ValueError as e:
+        raise bad_request(
+            f"cannot load LoRA adapter {body.lora_name!r}: {e}", "lora_path"
+        ) from None
+    lora = state.models.reserve(body.lora_name, path)
     try:
         await asyncio.wrap_future(state.engine_loop.command("add_lora", lora))
     except ValueError as e:

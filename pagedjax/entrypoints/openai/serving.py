@@ -31,6 +31,7 @@ from pagedjax.entrypoints.openai.routes import ROUTERS, lora_router
 from pagedjax.entrypoints.openai.serving_engine import OpenAIServing
 from pagedjax.entrypoints.openai.serving_models import ServedModels
 from pagedjax.entrypoints.openai.tools import ToolConfig
+from pagedjax.lora.updates import LoRAUpdates
 
 logger = logging.getLogger("pagedjax.api_server")
 
@@ -85,6 +86,7 @@ def build_app(
     public_docs: bool = False,
     tool_config: ToolConfig | None = None,
     lora_modules: list[tuple[str, str]] | None = None,
+    lora_updates: LoRAUpdates | None = None,
     chat_template: str | None = None,
     cors: Cors | None = None,
 ) -> FastAPI:
@@ -95,7 +97,8 @@ def build_app(
     /health and /ping needs it, /metrics and the API docs too unless ``public_metrics`` /
     ``public_docs`` open them. ``tool_config``: whether tool_choice "auto" is served, with
     which parser. With an engine of enable_lora, ``lora_modules`` ((name, path) pairs) are
-    LoRA adapters that requests name as their ``model``, and /v1/load_lora_adapter and
+    LoRA adapters that requests name as their ``model``; where ``lora_updates`` allows it
+    (default: vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING), /v1/load_lora_adapter and
     /v1/unload_lora_adapter change them at run time (serving_models). ``chat_template``
     (jinja) replaces the tokenizer's. ``cors``: the browser origins that may call the server
     (none unless given).
@@ -107,7 +110,8 @@ def build_app(
     if not model_names or not all(isinstance(n, str) and n for n in model_names):
         raise ValueError(f"served model names must be non-empty strings, got {model_names!r}")
     limits = limits or ServerLimits()
-    models = ServedModels.for_engine(engine, model_names, lora_modules)  # before the loop runs
+    updates = lora_updates or LoRAUpdates.from_options()  # default: vLLM's environment variable
+    models = ServedModels.for_engine(engine, model_names, lora_modules, updates)  # before the loop
     if isinstance(engine, RemoteEngine):  # an engine in another process: its loop's stand-in
         engine_loop = engine.engine_loop
     else:
@@ -146,9 +150,20 @@ def build_app(
     app.add_exception_handler(Exception, _internal_error)
     for router in ROUTERS:
         app.include_router(router)
-    if models.enable_lora:
-        app.include_router(lora_router)
+    _include_lora_updates(app, models)
     return app
+
+
+def _include_lora_updates(app: FastAPI, models: ServedModels) -> None:
+    """/v1/load_lora_adapter and /v1/unload_lora_adapter, where run-time updates are on."""
+    if not models.runtime_updates:
+        return
+    roots = models.updates.allowed_roots
+    logger.warning(
+        "LoRA adapters load and unload at run time (/v1/load_lora_adapter)%s",
+        f" from under {list(roots)}" if roots else ", from any directory this server can read",
+    )
+    app.include_router(lora_router)
 
 
 @asynccontextmanager

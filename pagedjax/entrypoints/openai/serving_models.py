@@ -2,10 +2,11 @@
 and, with --enable-lora, LoRA adapters by name. A request's ``model`` naming an adapter runs
 under it; /v1/models lists the adapters with the base model as ``parent``.
 
-Adapters come from --lora-modules at start and from /v1/load_lora_adapter at run time; each gets
-a fresh lora_int_id, never reused (the engine's prefix cache keys blocks by it). Unloading takes
-the name away from new requests; requests in flight finish under the adapter (the engine keeps
-it until they do: pagedjax/lora/manager.py).
+Adapters come from --lora-modules at start and, where run-time updates are on
+(--enable-lora-runtime-updates or VLLM_ALLOW_RUNTIME_LORA_UPDATING: pagedjax/lora/updates.py),
+from /v1/load_lora_adapter; each gets a fresh lora_int_id, never reused (the engine's prefix
+cache keys blocks by it). Unloading takes the name away from new requests; requests in flight
+finish under the adapter (the engine keeps it until they do: pagedjax/lora/manager.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import threading
 
 from pagedjax.entrypoints.openai.protocol import APIError, bad_request
 from pagedjax.lora.request import LoRARequest
+from pagedjax.lora.updates import LoRAUpdates
 
 
 def model_not_found(model_id: str, model_names: list[str], param: str = "model") -> APIError:
@@ -39,19 +41,25 @@ class ServedModels:
     """Names to what they run: None for the base model, a LoRARequest for an adapter. Read by
     the parsing threads, changed by the load/unload handlers: behind a lock."""
 
-    def __init__(self, base_names: list[str], enable_lora: bool = False):
+    def __init__(
+        self, base_names: list[str], enable_lora: bool = False, updates: LoRAUpdates | None = None
+    ):
         self.base_names = list(base_names)
         self.enable_lora = enable_lora
+        self.updates = updates or LoRAUpdates()  # run-time loading: off unless asked for
         self._adapters: dict[str, LoRARequest] = {}
         self._pending: set[str] = set()  # names being loaded
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
     @classmethod
-    def for_engine(cls, engine, base_names: list[str], lora_modules=None) -> ServedModels:
+    def for_engine(
+        cls, engine, base_names: list[str], lora_modules=None, updates: LoRAUpdates | None = None
+    ) -> ServedModels:
         """The server's models: LoRA is on when the engine has it; ``lora_modules`` ((name, path)
-        pairs, --lora-modules) are loaded now, a bad one raising ValueError naming it."""
-        models = cls(base_names, getattr(engine, "lora_manager", None) is not None)
+        pairs, --lora-modules) are loaded now, a bad one raising ValueError naming it;
+        ``updates``: whether adapters load at run time, and from where."""
+        models = cls(base_names, getattr(engine, "lora_manager", None) is not None, updates)
         if lora_modules and not models.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
         for name, path in lora_modules or ():
@@ -65,6 +73,11 @@ class ServedModels:
                 raise ValueError(f"--lora-modules {name}={path}: {e}") from None
             models.register(lora)
         return models
+
+    @property
+    def runtime_updates(self) -> bool:
+        """Whether /v1/load_lora_adapter and /v1/unload_lora_adapter are served."""
+        return self.enable_lora and self.updates.enabled
 
     @property
     def parent(self) -> str:

@@ -11,6 +11,10 @@ text holds calls gets ``tool_calls`` and ``finish_reason: "tool_calls"``, stream
   arguments.
 - "required": the reply is decoded under a schema for a JSON array of ``{"name", "arguments"}``
   (one item when ``parallel_tool_calls`` is false).
+
+The forcing schemas (tool_schemas.py) hold objects to their named properties and move the
+tools' ``$defs`` to the root; a forced reply is always answered as ``tool_calls``, one cut by
+``max_tokens`` too (its arguments as far as they got, ``finish_reason`` "length").
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pagedjax.entrypoints.openai.tool_parsers import (
     new_call_id,
 )
 from pagedjax.entrypoints.openai.tool_parsers.json_calls import ArrayCallsParser, NamedCallParser
+from pagedjax.entrypoints.openai.tool_schemas import named_call_schema, required_calls_schema
 from pagedjax.sampling_params import StructuredOutputsParams
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -234,22 +239,12 @@ def tool_mode(req, config: ToolConfig, constraint) -> tuple[list[dict] | None, T
             "tool_choice",
         )
     if choice == "required":
-        items = [_call_schema(fn) for fn in fns.values()]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-        if max_calls == 1:
-            schema["maxItems"] = 1
-        return shown, ToolMode(ArrayCallsParser, max_calls, StructuredOutputsParams(json=schema))
-    grammar = StructuredOutputsParams(json=fns[choice]["parameters"])
+        schema = required_calls_schema(list(fns.values()), max_calls)
+        names = tuple(fns)
+        parser = lambda: ArrayCallsParser(names)  # noqa: E731
+        return shown, ToolMode(parser, max_calls, StructuredOutputsParams(json=schema))
+    grammar = StructuredOutputsParams(json=named_call_schema(fns[choice]["parameters"]))
     return shown, ToolMode(lambda: NamedCallParser(choice), 1, grammar)
-
-
-def _call_schema(fn: dict) -> dict:
-    return {
-        "type": "object",
-        "properties": {"name": {"const": fn["name"]}, "arguments": fn["parameters"]},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
 
 
 # ---- the conversation -----------------------------------------------------------------------

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from pagedjax.core.beam_search import beam_score, beam_step, best_hypotheses
 from pagedjax.core.scheduler import check_stop
 from pagedjax.core.sequence import Sequence
@@ -84,3 +86,25 @@ def test_stop_strings_are_searched_only_where_a_new_match_can_start():
     assert find_stop_string("xxabc", 4, stops) == 2  # starts in the old text, ends in the new
     assert find_stop_string("zzq abc", 7, stops) == -1  # all of it was searched before
     assert find_stop_string("q zz abc", 3, stops) == 2  # the earliest of several
+
+
+@pytest.mark.parametrize("penalty", [1100.0, -1100.0, 1e300, -1e300, 0.0])
+def test_any_finite_length_penalty_ranks_without_overflow(penalty):
+    """Scores ranked in log space: ``length ** 1100`` overflows a float (an OverflowError, a
+    500 on the server); the order is still the true scores' order."""
+    p = BeamSearchParams(beam_width=3, max_tokens=8, length_penalty=penalty)
+    hyps = [([1], -1.0), ([1, 2, 3, 4], -2.0), ([1, 2], -3.0)]
+    ranked = best_hypotheses(p, hyps)
+    by_length = [len(t) for t, _ in ranked]
+    if penalty > 0:  # long hypotheses' scores shrink towards 0: the longest first
+        assert by_length == [4, 2, 1]
+    elif penalty < 0:
+        assert by_length == [1, 2, 4]
+    else:  # plain cumulative logprob
+        assert by_length == [1, 4, 2]
+    assert beam_score(p, 4, 0.0) == 0.0
+    want = -2.0 if penalty == 0 else (-0.0 if penalty > 0 else -math.inf)  # beyond a float
+    assert beam_score(p, 4, -2.0) == want
+    # the step's early stop compares in log space too
+    a = _beam(0, [5], -1.0)
+    beam_step(p, [(a, [10, 11], [-0.1, -6.0])], [([4, EOS], -3.0)] * 3, {EOS}, 64)

@@ -34,6 +34,7 @@ from pagedjax import LLM, LoRARequest, SamplingParams
 from pagedjax.entrypoints.api_server import build_app
 from pagedjax.entrypoints.openai.engine_client import EngineProcess, RemoteEngine
 from pagedjax.entrypoints.openai.engine_process import EngineOptions
+from pagedjax.lora.updates import LoRAUpdates
 
 ENGINE_ARGS = dict(block_size=8, num_blocks=200, seed=0, max_model_len=96, max_num_seqs=8)
 PROMPTS = ["Hello there", "caf\u00e9 au lait", "abc"]
@@ -194,7 +195,13 @@ def test_lora_adapters_load_and_unload_through_named_commands(tmp_path):
     process = EngineProcess(EngineOptions(str(base), args, max_queue=8, background_compile=False))
     try:
         info = process.wait_ready()
-        app = build_app(RemoteEngine(info, process), "base", lora_modules=[("one", paths[0])])
+        updates = LoRAUpdates(enabled=True)
+        app = build_app(
+            RemoteEngine(info, process),
+            "base",
+            lora_modules=[("one", paths[0])],
+            lora_updates=updates,
+        )
         with live_server(app) as url:
             load = {"lora_name": "two", "lora_path": paths[1]}
             assert raw(url, "POST", "/v1/load_lora_adapter", load, key=None)[0] == 200

@@ -211,14 +211,19 @@ def test_unknown_parser_names_the_choices():
 
 GRAMMAR_REPLIES = [
     (lambda: NamedCallParser("get_weather"), '{"city": "Paris", "days": 2}', 1),
-    (lambda: NamedCallParser("get_weather"), '{"city": "Par', 0),  # cut by max_tokens
+    (lambda: NamedCallParser("get_weather"), '{"city": "Par', 1),  # cut by max_tokens: a call
     (
         ArrayCallsParser,
         '[{"name": "get_time", "arguments": {"zone": "CET"}}, '
         '{"name": "get_weather", "arguments": {"city": "Oslo"}}]',
         2,
     ),
-    (ArrayCallsParser, '[{"name": "get_time", "arguments": {"zone": "C', 0),
+    (ArrayCallsParser, '[{"name": "get_time", "arguments": {"zone": "C', 1),
+    (ArrayCallsParser, '[{"name": "get_ti', 0),  # cut before a name: content
+    # keys in either order; a cut name is told by the functions it may call
+    (lambda: ArrayCallsParser(("get_time", "get_weather")), '[{"arguments": {}, "name": "get_t', 1),
+    (lambda: ArrayCallsParser(("get_time",)), '[{"arguments": {"zone": "C', 1),
+    (lambda: ArrayCallsParser(("get_time", "get_weather")), '[{"arguments": {"zone": "C', 0),
     (ArrayCallsParser, '[{"name": "get_time", "arguments": {}}, {"name": "get_w', 1),
 ]
 

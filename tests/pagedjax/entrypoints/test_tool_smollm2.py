@@ -120,3 +120,47 @@ def test_100_named_calls_parse_and_validate():
     assert valid == 100
     for message in answers:
         assert message.tool_calls is None and message.content
+
+
+# A tool as LangChain sends it (bind_tools([get_weather], tool_choice="get_weather")): its
+# parameters name their properties and say nothing of others.
+LANGCHAIN_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather for a location.",
+            "parameters": {
+                "type": "object",
+                "properties": {"location": {"type": "string"}},
+                "required": ["location"],
+            },
+        },
+    }
+]
+
+
+def test_a_langchain_named_choice_is_answered_with_its_call():
+    """The grammar holds the arguments to the named property (vLLM's default grammar backend
+    does): the model cannot ramble in an extra one until max_tokens, and every answer is a
+    tool call with exactly its arguments."""
+    llm = LLM(max_model_len=512, num_blocks=256, max_num_seqs=8, seed=0)
+    app = build_app(llm.engine, MODEL, api_key=KEY)
+    with live_server(app) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=600)
+        for i, city in enumerate(CITIES[:6]):
+            r = client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": f"What's the weather like in {city}?"}],
+                tools=LANGCHAIN_TOOLS,
+                tool_choice=NAMED,
+                max_tokens=48,
+                temperature=0.8,
+                seed=i,
+            )
+            choice = r.choices[0]
+            assert choice.finish_reason == "tool_calls", choice
+            (call,) = choice.message.tool_calls
+            assert call.function.name == "get_weather" and choice.message.content is None
+            assert set(json.loads(call.function.arguments)) == {"location"}
+    llm.close()

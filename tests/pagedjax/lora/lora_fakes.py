@@ -3,6 +3,7 @@ needs no files, and an engine of the fake model (tests/fake_model.py) with LoRA 
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 from fake_model import FAKE_CONFIG, FakeRunner
@@ -42,7 +43,7 @@ def fake_loader(path: str, model_config, max_rank: int):
     return SimpleNamespace(rank=rank, path=path)
 
 
-def lora_engine(runner=FakeLoRARunner, **lora) -> LLMEngine:
+def lora_engine(runner=FakeLoRARunner, loader=fake_loader, **lora) -> LLMEngine:
     config = EngineConfig(
         model="fake",
         cache=CacheConfig(8, 64, None, 0.001, True),
@@ -50,8 +51,18 @@ def lora_engine(runner=FakeLoRARunner, **lora) -> LLMEngine:
         **({"enable_lora": True, "max_loras": 2, "max_lora_rank": 8} | lora),
     )
     loaded = LoadedModel(config=FAKE_CONFIG, params={}, source="fake", tokenizer_dir=None)
-    return LLMEngine(config, loaded, runner_factory=runner, lora_loader=fake_loader)
+    return LLMEngine(config, loaded, runner_factory=runner, lora_loader=loader)
 
 
 def adapter(i: int, rank: int = 4) -> LoRARequest:
     return LoRARequest(f"adapter{i}", i, f"/adapters/{i}/rank{rank}")
+
+
+def adapter_dir(root: Path, name: str) -> str:
+    """A directory that passes a server's check of run-time adapter paths (an
+    adapter_config.json and a weight file, which fake_loader does not read)."""
+    directory = root / name
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "adapter_config.json").write_text("{}")
+    (directory / "adapter_model.safetensors").write_bytes(b"")
+    return str(directory)

@@ -12,13 +12,14 @@ import openai
 import pytest
 from fake_model import fake_engine
 from fastapi.testclient import TestClient
-from lora_fakes import FakeLoRARunner, lora_engine
+from lora_fakes import FakeLoRARunner, adapter_dir, lora_engine
 from server_helpers import assert_openai_error, live_server, metrics, raw
 
 from pagedjax.entrypoints import cli
 from pagedjax.entrypoints.api_server import build_app
+from pagedjax.lora.updates import LoRAUpdates
 
-ONE, TWO = "/adapters/1/rank4", "/adapters/2/rank8"
+ONE = "/adapters/1/rank4"
 
 
 class SlowLoRARunner(FakeLoRARunner):
@@ -41,10 +42,19 @@ def spy(engine) -> list:
     return got
 
 
-def app_with_adapters(runner=FakeLoRARunner, **kwargs):
+def app_with_adapters(runner=FakeLoRARunner, updates=True, **kwargs):
     engine = lora_engine(runner=runner, max_loras=2, **kwargs)
     got = spy(engine)
-    return build_app(engine, "base", lora_modules=[("one", ONE)]), engine, got
+    app = build_app(
+        engine, "base", lora_modules=[("one", ONE)], lora_updates=LoRAUpdates(enabled=updates)
+    )
+    return app, engine, got
+
+
+@pytest.fixture
+def two(tmp_path) -> str:
+    """A directory for adapter "two" (rank 8) that run-time loading accepts."""
+    return adapter_dir(tmp_path, "2/rank8")
 
 
 def test_adapters_are_listed_with_the_base_model_as_parent():
@@ -73,7 +83,8 @@ def test_the_openai_client_selects_an_adapter_by_model_name():
     ]
 
 
-def test_load_and_unload_endpoints_and_their_errors():
+def test_load_and_unload_endpoints_and_their_errors(two, tmp_path):
+    TWO, rank16 = two, adapter_dir(tmp_path, "a/rank16")
     app, engine, got = app_with_adapters(max_lora_rank=8)
     with TestClient(app) as client:
 
@@ -88,7 +99,7 @@ def test_load_and_unload_endpoints_and_their_errors():
             ({"lora_name": "two", "lora_path": TWO}, "lora_name", "already been loaded"),
             ({"lora_name": "base", "lora_path": TWO}, "lora_name", "already been loaded"),
             ({"lora_name": "x", "lora_path": "/nowhere"}, "lora_path", "/nowhere"),
-            ({"lora_name": "x", "lora_path": "/a/rank16"}, "lora_path", "rank 16"),
+            ({"lora_name": "x", "lora_path": rank16}, "lora_path", "rank 16"),
             ({"lora_name": "x"}, "lora_path", "lora_path"),
             ({"lora_name": "x", "lora_path": TWO, "extra": 1}, "extra", "unknown field"),
         ]:
@@ -119,7 +130,8 @@ def test_without_enable_lora_there_are_no_adapters():
         build_app(lora_engine(), "base", lora_modules=[("one", "/nowhere")])
 
 
-def test_loading_and_unloading_while_requests_run_loses_nothing():
+def test_loading_and_unloading_while_requests_run_loses_nothing(two):
+    TWO = two
     app, engine, _ = app_with_adapters(runner=SlowLoRARunner)
     results = {}
     with live_server(app) as base:

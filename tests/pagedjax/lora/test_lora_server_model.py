@@ -16,6 +16,7 @@ from server_helpers import live_server, metrics, raw
 
 from pagedjax import LLM, SamplingParams
 from pagedjax.entrypoints.api_server import build_app
+from pagedjax.lora.updates import LoRAUpdates
 
 MAX_TOKENS = 24
 OPTIONS = dict(block_size=8, max_model_len=128, enable_lora=True, max_loras=2, max_lora_rank=16)
@@ -76,7 +77,8 @@ def test_loading_and_unloading_while_requests_run_loses_nothing(model):
         return fetch(handle)
 
     llm.runner.fetch = slow_fetch
-    app = build_app(llm.engine, "base", lora_modules=[("one", paths[0])])
+    updates = LoRAUpdates(enabled=True)
+    app = build_app(llm.engine, "base", lora_modules=[("one", paths[0])], lora_updates=updates)
     results = {}
     with live_server(app) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)

@@ -14,6 +14,7 @@ import types
 import openai
 import pytest
 from hf_models import tiny_llama_dir
+from ingress_cases import SERVER_KWARGS, check_all
 from server_helpers import free_port, live_server
 
 from pagedjax.serve_ray.options import AutoscalingOptions, RayServeOptions, builder_arguments
@@ -99,7 +100,7 @@ def cluster(tmp_path_factory):
     ray.shutdown()
 
 
-def _deploy(cluster, model_dir, name, options):
+def _deploy(cluster, model_dir, name, options, server_kwargs=None):
     from pagedjax.serve_ray.app import build
 
     app = build(
@@ -107,6 +108,7 @@ def _deploy(cluster, model_dir, name, options):
         options,
         served_model_name="tiny",
         llm_kwargs=LLM_KWARGS,
+        server_kwargs=server_kwargs,
         startup_kwargs={"warmup": False},
     )
     serve.run(app, name=name, route_prefix=f"/{name}")
@@ -137,6 +139,20 @@ def two(cluster, model_dir):
     _replicas(dep.engine, 2)
     yield dep
     serve.delete("two")
+
+
+@pytest.mark.slow
+def test_the_ingress_answers_hostile_bodies_cors_and_head_like_the_plain_server(cluster, model_dir):
+    """tests/ingress_cases.py, which the plain server answers (test_ingress_cases.py): deep
+    nesting a 400 (a RecursionError in the routing key was a 500), a body over the limit a 413
+    from the ingress itself, CORS preflights and HEAD /health answered (both were 405)."""
+    one = RayServeOptions(num_replicas=1, num_cpus=0.5, routing="prefix")
+    dep = _deploy(cluster, model_dir, "cases", one, server_kwargs=SERVER_KWARGS)
+    try:
+        _replicas(dep.engine, 1)
+        check_all(dep.base, "tiny")
+    finally:
+        serve.delete("cases")
 
 
 @pytest.mark.slow

@@ -20,7 +20,8 @@ from typing import Any
 @dataclasses.dataclass(frozen=True)
 class ParsedCall:
     name: str
-    arguments: str  # a JSON object's text, as json.dumps writes it
+    arguments: str  # a JSON object's text, as json.dumps writes it (a forced call cut short by
+    # max_tokens: its text as far as it got, tool_parsers/json_calls.py)
 
 
 Item = str | ParsedCall
