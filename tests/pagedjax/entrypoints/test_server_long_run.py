@@ -22,6 +22,7 @@ from server_helpers import free_port, metrics, raw, sse_events
 pytestmark = pytest.mark.slow
 
 KEY = "long-run-key"
+MODEL = "smollm2"
 MINUTES = float(os.environ.get("PAGEDJAX_LONG_RUN_MINUTES", "20"))
 CLIENTS = 8
 SAMPLE_S = 10.0
@@ -71,7 +72,7 @@ def mix() -> list[tuple[str, dict]]:
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": _prompt(40)}],
                                   "max_tokens": 9, "logprobs": True, "top_logprobs": 2}),
     ]  # fmt: skip
-    defaults = {"temperature": 0.0, "ignore_eos": True}
+    defaults = {"model": MODEL, "temperature": 0.0, "ignore_eos": True}
     return [(path, {**defaults, **body}) for path, body in bodies]
 
 
@@ -140,7 +141,8 @@ def test_serve_runs_its_whole_background_compile_then_a_long_mixed_load(tmp_path
     _make_adapter(tmp_path / "tone")
     port = free_port()
     argv = [sys.executable, "-c", "from pagedjax.entrypoints.cli import main; main()", "serve"]
-    argv += ["--port", str(port), "--api-key", KEY, "--enable-lora", "--max-loras", "2"]
+    argv += ["--port", str(port), "--api-key", KEY, "--served-model-name", MODEL]
+    argv += ["--enable-lora", "--max-loras", "2"]
     argv += ["--max-lora-rank", "8", "--lora-modules", f"tone={tmp_path / 'tone'}"]
     env = {**os.environ, "PAGEDJAX_CACHE_DIR": str(tmp_path / "cold-cache")}
     log_path = tmp_path / "server.log"
