@@ -1,6 +1,11 @@
-"""Small integer helpers shared by the host side (the kernels, a lower layer, keep their own)."""
+"""Small integer helpers shared by the host side (the kernels, a lower layer, keep their own),
+and vLLM's FlexibleArgumentParser where vLLM's examples import it (``vllm.utils``)."""
 
 from __future__ import annotations
+
+from pagedjax.utils.argparse_utils import FlexibleArgumentParser
+
+__all__ = ["FlexibleArgumentParser", "cdiv", "next_pow2", "powers_of_two"]
 
 
 def cdiv(a: int, b: int) -> int:
