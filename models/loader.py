@@ -44,6 +44,7 @@ from .loading.tokenizer import encode_text, gguf_tokenizer, load_tokenizer
 
 __all__ = [
     "DTYPES",
+    "HubOptions",
     "LoadedModel",
     "Q8Blocks",
     "convert",
@@ -94,26 +95,42 @@ def _looks_like_hub_id(model: str) -> bool:
     return bool(re.fullmatch(r"[\w.-]+/[\w.-]+", model)) and not model.startswith(".")
 
 
-def resolve(model: str) -> Path:
+@dataclasses.dataclass(frozen=True)
+class HubOptions:
+    """How a hub id is fetched (vLLM's --revision, --download-dir, --hf-token): the branch, tag
+    or commit; the folder downloads go to (default: the Hugging Face cache); the token (True:
+    the one ``hf auth login`` saved)."""
+
+    revision: str | None = None
+    download_dir: str | None = None
+    token: str | bool | None = None
+
+
+def resolve(model: str, hub: HubOptions | None = None) -> Path:
     """A local directory or .gguf file for ``model`` (downloading a hub id when needed)."""
     path = Path(model).expanduser()
     if path.exists():
         return path
     if not _looks_like_hub_id(model):
         raise ValueError(f"model path does not exist: {model!r}")
+    hub = hub or HubOptions()
     try:
         import huggingface_hub
 
         return Path(
             huggingface_hub.snapshot_download(
                 model,
+                revision=hub.revision,
+                cache_dir=hub.download_dir,
+                token=hub.token,
                 allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"],
             )
         )
     except Exception as e:  # offline, unknown repo, gated repo: all one error for the user
+        at = f" at revision {hub.revision!r}" if hub.revision else ""
         raise ValueError(
             f"model {model!r} is not a local path and could not be fetched from the Hugging Face "
-            f"hub: {type(e).__name__}: {e}"
+            f"hub{at}: {type(e).__name__}: {e}"
         ) from e
 
 
@@ -125,11 +142,12 @@ def load_model(
     mesh: Mesh | None = None,
     quantization: str | None = None,
     dequantize_gguf: bool = False,
+    hub: HubOptions | None = None,
 ) -> LoadedModel:
     """Load ``model`` (directory, hub id or .gguf) as parameters in ``dtype``; with
     ``quantization`` (models/quant.py's QUANTIZATIONS), the linear kernels are quantized. A Q8_0
     GGUF's kernels stay int8 with the file's scales (module docstring) unless
-    ``dequantize_gguf``.
+    ``dequantize_gguf``. ``hub``: how a hub id is fetched.
 
     Converted parameters are cached under ``cache_dir`` (default ``$PAGEDJAX_CACHE_DIR`` or
     ``~/.cache/pagedjax``), keyed by the source files and dtype: one file of arrays that a later
@@ -140,7 +158,7 @@ def load_model(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     quant.check(quantization)
-    path = resolve(model)
+    path = resolve(model, hub)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model file must be a .gguf file, got {str(path)!r}")

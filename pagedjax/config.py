@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from pagedjax.generation_config import check_generation_config, default_sampling_params
+from pagedjax.sampling_params import MAX_LOGPROBS
 from pagedjax.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16")
@@ -123,9 +124,19 @@ class EngineConfig:
     # generation_config.json), "vllm" (none) or a folder's; overrides by generation_config names
     generation_config: str = "auto"
     override_generation_config: dict | None = None
+    # The most logprobs / prompt_logprobs a request may ask for (vLLM's max_logprobs); at most
+    # the sampler's top-logprobs width
+    max_logprobs: int = MAX_LOGPROBS
 
     def __post_init__(self):
         check_generation_config(self.generation_config, self.override_generation_config)
+        k = self.max_logprobs
+        _require(
+            isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_LOGPROBS,
+            "max_logprobs",
+            k,
+            f"must be an integer in [0, {MAX_LOGPROBS}]",
+        )
         spec = SpeculativeConfig.of(self.speculative_config)
         object.__setattr__(self, "speculative_config", spec)
         _require(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {DTYPES}")

@@ -34,6 +34,23 @@ def token_texts(tokenizer) -> Callable[[int], str | None]:
     return text
 
 
+def sample_logprobs_entry(
+    entry: dict[int, float], k: int, token_text: Callable[[int], str | None]
+) -> dict[int, Logprob]:
+    """One generated token's logprobs as vLLM gives them: the sampled token first, then the k
+    most likely, each a Logprob with its rank (1 = most likely) and text. ``entry`` is the
+    engine's (sampled token first, then the top k; a top token that was sampled is listed
+    once). A sampled token outside the top k has rank None: only its lower bound, k + 1, is
+    known."""
+    values = list(entry.values())
+    out = {}
+    for i, (token, logprob) in enumerate(entry.items()):
+        outside_top = i == 0 and len(entry) > k
+        rank = None if outside_top else 1 + sum(v > logprob for v in values)
+        out[token] = Logprob(logprob, rank, token_text(token))
+    return out
+
+
 class PromptLogprobsList(Sequence):
     """RequestOutput.prompt_logprobs as vLLM shapes it (None for the first prompt token, then
     per token a dict token id -> Logprob: its own and the k most likely, rank 1 = most likely),
@@ -90,7 +107,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[dict[int, float]] | None
+    # SamplingParams(logprobs=k): per generated token, the sampled token's Logprob and the k
+    # most likely's (sample_logprobs_entry)
+    logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None  # "stop" (EOS / stop token), "length", "abort", or None (running)
     # vLLM's: the stop token id or stop string that ended it with "stop" (None for EOS), or why
     # a grammar ended it with "abort" (no token of the vocabulary could continue it).
@@ -124,6 +143,41 @@ class RequestOutput:
     # speculates (speculative_config); None otherwise.
     spec_decoding: SpecDecodingStats | None = None
     metrics: RequestMetrics | None = None
+
+
+@dataclasses.dataclass
+class BeamSearchSequence:
+    """One beam as vLLM's ``LLM.beam_search`` returns it: its tokens and text include the
+    prompt's. ``logprobs`` stays empty: the engine ranks beams by cumulative logprob and keeps
+    no per-token entries for them."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]]
+    cum_logprob: float
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclasses.dataclass
+class BeamSearchOutput(RequestOutput):
+    """``LLM.beam_search``'s result: vLLM's ``sequences`` (best first), and the RequestOutput
+    fields too (``outputs`` holds the same beams without the prompt)."""
+
+    sequences: list[BeamSearchSequence] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def of(cls, out: RequestOutput, decode: Callable[[list[int]], str]) -> BeamSearchOutput:
+        """``out``'s beams as sequences, each text ``decode(prompt + beam tokens)``."""
+        fields = {f.name: getattr(out, f.name) for f in dataclasses.fields(RequestOutput)}
+        sequences = []
+        for c in out.outputs:
+            tokens = list(out.prompt_token_ids) + list(c.token_ids)
+            cum = c.cumulative_logprob or 0.0
+            seq = BeamSearchSequence(tokens, [], cum, decode(tokens), c.finish_reason)
+            seq.stop_reason = c.stop_reason
+            sequences.append(seq)
+        return cls(**fields, sequences=sequences)
 
 
 @dataclasses.dataclass

@@ -44,6 +44,8 @@ def _check_output_kind(obj, kinds=tuple(RequestOutputKind)) -> None:
 @dataclasses.dataclass
 class SamplingParams:
     n: int = 1  # independent samples of the same prompt, sharing its KV blocks
+    # vLLM V0's: run this many samples and return the n of highest cumulative logprob (None: n)
+    best_of: int | None = None
     max_tokens: int = 16
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # <= 0 (or -1, vLLM's spelling) = off
@@ -77,6 +79,13 @@ class SamplingParams:
     def __post_init__(self):
         if not _is_int(self.n) or not 1 <= self.n <= MAX_INT32:
             _bad(self, "n", "must be an integer >= 1")
+        if self.best_of is not None and (
+            not _is_int(self.best_of) or not self.n <= self.best_of <= MAX_INT32
+        ):
+            _bad(self, "best_of", f"must be None or an integer >= n={self.n}")
+        streamed = self.output_kind is RequestOutputKind.DELTA
+        if streamed and self.best_of is not None and self.best_of > self.n:
+            _bad(self, "best_of", "greater than n cannot be streamed (output_kind DELTA)")
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32:
             _bad(self, "max_tokens", f"must be an integer in [1, {MAX_INT32}]")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
@@ -154,7 +163,7 @@ class SamplingParams:
     @property
     def max_num_seqs(self) -> int:
         """Sequences this request runs at once (the scheduler's admission count)."""
-        return self.n
+        return self.best_of or self.n
 
     @property
     def stop_hold(self) -> int:

@@ -66,13 +66,14 @@ class SeqChunk:
 
     @property
     def num_samples(self) -> int:
-        """Tokens sampled from this chunk's last logits: none before the prompt is done, n for
-        the first tokens of a parallel-sampling request (its samples fork then), else one."""
+        """Tokens sampled from this chunk's last logits: none before the prompt is done, n (or
+        best_of) for the first tokens of a parallel-sampling request (its samples fork then),
+        else one."""
         if not self.completes:
             return 0
         p = self.group.sampling_params
         first = self.group.num_seqs() == 1 and self.seq.get_output_len() == 0
-        return p.n if first and isinstance(p, SamplingParams) else 1
+        return p.max_num_seqs if first and isinstance(p, SamplingParams) else 1
 
 
 @dataclasses.dataclass

@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 
 from pagedjax.core.window import live_blocks, shared_window
+from pagedjax.inputs import PromptType, split_prompt
 from pagedjax.models.loading.tokenizer import encode_text
-from pagedjax.sampling_params import BeamSearchParams, SamplingParams
+from pagedjax.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 from pagedjax.structured_output.grammar import GrammarCompiler
 from pagedjax.structured_output.masks import check_allowed_ids_meet
 from pagedjax.utils import cdiv
 
-Prompt = str | list[int]
 Params = SamplingParams | BeamSearchParams
 
 
@@ -41,6 +41,7 @@ class Capacity:
     num_host_blocks: int  # swap space, in blocks
     vocab_size: int
     sliding_window: int | None = None  # one window shared by every layer: blocks before it free
+    max_logprobs: int = MAX_LOGPROBS  # logprobs / prompt_logprobs a request may ask for
 
     @classmethod
     def of(cls, config, num_blocks: int, watermark_blocks: int, num_host_blocks: int, model_config):
@@ -56,6 +57,7 @@ class Capacity:
             num_host_blocks=num_host_blocks,
             vocab_size=model_config.vocab_size,
             sliding_window=shared_window(model_config.layer_windows),
+            max_logprobs=config.max_logprobs,
         )
 
 
@@ -113,22 +115,25 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.grammars = GrammarCompiler(tokenizer, capacity.vocab_size)  # structured output
 
-    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
-            try:
-                return prompt, encode_text(self.tokenizer, prompt)
-            except Exception as e:  # e.g. lone surrogates the tokenizer cannot encode
-                raise ValueError(f"the prompt cannot be tokenized: {e}") from e
-        if not isinstance(prompt, list | tuple | np.ndarray):
-            raise ValueError(f"a prompt is a string or a list of token ids, got {prompt!r:.80}")
-        ids = list(prompt)
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt in any of vLLM's forms (pagedjax/inputs.py): a
+        TokensPrompt's ids are taken as given, with its text if it has one."""
+        text, ids = split_prompt(prompt)
+        if ids is not None:
+            return text, self._checked_ids(ids)
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
+        try:
+            return text, encode_text(self.tokenizer, text)
+        except Exception as e:  # e.g. lone surrogates the tokenizer cannot encode
+            raise ValueError(f"the prompt cannot be tokenized: {e}") from e
+
+    def _checked_ids(self, ids: list) -> list[int]:
         vocab = self.capacity.vocab_size
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= t < vocab:
                 raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
-        return None, [int(t) for t in ids]
+        return [int(t) for t in ids]
 
     def copy_params(self, params: Params) -> Params:
         """The request's own copy: changing the caller's object later changes nothing here."""
@@ -150,6 +155,10 @@ class InputProcessor:
                 f"the prompt has {n} tokens and leaves no room to generate within "
                 f"max_model_len={cap.max_model_len}"
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name, None)
+            if k is not None and k > cap.max_logprobs:
+                raise ValueError(f"{name}={k} exceeds max_logprobs={cap.max_logprobs}")
         if isinstance(params, SamplingParams):
             if params.stop and self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer; this model has none")
@@ -175,7 +184,7 @@ class InputProcessor:
                 compiled = self.grammars.compile(so)
                 if params.allowed_token_ids is not None:
                     check_allowed_ids_meet(compiled.first_mask(), params.allowed_token_ids, so.kind)
-            width_name = "n"
+            width_name = "best_of" if (params.best_of or 0) > params.n else "n"
         else:
             width_name = "beam_width"
         width = params.max_num_seqs

@@ -153,6 +153,13 @@ class LLMEngine:
             enabled=config.async_scheduling,
         )
 
+    @classmethod
+    def from_engine_args(cls, engine_args) -> LLMEngine:
+        """vLLM's: the engine of an EngineArgs (pagedjax/engine/arg_utils.py), its model loaded
+        as the arguments say."""
+        loaded = engine_args.load_model()
+        return cls(engine_args.create_engine_config(loaded), loaded)
+
     # ---- requests -------------------------------------------------------------------------
 
     def check_request(self, prompt_token_ids: list[int], params: Params) -> None:

@@ -12,7 +12,14 @@ from collections.abc import Collection
 from pagedjax.core import beam_search
 from pagedjax.core.sequence import Sequence
 from pagedjax.engine.request import Request, advance_grammars
-from pagedjax.outputs import CompletionOutput, PromptLogprobsList, RequestOutput, token_texts
+from pagedjax.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobsList,
+    RequestOutput,
+    sample_logprobs_entry,
+    token_texts,
+)
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -33,6 +40,7 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         # decode_batch of the tokenizer's backend, where it gives decode's text (chosen once)
         self._batch = None if tokenizer is None else _batch_decoder(tokenizer)
+        self.token_text = token_texts(tokenizer)  # a Logprob's decoded_token, cached per token
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:
@@ -133,9 +141,11 @@ class OutputProcessor:
         if req.is_beam_search:
             return self._beam_output(req)
         seqs = req.group.get_seqs()
+        p = req.params
+        if len(seqs) > p.n:  # best_of: the n of highest cumulative logprob (vLLM V0's)
+            seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: p.n]
         if len(seqs) > 1:
             seqs.sort(key=lambda s: s.sample_index)
-        p = req.params
         completion = self._delta if p.output_kind is RequestOutputKind.DELTA else self._whole
         completions = [completion(req, s, p.logprobs is not None) for s in seqs]
         prompt_logprobs = self.prompt_logprobs(req)
@@ -151,7 +161,7 @@ class OutputProcessor:
             text=s.text,
             token_ids=list(s.output_token_ids),
             cumulative_logprob=s.cumulative_logprob,
-            logprobs=list(s.logprobs) if want_logprobs else None,
+            logprobs=list(self._logprobs(req, s)) if want_logprobs else None,
             finish_reason=s.finish_reason,
             stop_reason=self.stop_reason(req, s),
         )
@@ -170,10 +180,18 @@ class OutputProcessor:
             text=s.text[num_chars:end],
             token_ids=s.output_token_ids[num_tokens:],
             cumulative_logprob=s.cumulative_logprob,
-            logprobs=s.logprobs[num_tokens:] if want_logprobs else None,
+            logprobs=self._logprobs(req, s)[num_tokens:] if want_logprobs else None,
             finish_reason=s.finish_reason,
             stop_reason=self.stop_reason(req, s),
         )
+
+    def _logprobs(self, req: Request, s: Sequence) -> list[dict[int, Logprob]]:
+        """s's generated logprobs as Logprobs, each token's built once (a sequence's logprobs
+        only grow), so that successive outputs share their entries."""
+        built = req.sample_logprobs.setdefault(s.seq_id, [])
+        k = req.params.logprobs
+        built += [sample_logprobs_entry(e, k, self.token_text) for e in s.logprobs[len(built) :]]
+        return built
 
     def prompt_logprobs(self, req: Request) -> PromptLogprobsList | None:
         """vLLM's prompt_logprobs, once the whole prompt is scored (built when first read)."""
@@ -182,7 +200,7 @@ class OutputProcessor:
             return None
         if state.output is None:  # its rows are final: a scored row is never scored again
             arrays = (state.logprobs, state.ranks, state.top_token_ids, state.top_logprobs)
-            state.output = PromptLogprobsList(state.prompt, *arrays, token_texts(self.tokenizer))
+            state.output = PromptLogprobsList(state.prompt, *arrays, self.token_text)
         return state.output
 
     def _beam_output(self, req: Request) -> RequestOutput:

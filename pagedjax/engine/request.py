@@ -43,6 +43,8 @@ class Request:
     # characters of text), and whether its prompt logprobs went out
     sent: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict, repr=False)
     sent_prompt_logprobs: bool = dataclasses.field(default=False, repr=False)
+    # seq id -> its generated logprobs as Logprobs, built so far (OutputProcessor._logprobs)
+    sample_logprobs: dict[int, list] = dataclasses.field(default_factory=dict, repr=False)
     # (vocab size, the sampling row fields of its parameters): built on first use
     _row_cache: tuple[int, dict] | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False

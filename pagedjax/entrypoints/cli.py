@@ -1,13 +1,23 @@
-"""The ``pagedjax`` command line."""
+"""The pagedjax command line: generate, serve and bench (vLLM's flags)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from pagedjax.entrypoints.engine_args import add_engine_args, engine_kwargs
+from pagedjax.engine.arg_utils import EngineArgs
+from pagedjax.entrypoints.serve_args import add_serve_args, serve_options
 from pagedjax.serve_ray.cli_args import add_ray_args
+from pagedjax.utils.argparse_utils import FlexibleArgumentParser, HelpFormatter
+
+DESCRIPTION = """\
+pagedjax: vLLM's PagedAttention serving engine in JAX and Pallas.
+
+  pagedjax generate --prompt TEXT   one completion (or --chat) from the command line
+  pagedjax serve [MODEL]            an OpenAI-compatible HTTP server (vllm serve's flags)
+  pagedjax bench KIND               throughput, latency, memory and serving benchmarks
+
+Each command's --help lists its flags."""
 
 
 def _initialize_distributed(args: argparse.Namespace) -> bool:
@@ -24,7 +34,7 @@ def _generate(args: argparse.Namespace) -> int:
     is_driver = _initialize_distributed(args)
     from pagedjax import LLM, SamplingParams
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(**EngineArgs.from_cli_args(args).keywords())
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -61,142 +71,44 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pagedjax.entrypoints.api_server import (
-        Cors,
-        ServerLimits,
-        check_api_key,
-        load_chat_template,
-        serve,
-    )
-    from pagedjax.entrypoints.openai.tools import ToolConfig
-    from pagedjax.lora.updates import LoRAUpdates
+    from pagedjax.entrypoints.api_server import serve
 
-    check_api_key(args.api_key)  # before anything loads
-    chat_template = load_chat_template(args.chat_template)
-    cors = None
-    if args.allowed_origins is not None:
-        methods, headers = args.allowed_methods, args.allowed_headers
-        cors = Cors(args.allowed_origins, methods, headers, args.allow_credentials)
-    tool_config = ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser)
-    limits = ServerLimits(
-        max_queue=args.max_queue,
-        max_body_bytes=args.max_body_bytes,
-        body_timeout_s=args.body_timeout,
-        max_stop_strings=args.max_stop_strings,
-        max_stop_string_chars=args.max_stop_string_chars,
-        max_response_logprobs=args.max_response_logprobs,
-    )
-    lora_kwargs = _lora_kwargs(args)  # checked before anything loads
-    lora_updates = LoRAUpdates.from_options(
-        args.enable_lora_runtime_updates, args.lora_allowed_roots
-    )
+    options = serve_options(args)  # checked before anything loads
+    engine_args = EngineArgs.from_cli_args(args)
     multi = args.ray or args.coordinator_address or (args.num_processes or 1) > 1
-    if args.engine_process and multi:
+    if options.engine_process and multi:
         raise ValueError(
             "--engine-process runs one engine process; not with --ray or a "
             "multi-process run (--coordinator-address, --num-processes)"
         )
     if args.ray:
-        if args.enable_lora:
+        if engine_args.enable_lora:
             raise ValueError("--enable-lora is not served with --ray yet")
         from pagedjax.serve_ray.cli_args import serve_on_ray
 
-        server = {"api_key": args.api_key, "limits": limits, "tool_config": tool_config}
-        server |= {"public_metrics": args.public_metrics, "public_docs": args.public_docs}
-        server |= {"chat_template": chat_template, "cors": cors}
-        return serve_on_ray(args, engine_kwargs(args), server)
-    if not args.engine_process:  # the engine process is one process's whole engine
+        server = {"api_key": options.api_key, "limits": options.limits}
+        server |= {"tool_config": options.tool_config, "public_metrics": options.public_metrics}
+        server |= {"public_docs": options.public_docs, "chat_template": options.chat_template}
+        server |= {"cors": options.cors}
+        llm_kwargs = engine_args.keywords()
+        del llm_kwargs["model"]  # the replicas take it apart
+        return serve_on_ray(args, llm_kwargs, server)
+    if not options.engine_process:  # the engine process is one process's whole engine
         _initialize_distributed(args)
-    serve(
-        args.model,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        served_model_name=args.served_model_name,
-        limits=limits,
-        public_metrics=args.public_metrics,
-        public_docs=args.public_docs,
-        tool_config=tool_config,
-        warmup=args.warmup,
-        warmup_all=args.warmup_all,
-        background_compile=args.background_compile,
-        lora_modules=args.lora_modules,
-        lora_updates=lora_updates,
-        engine_process=args.engine_process,
-        chat_template=chat_template,
-        cors=cors,
-        **engine_kwargs(args),
-        **lora_kwargs,
-    )
+    serve(engine_args, options)
     return 0
 
 
-def _lora_kwargs(args: argparse.Namespace) -> dict:
-    """LLM's LoRA keyword arguments from the serve flags (--lora-modules needs --enable-lora)."""
-    for flag in ("lora_modules", "enable_lora_runtime_updates", "lora_allowed_roots"):
-        if getattr(args, flag) and not args.enable_lora:
-            raise ValueError(f"--{flag.replace('_', '-')} needs --enable-lora")
-    if not args.enable_lora:
-        return {}
-    return dict(
-        enable_lora=True,
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras,
+def _add_multiprocess_args(p: argparse.ArgumentParser) -> None:
+    multi = p.add_argument_group(
+        "multi-process (multi-host)",
+        "run the same command on every host; process 0 schedules (and serves HTTP), the others "
+        "follow it. Defaults come from PAGEDJAX_COORDINATOR_ADDRESS, PAGEDJAX_NUM_PROCESSES and "
+        "PAGEDJAX_PROCESS_ID; --tensor-parallel-size must then count the devices of all hosts",
     )
-
-
-def _lora_module(text: str) -> tuple[str, str]:
-    """--lora-modules: name=path."""
-    from pagedjax.entrypoints.openai.serving_models import parse_lora_module
-
-    try:
-        return parse_lora_module(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _add_lora_args(srv: argparse.ArgumentParser) -> None:
-    """Multi-LoRA serving: adapters requests select by their ``model`` (docs/LORA.md)."""
-    lora = srv.add_argument_group("LoRA adapters")
-    lora.add_argument(
-        "--enable-lora",
-        action="store_true",
-        help="serve LoRA adapters: a request's model names one",
-    )
-    lora.add_argument(
-        "--enable-lora-runtime-updates",
-        action="store_true",
-        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, which also turns them on): any client that passes "
-        "the API key may make the server read a directory; confine them with "
-        "--lora-allowed-roots",
-    )
-    lora.add_argument(
-        "--lora-allowed-roots",
-        nargs="+",
-        default=None,
-        metavar="DIR",
-        help="directories that adapters loaded at run time must lie under",
-    )
-    lora.add_argument(
-        "--lora-modules",
-        nargs="+",
-        type=_lora_module,
-        default=None,
-        metavar="NAME=PATH",
-        help="adapters to serve from the start: a name and a PEFT adapter directory each",
-    )
-    lora.add_argument(
-        "--max-loras", type=int, default=1, help="adapters in one batch (device slots)"
-    )
-    lora.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank")
-    lora.add_argument(
-        "--max-cpu-loras",
-        type=int,
-        default=None,
-        help="adapters kept loaded on the host (default: --max-loras)",
-    )
+    multi.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0")
+    multi.add_argument("--num-processes", type=int, default=None, help="processes in the job")
+    multi.add_argument("--process-id", type=int, default=None, help="this one's, 0 .. N-1")
 
 
 def _add_bench_parser(sub) -> None:
@@ -216,167 +128,45 @@ def _add_bench_parser(sub) -> None:
 
 
 def _add_generate_parser(sub) -> None:
-    gen = sub.add_parser("generate", help="generate a completion for one prompt")
-    add_engine_args(gen)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--sampling-seed", type=int, default=None)
-    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen = sub.add_parser(
+        "generate",
+        help="generate a completion for one prompt",
+        description="Generate a completion for one prompt with the engine's options.",
+        formatter_class=HelpFormatter,
+    )
+    EngineArgs.add_cli_args(gen)
+    _add_multiprocess_args(gen)
+    g = gen.add_argument_group("the prompt and its sampling")
+    g.add_argument("--prompt", required=True, help="the prompt (the user message with --chat)")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1)")
+    g.add_argument("--sampling-seed", type=int, default=None, help="the request's seed")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     # One prompt, one sequence: the engine (and, on a CPU, its pool) is sized for one.
     gen.set_defaults(func=_generate, max_num_seqs=1)
 
 
 def _add_serve_parser(sub) -> None:
-    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    srv = sub.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible HTTP API",
+        description="Serve an OpenAI-compatible HTTP API (vllm serve's flags; the model as "
+        "`pagedjax serve MODEL` or --model).",
+        formatter_class=HelpFormatter,
+    )
     srv.add_argument(
         "model_tag", nargs="?", default=None, help="the model, as `vllm serve MODEL` (or --model)"
     )
-    add_engine_args(srv)
-    srv.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on every route but /health and /ping (an "
-        "empty key is an error)",
-    )
-    srv.add_argument(
-        "--public-metrics", action="store_true", help="serve /metrics without the API key"
-    )
-    srv.add_argument(
-        "--public-docs",
-        action="store_true",
-        help="serve /docs, /redoc and /openapi.json without the API key",
-    )
-    srv.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        metavar="NAME",
-        help="the model id clients use, and any aliases (default: --model as given)",
-    )
-    _add_compile_args(srv)
-    _add_limit_args(srv)
-    srv.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='serve tool_choice "auto": the model\'s calls are read by --tool-call-parser',
-    )
-    srv.add_argument(
-        "--tool-call-parser",
-        default=None,
-        help="how the model writes tool calls: hermes (Qwen 2.5/3), llama3_json, pythonic",
-    )
-    srv.add_argument(
-        "--chat-template",
-        default=None,
-        metavar="FILE|TEMPLATE",
-        help="a jinja chat template (a file, or the text) in place of the tokenizer's",
-    )
-    _add_cors_args(srv)
-    _add_lora_args(srv)
+    EngineArgs.add_cli_args(srv)
+    _add_multiprocess_args(srv)
+    add_serve_args(srv)
     add_ray_args(srv)
-    srv.add_argument(
-        "--engine-process",
-        action="store_true",
-        help="run the engine in a process of its own (vLLM's engine core): this process only "
-        "parses, tokenizes and answers HTTP, so that work never holds the engine's GIL",
-    )
     srv.set_defaults(func=_serve)
 
 
-def _add_cors_args(srv: argparse.ArgumentParser) -> None:
-    """vLLM's cross-origin options; without --allowed-origins no browser origin is allowed."""
-    srv.add_argument(
-        "--allowed-origins",
-        type=_string_list,
-        default=None,
-        metavar="JSON",
-        help="browser origins that may call the server, e.g. '[\"http://localhost:3000\"]' or "
-        "'[\"*\"]' (default: none; vLLM's default is all)",
-    )
-    srv.add_argument("--allowed-methods", type=_string_list, default=["*"], metavar="JSON")
-    srv.add_argument("--allowed-headers", type=_string_list, default=["*"], metavar="JSON")
-    srv.add_argument(
-        "--allow-credentials", action="store_true", help="let allowed origins send credentials"
-    )
-
-
-def _string_list(text: str) -> list[str]:
-    """A JSON list of strings (an argparse type)."""
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
-    return value
-
-
-def _add_compile_args(srv: argparse.ArgumentParser) -> None:
-    """When `serve` compiles its step programs: before answering, or in the background."""
-    srv.add_argument(
-        "--warmup",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="compile the common step programs (about a dozen model programs) before serving; "
-        "--no-warmup: every program compiles on first use (default: on)",
-    )
-    srv.add_argument(
-        "--warmup-all",
-        action="store_true",
-        help="compile every step program before serving (minutes on a CPU)",
-    )
-    srv.add_argument(
-        "--background-compile",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="after the server answers, compile the remaining programs on a background thread "
-        "(else each compiles on first use; default: on)",
-    )
-
-
-def _add_limit_args(srv: argparse.ArgumentParser) -> None:
-    """The server's limits on one request and on the queue (ServerLimits)."""
-    srv.add_argument(
-        "--max-queue",
-        type=int,
-        default=256,
-        help="waiting requests before 503, and the most prompts one request may carry "
-        "(default 256)",
-    )
-    srv.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    srv.add_argument(
-        "--body-timeout",
-        type=float,
-        default=30.0,
-        help="seconds a request body may take to arrive before the request is dropped (408)",
-    )
-    srv.add_argument(
-        "--max-stop-strings",
-        type=int,
-        default=64,
-        help="stop strings (and stop_token_ids) one request may carry (default 64)",
-    )
-    srv.add_argument(
-        "--max-stop-string-chars",
-        type=int,
-        default=1024,
-        help="characters in one stop string (default 1024)",
-    )
-    srv.add_argument(
-        "--max-response-logprobs",
-        type=int,
-        default=1 << 20,
-        help="logprob entries one response may carry, counted up front from echo, logprobs, n "
-        "and max_tokens; a request over it is a 400 (default 1048576)",
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagedjax", description=__doc__)
+    parser = FlexibleArgumentParser(prog="pagedjax", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(sub)
     _add_serve_parser(sub)

@@ -3,139 +3,81 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 from collections.abc import Sequence as SequenceOf
+from pathlib import Path
 
-import numpy as np
 from tqdm.auto import tqdm
 
-from pagedjax import compilation
-from pagedjax.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
+from pagedjax.config import EngineConfig
+from pagedjax.engine.arg_utils import EngineArgs
 from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.engine.stats_log import StatsLog
 from pagedjax.entrypoints.chat_template import ChatOptions
-from pagedjax.generation_config import check_generation_config
+from pagedjax.entrypoints.log_setup import configure_default_logging
+from pagedjax.inputs import PromptType, TokensPrompt, is_one_prompt
 from pagedjax.lora.request import LoRARequest
-from pagedjax.models.loader import default_model_path, load_model
-from pagedjax.models.sharding import tensor_parallel_mesh
-from pagedjax.outputs import EngineStats, RequestOutput
-from pagedjax.pallas_kernels import native
+from pagedjax.metrics.offline import RequestCounts, engine_metrics
+from pagedjax.metrics.reader import Metric
+from pagedjax.models.loading.tokenizer import encode_text
+from pagedjax.outputs import BeamSearchOutput, EngineStats, RequestOutput
 from pagedjax.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedjax.worker.runner import Runner
 
-Prompt = str | list[int]
 Params = SamplingParams | BeamSearchParams
+logger = logging.getLogger("pagedjax.entrypoints.llm")
 
 
 class LLM:
     """Offline batched generation: ``LLM(model=...).generate(prompts, SamplingParams(...))``.
 
-    ``warmup=True`` compiles every program the engine's limits allow up front (see
-    ``Runner.warmup``), so that no request waits for a compilation. ``speculative_config``:
-    vLLM's dict, e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
-    "prompt_lookup_min": 2, "prompt_lookup_max": 4}`` (pagedjax.spec_decode).
-    ``kv_cache_dtype``: "auto" (the compute dtype), or "int8" / "fp8" for a KV pool of 8-bit
-    pages with a float32 scale per token and kv head (about a quarter of float32's bytes
-    per block, so more blocks fit).
-    The KV pool holds ``num_blocks`` blocks if given, else ``kv_cache_space_gib``; else, on a
-    GPU or TPU, ``gpu_memory_utilization`` of the device's memory (as JAX's allocator sees it:
-    on a GPU, XLA_PYTHON_CLIENT_MEM_FRACTION of it) less what the weights took, the rest left
-    for the step programs; on a CPU, up to 1 GiB.
-    ``quantization``: "int8" or "fp8" weight-only quantization of the linear layers, a
-    scale per output channel; "int8-g64" / "int8-g32": per 64 / 32 inputs of each
-    (models/quant.py). A GGUF whose linear kernels are all Q8_0 keeps them in 8 bits with
-    the file's scales: "int8-g32", which ``quantization`` may name (any other method is
-    refused) and ``llm.engine.config.quantization`` reports.
-    ``async_scheduling``: schedule and dispatch each step while the one before runs on the
-    device, where that cannot change results (pagedjax/engine/step_loop.py).
-    ``enable_lora``: serve LoRA adapters (``lora_request=`` on generate, chat and
-    beam_search), at most ``max_loras`` in one batch, of rank up to ``max_lora_rank``,
-    ``max_cpu_loras`` kept loaded on the host (docs/LORA.md).
-    ``generation_config``: where the default sampling parameters come from (vLLM's): "auto",
-    the model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
-    max_new_tokens), for ``generate`` and ``chat`` without SamplingParams and for a server's
-    requests that leave them unset; "vllm", none; or a folder's file.
-    ``override_generation_config`` sets or replaces values (generation_config.json's names).
+    The keywords are EngineArgs' fields (pagedjax/engine/arg_utils.py, or ``pagedjax serve
+    --help``: each flag is a keyword with underscores), vLLM's names: ``dtype``,
+    ``max_model_len``, ``max_num_seqs``, ``block_size``, ``num_blocks``,
+    ``gpu_memory_utilization``, ``enable_prefix_caching``, ``tensor_parallel_size``,
+    ``speculative_config``, ``enable_lora``, ``generation_config`` and the rest; vLLM's options
+    with no meaning here are accepted and logged, those pagedjax lacks refused by name.
+    ``swap_space_gib`` is accepted for ``swap_space``. As vLLM's LLM, ``disable_log_stats``
+    defaults to True. ``warmup=True`` compiles every program the engine's limits allow up front
+    (``Runner.warmup``), so that no request waits for a compilation.
+
+    The model loads with one log line per phase (pagedjax's logger, INFO, to stderr unless the
+    application configured logging or PAGEDJAX_CONFIGURE_LOGGING=0).
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "float32",
-        quantization: str | None = None,
-        kv_cache_dtype: str = "auto",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_space_gib: float | None = None,
-        gpu_memory_utilization: float = 0.9,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        enable_chunked_prefill: bool = True,
-        enable_prefix_caching: bool = True,
-        preemption_mode: str = "recompute",
-        swap_space_gib: float = 4.0,
-        tensor_parallel_size: int = 1,
-        seed: int = 0,
-        cache_dir: str | None = None,
-        warmup: bool = False,
-        speculative_config: dict | None = None,
-        async_scheduling: bool = True,
-        enable_lora: bool = False,
-        max_loras: int = 1,
-        max_lora_rank: int = 16,
-        max_cpu_loras: int | None = None,
-        generation_config: str = "auto",
-        override_generation_config: dict | None = None,
-    ):
-        check_generation_config(generation_config, override_generation_config)  # before loading
-        compilation.enable_persistent_cache()  # before anything compiles, the loader included
-        native.prebuild()  # the CPU kernels compile while the model loads (seconds, once)
-        mesh = tensor_parallel_mesh(tensor_parallel_size)
-        loaded = load_model(
-            model or default_model_path(),
-            dtype=dtype,
-            cache_dir=cache_dir,
-            mesh=mesh,
-            quantization=quantization,
-        )
-        config = EngineConfig(
-            model=loaded.source,
-            dtype=dtype,
-            quantization=quantization,
-            seed=seed,
-            tensor_parallel_size=tensor_parallel_size,
-            cache=CacheConfig(
-                block_size,
-                num_blocks,
-                kv_cache_space_gib,
-                swap_space_gib,
-                enable_prefix_caching,
-                kv_cache_dtype,
-                gpu_memory_utilization,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs,
-                resolve_max_model_len(max_model_len, loaded.config.max_context_len),
-                max_num_batched_tokens,
-                enable_chunked_prefill,
-                preemption_mode,
-            ),
-            speculative_config=speculative_config,
-            async_scheduling=async_scheduling,
-            enable_lora=enable_lora,
-            max_loras=max_loras,
-            max_lora_rank=max_lora_rank,
-            max_cpu_loras=max_cpu_loras,
-            generation_config=generation_config,
-            override_generation_config=override_generation_config,
-        )
-        self.engine = LLMEngine(config, loaded)
+    def __init__(self, model: str | None = None, *, warmup: bool = False, **kwargs):
+        configure_default_logging()
+        kwargs.setdefault("disable_log_stats", True)
+        self.engine_args = EngineArgs.from_keywords(model, **kwargs)  # checked before loading
+        self.engine = LLMEngine.from_engine_args(self.engine_args)
+        config = self.engine.config
+        self._log_engine(config)
         if warmup:
             sched = config.scheduler  # groups of several sequences swap in any mode
             swap = self.engine.block_manager.num_host_blocks > 0
+            logger.info("Compiling every step program (warmup=True)")
+            start, before = time.perf_counter(), self.runner.num_compilations
             self.runner.warmup(sched.max_num_seqs, sched.token_budget, swap=swap)
+            done = self.runner.num_compilations - before
+            logger.info("Compiled %d programs in %.1f s", done, time.perf_counter() - start)
         self._request_ids = itertools.count()
         self._driver_stats: EngineStats | None = None  # a follower's copy of the driver's
+        self._stats_log = None if self.engine_args.disable_log_stats else StatsLog()
+        self._request_counts = RequestCounts(config.scheduler.max_model_len)
+
+    def _log_engine(self, config: EngineConfig) -> None:
+        st, sched = self.engine.get_stats(), config.scheduler
+        logger.info(
+            "Engine ready: KV cache of %d blocks x %d tokens (%s), max_model_len=%d, "
+            "max_num_seqs=%d, max_num_batched_tokens=%d",
+            st.num_blocks_total,
+            config.cache.block_size,
+            st.kv_cache_dtype or config.dtype,
+            sched.max_model_len,
+            sched.max_num_seqs,
+            sched.token_budget,
+        )
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: SamplingParams with the model's generation config defaults (temperature,
@@ -151,6 +93,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """vLLM's: the model's tokenizer (transformers'; None for a model without one)."""
+        return self.engine.tokenizer
+
     @property
     def model_config(self):
         return self.engine.model_config
@@ -161,12 +107,13 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | SequenceOf[Prompt],
+        prompts: PromptType | SequenceOf[PromptType],
         sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | SequenceOf[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the order of the prompts.
+        """Generate for every prompt; outputs come back in the order of the prompts. A prompt
+        is a string, a list of token ids, a TextPrompt or a TokensPrompt (pagedjax/inputs.py).
         ``lora_request``: one adapter for every prompt, or a list with one (or None) per
         prompt."""
         prompts = _as_prompt_list(prompts)
@@ -183,18 +130,22 @@ class LLM:
 
     def beam_search(
         self,
-        prompts: Prompt | SequenceOf[Prompt],
+        prompts: PromptType | SequenceOf[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = False,
         lora_request: LoRARequest | SequenceOf[LoRARequest | None] | None = None,
-    ) -> list[RequestOutput]:
-        """Beam search inside the engine; each output's completions are its best beams, best
-        first (by cumulative logprob / length ** length_penalty)."""
+    ) -> list[BeamSearchOutput]:
+        """Beam search inside the engine, one BeamSearchOutput per prompt: vLLM's
+        ``sequences`` (the prompt's tokens and text included) and ``outputs`` (the beams
+        alone), best first (by cumulative logprob / length ** length_penalty)."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"beam_search takes BeamSearchParams, got {params!r}")
         prompts = _as_prompt_list(prompts)
         loras = _per_prompt_loras(lora_request, len(prompts))
-        return self._run(prompts, [params] * len(prompts), use_tqdm, loras)
+        outputs = self._run(prompts, [params] * len(prompts), use_tqdm, loras)
+        tok = self.tokenizer
+        decode = (lambda ids: tok.decode(ids)) if tok is not None else (lambda ids: None)
+        return [BeamSearchOutput.of(out, decode) for out in outputs]
 
     def chat(
         self,
@@ -224,8 +175,12 @@ class LLM:
             chat_template=chat_template,
         )
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        ids = [options.tokenize(tok, c, tools) for c in convs]
-        return self.generate(ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        prompts = []
+        for conversation in convs:  # each output's prompt is the rendered conversation
+            text = options.render(tok, conversation, tools)
+            ids = encode_text(tok, text, options.add_special_tokens)
+            prompts.append(TokensPrompt(prompt_token_ids=ids, prompt=text))
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     # ---- LoRA adapters (vLLM's) -------------------------------------------------------------
 
@@ -243,7 +198,7 @@ class LLM:
 
     def _run(
         self,
-        prompts: list[Prompt],
+        prompts: list[PromptType],
         params: list[Params],
         use_tqdm: bool,
         loras: list[LoRARequest | None],
@@ -274,12 +229,16 @@ class LLM:
                         if out.finished and out.request_id in added:
                             results[out.request_id] = out
                             bar.update(1)
+                    if self._stats_log is not None and self._stats_log.due():
+                        self._stats_log.tick(self.engine.get_stats())
         except BaseException as e:
             for request_id in added:  # this call's requests leave the engine with it
                 self.engine.abort_request(request_id)
             self.engine.broadcast("error", (isinstance(e, ValueError), str(e)))
             raise
         outputs = [results[r] for r in ids]
+        for out, p in zip(outputs, params, strict=True):
+            self._request_counts.observe(out, getattr(p, "n", 1), p.max_tokens)
         self.engine.broadcast("return", (outputs, self.engine.get_stats()))
         return outputs
 
@@ -301,16 +260,21 @@ class LLM:
             return self._driver_stats
         return self.engine.get_stats()
 
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: the engine's gauges and counters and the histograms of the requests this
+        LLM ran, under vLLM's names (``vllm:num_requests_running``, ``vllm:prompt_tokens``,
+        ``vllm:e2e_request_latency_seconds``, ...), as pagedjax.metrics.reader's Counter,
+        Gauge, Histogram and Vector, labelled with the model's name."""
+        name = self.engine_args.model or Path(self.config.model).stem
+        labels = {"model_name": name, "engine": "0"}
+        return engine_metrics(self.get_stats(), labels) + self._request_counts.metrics(labels)
+
     def close(self) -> None:
         self.engine.close()
 
 
-def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str) or (
-        isinstance(prompts, list) and prompts and isinstance(prompts[0], int | np.integer)
-    ):
-        return [prompts]
-    return list(prompts)
+def _as_prompt_list(prompts) -> list[PromptType]:
+    return [prompts] if is_one_prompt(prompts) else list(prompts)
 
 
 def _per_prompt_loras(lora_request, num_prompts: int) -> list[LoRARequest | None]:

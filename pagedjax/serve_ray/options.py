@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from pagedjax.engine.arg_utils import EngineArgs
+
 ROUTING_POLICIES = ("prefix", "random")
 
 
@@ -126,6 +128,10 @@ def builder_arguments(args: dict) -> tuple[str, RayServeOptions, dict]:
     kwargs = {
         k: _dict(args.pop(k, None)) for k in ("llm_kwargs", "server_kwargs", "startup_kwargs")
     }
+    try:  # each replica's LLM keywords are EngineArgs': checked here, before anything deploys
+        EngineArgs.from_keywords(model, **kwargs["llm_kwargs"])
+    except TypeError as e:
+        raise ValueError(f"llm_kwargs: {e}") from None
     kwargs["served_model_name"] = args.pop("served_model_name", None)
     scale = _dict(args.pop("autoscaling", None))
     for key, kind in _NUMBERS.items():

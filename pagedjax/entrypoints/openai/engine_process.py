@@ -37,8 +37,7 @@ logger = logging.getLogger("pagedjax.api_server")
 class EngineOptions:
     """How the engine process builds its engine and its start (api_server.serve's arguments)."""
 
-    model: str
-    llm_kwargs: dict
+    engine_args: object  # EngineArgs: LLM's keywords
     max_queue: int
     warmup: bool = True
     warmup_all: bool = False
@@ -235,7 +234,7 @@ def engine_main(options: EngineOptions, conn_in, conn_out) -> None:
 
     log_to_stderr(options.log_level)
     try:
-        llm = LLM(options.model, **options.llm_kwargs)
+        llm = LLM(**options.engine_args.keywords())
         start = startup.prepare(
             llm,
             warmup=options.warmup,
@@ -253,6 +252,10 @@ def engine_main(options: EngineOptions, conn_in, conn_out) -> None:
         return
     core = EngineCore(llm.engine, options.max_queue, conn_out)
     core.loop.attach_startup(start)
+    if not llm.engine_args.disable_log_stats:
+        from pagedjax.engine.stats_log import start_stats_log
+
+        start_stats_log(lambda: core.loop.metrics.engine_stats)
     conn_out.send(("ready", serving_info(llm.engine)))
     core.serve(conn_in)
     if core.loop.is_running:  # a step outlived shutdown

@@ -133,9 +133,15 @@ def _by_text(strings: TokenStrings, pairs) -> dict[str, float]:
     return out
 
 
+def _values(entry: dict) -> dict[int, float]:
+    """A generated token's logprobs (token id -> Logprob) as floats."""
+    return {t: v.logprob for t, v in entry.items()}
+
+
 def completion_logprobs(strings: TokenStrings, token_ids, logprobs, k: int, offsets) -> dict:
     tokens, token_lps, tops = [], [], []
-    for tid, lp in zip(token_ids, logprobs, strict=False):
+    for tid, entry in zip(token_ids, logprobs, strict=False):
+        lp = _values(entry)
         tokens.append(strings.text(tid))
         token_lps.append(lp.get(tid))
         top = sorted(lp.items(), key=lambda kv: -kv[1])[:k]
@@ -150,7 +156,8 @@ def completion_logprobs(strings: TokenStrings, token_ids, logprobs, k: int, offs
 
 def chat_logprobs(strings: TokenStrings, token_ids, logprobs, k: int) -> dict:
     content = []
-    for tid, lp in zip(token_ids, logprobs, strict=False):
+    for tid, entry in zip(token_ids, logprobs, strict=False):
+        lp = _values(entry)
         top = sorted(lp.items(), key=lambda kv: -kv[1])[:k]
         content.append(
             {

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hf_models import hf_greedy, random_prompts, tiny_llama_hf
 
-from pagedjax import LLM, BeamSearchParams, SamplingParams
+from pagedjax import LLM, BeamSearchParams, Logprob, SamplingParams
 from pagedjax.engine.llm_engine import LLMEngine
 
 BLOCK = 8
@@ -146,12 +146,17 @@ def test_logprobs_match_hf(tiny):
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([tokens])).logits[0], -1).numpy()
     total = 0.0
+    text = llm.get_tokenizer().decode
     for i, (tok, lps) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
         row = ref[len(prompt) - 1 + i]
         top = np.argsort(-row)[:3]
+        assert list(lps)[0] == tok  # the sampled token first, as vLLM lists them
         assert list(lps)[1:] == top.tolist() or set(lps) >= set(top.tolist())
-        for t, lp in lps.items():
-            assert abs(lp - row[t]) < 1e-4
+        for t, lp in lps.items():  # vLLM's Logprob: the value, its rank and its text
+            assert isinstance(lp, Logprob)
+            assert abs(lp.logprob - row[t]) < 1e-4
+            assert lp.rank == 1 + int((row > row[t] + 1e-4).sum())
+            assert lp.decoded_token == text([t], skip_special_tokens=False)
         total += row[tok]
     assert abs(out.cumulative_logprob - total) < 1e-3
 

@@ -366,23 +366,22 @@ def test_served_model_aliases(server, client):
 
 
 def test_cli_scheduler_and_cache_flags_reach_the_engine(monkeypatch):
-    """vLLM's scheduler and cache flags on ``serve`` and ``generate``: given, they reach LLM's
-    keyword arguments; left out, they are LLM's own defaults."""
-    import inspect
-
-    from pagedjax import LLM
+    """vLLM's scheduler and cache flags on ``serve``: given, they reach the engine's arguments;
+    left out, they are EngineArgs' own defaults (LLM's too)."""
+    from pagedjax import EngineArgs
     from pagedjax.entrypoints import cli
 
     seen = {}
     monkeypatch.setattr(cli, "_initialize_distributed", lambda args: True)
     monkeypatch.setattr(
-        "pagedjax.entrypoints.api_server.serve", lambda model, **kw: seen.update(kw)
+        "pagedjax.entrypoints.api_server.serve",
+        lambda engine_args, options: seen.update(engine_args.keywords()),
     )
     names = ("max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching")
-    names += ("preemption_mode", "swap_space_gib")
+    names += ("preemption_mode", "swap_space")
     assert cli.main(["serve"]) == 0
-    defaults = inspect.signature(LLM).parameters
-    assert {k: seen[k] for k in names} == {k: defaults[k].default for k in names}
+    defaults = EngineArgs().keywords()
+    assert {k: seen[k] for k in names} == {k: defaults[k] for k in names}
     argv = ["serve", "--max-num-batched-tokens", "256", "--no-enable-chunked-prefill"]
     argv += ["--no-enable-prefix-caching", "--preemption-mode", "swap", "--swap-space", "0.5"]
     assert cli.main(argv) == 0
@@ -401,7 +400,8 @@ def test_cli_serve_takes_the_model_as_vllm_serve_does(monkeypatch, capsys):
     seen = []
     monkeypatch.setattr(cli, "_initialize_distributed", lambda args: True)
     monkeypatch.setattr(
-        "pagedjax.entrypoints.api_server.serve", lambda model, **kw: seen.append(model)
+        "pagedjax.entrypoints.api_server.serve",
+        lambda engine_args, options: seen.append(engine_args.model),
     )
     assert cli.main(["serve", "some/model", "--port", "9"]) == 0
     assert cli.main(["serve", "--model", "some/model"]) == 0

@@ -30,7 +30,7 @@ from server_helpers import (
     wait_idle,
 )
 
-from pagedjax import LLM, LoRARequest, SamplingParams
+from pagedjax import LLM, EngineArgs, LoRARequest, SamplingParams
 from pagedjax.entrypoints.api_server import build_app
 from pagedjax.entrypoints.openai.engine_client import EngineProcess, RemoteEngine
 from pagedjax.entrypoints.openai.engine_process import EngineOptions
@@ -50,7 +50,8 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def process_server(model_dir):
     """A server whose engine runs in a process of its own: (base URL, EngineProcess)."""
-    options = EngineOptions(str(model_dir), ENGINE_ARGS, max_queue=8, background_compile=False)
+    args = EngineArgs(model=str(model_dir), **ENGINE_ARGS)
+    options = EngineOptions(args, max_queue=8, background_compile=False)
     process = EngineProcess(options)
     try:
         info = process.wait_ready()
@@ -192,7 +193,8 @@ def test_lora_adapters_load_and_unload_through_named_commands(tmp_path):
         for name, lora in loras.items()
     }
     assert len(set(want.values())) == 3  # each adapter changes the text
-    process = EngineProcess(EngineOptions(str(base), args, max_queue=8, background_compile=False))
+    engine_args = EngineArgs(model=str(base), **args)
+    process = EngineProcess(EngineOptions(engine_args, max_queue=8, background_compile=False))
     try:
         info = process.wait_ready()
         updates = LoRAUpdates(enabled=True)
@@ -222,7 +224,8 @@ def test_lora_adapters_load_and_unload_through_named_commands(tmp_path):
 
 
 def test_an_engine_that_cannot_start_raises_naming_why(tmp_path):
-    process = EngineProcess(EngineOptions(str(tmp_path / "missing"), {}, max_queue=8))
+    args = EngineArgs(model=str(tmp_path / "missing"))
+    process = EngineProcess(EngineOptions(args, max_queue=8))
     with pytest.raises(RuntimeError, match="the engine process could not start"):
         process.wait_ready()
     process.stop()

@@ -84,7 +84,8 @@ def test_serve_passes_the_options_on(monkeypatch, tmp_path, capsys):
     seen = {}
     monkeypatch.setattr(cli, "_initialize_distributed", lambda args: True)
     monkeypatch.setattr(
-        "pagedjax.entrypoints.api_server.serve", lambda model, **kw: seen.update(kw)
+        "pagedjax.entrypoints.api_server.serve",
+        lambda engine_args, options: seen.update(vars(options)),
     )
     file = tmp_path / "t.jinja"
     file.write_text(PLAIN)
