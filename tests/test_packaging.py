@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -33,6 +34,18 @@ def test_import_from_a_folder_with_its_own_models_and_kernels(tmp_path):
         cwd=tmp_path,
     )
     assert r.returncode == 0, r.stderr
+
+
+def test_a_checkout_shadowing_the_installed_package_says_what_to_do(tmp_path):
+    """After a non-editable ``pip install .``, Python started in the clone's root imports the
+    clone's pagedjax/ folder, which has no models/ or pallas_kernels/ (they install into the
+    package). Here ``-S`` leaves the installed package out, as the folder shadows it there."""
+    shutil.copytree(ROOT / "pagedjax", tmp_path / "pagedjax")
+    r = _run(["-S", "-c", "import pagedjax"], cwd=tmp_path)
+    assert r.returncode != 0
+    assert "shadows the installed package" in r.stderr, r.stderr[-2000:]
+    assert "pip install -e" in r.stderr and "run Python from another folder" in r.stderr
+    assert "No module named" not in r.stderr
 
 
 def test_python_m_pagedjax_is_the_command(tmp_path):

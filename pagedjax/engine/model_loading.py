@@ -51,7 +51,7 @@ def load(args) -> LoadedModel:
     native.prebuild()  # the CPU kernels compile while the model loads (seconds, once)
     model = args.model or default_model_path()
     check_load_format(model, args.load_format)
-    for name in ("load_format", "config_format", "tokenizer_mode"):
+    for name in ("load_format", "config_format"):  # tokenizer_mode is inert (logged as such)
         if getattr(args, name) == "mistral":
             logger.info("%s='mistral': reading the checkpoint's Hugging Face files", name)
     dtype = resolved_dtype(args.dtype)

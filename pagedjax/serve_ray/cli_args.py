@@ -20,14 +20,25 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="GPUs per replica (more than one: the replica runs tensor parallel over them)",
     )
-    g.add_argument("--routing", default="prefix", choices=ROUTING_POLICIES)
+    g.add_argument(
+        "--routing",
+        default="prefix",
+        choices=ROUTING_POLICIES,
+        help="which replica takes a request: the one holding its prompt's prefix, or any "
+        "(default: prefix)",
+    )
     g.add_argument(
         "--autoscale-max-replicas",
         type=int,
         default=None,
         help="autoscale between --num-replicas and this on ongoing requests per replica",
     )
-    g.add_argument("--target-ongoing-requests", type=float, default=4.0)
+    g.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        default=4.0,
+        help="autoscaling's target of requests per replica, queued and running (default: 4)",
+    )
 
 
 def ray_options(args: argparse.Namespace) -> RayServeOptions:
