@@ -194,3 +194,14 @@ def test_another_tokenizer_replaces_the_models(tmp_path):
     swapped = model_loading.with_tokenizer(loaded, str(tmp_path / "t.gguf"), None, hub)
     assert (swapped.tokenizer_dir, swapped.gguf_file) == (str(tmp_path), "t.gguf")
     assert swapped.config is config and swapped.source == loaded.source
+
+
+def test_ray_replicas_keywords_are_engine_args_checked_before_deploying():
+    from pagedjax.serve_ray.options import builder_arguments
+
+    model, _, kwargs = builder_arguments({"model": "m", "llm_kwargs": '{"max_num_seqs": 4}'})
+    assert (model, kwargs["llm_kwargs"]) == ("m", {"max_num_seqs": 4})
+    with pytest.raises(ValueError, match="llm_kwargs: .*no_such_option"):
+        builder_arguments({"model": "m", "llm_kwargs": '{"no_such_option": 1}'})
+    with pytest.raises(ValueError, match="block_size must be one of"):
+        builder_arguments({"model": "m", "llm_kwargs": {"block_size": 7}})

@@ -4,6 +4,8 @@ get_tokenizer, best_of (vLLM V0's) and get_metrics' Counter / Gauge / Histogram 
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from hf_models import tiny_llama_dir
 
@@ -24,11 +26,36 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def started(tmp_path_factory):
+    """(LLM, the lines it logged while it started)."""
     path = tiny_llama_dir(tmp_path_factory, "vllm_offline_api", chat_template=TEMPLATE)
-    llm = LLM(path, block_size=8, num_blocks=128, max_model_len=96, max_num_seqs=8)
-    yield llm
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("pagedjax")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        llm = LLM(path, block_size=8, num_blocks=128, max_model_len=96, max_num_seqs=8)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    yield llm, [r.getMessage() for r in records]
     llm.close()
+
+
+@pytest.fixture(scope="module")
+def llm(started):
+    return started[0]
+
+
+def test_llm_logs_each_phase_of_its_start(started):
+    llm, lines = started
+    assert [line.split()[0] for line in lines] == ["Loading", "Loaded", "Engine"]
+    assert lines[0].startswith(f"Loading {llm.engine_args.model} (dtype=float32")
+    assert "LlamaForCausalLM, 2 layers" in lines[1]
+    assert lines[2].startswith("Engine ready: KV cache of 127 blocks x 8 tokens (float32)")
 
 
 def test_every_prompt_form_reaches_the_engine(llm):
