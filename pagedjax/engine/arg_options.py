@@ -59,7 +59,8 @@ def add_fields(container, cls, groups: dict[str, str]) -> None:
     vLLM's examples pass either), under one argument group per ``groups`` entry when it is a
     parser."""
     targets: dict[str, Any] = {}
-    for field in dataclasses.fields(cls):
+    order = list(groups)
+    for field in sorted(dataclasses.fields(cls), key=lambda f: order.index(f.metadata["group"])):
         group = field.metadata["group"]
         if group not in targets:
             nested = isinstance(container, argparse.ArgumentParser) and group in groups

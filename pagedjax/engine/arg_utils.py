@@ -23,6 +23,7 @@ from pagedjax.config import (
     SchedulerConfig,
     resolve_max_model_len,
 )
+from pagedjax.engine.arg_compat import VllmCompatArgs
 from pagedjax.engine.arg_options import (
     add_fields,
     check_fields,
@@ -48,7 +49,6 @@ GROUPS = {
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "mistral")
 CONFIG_FORMATS = ("auto", "hf", "mistral")
 DTYPE_CHOICES = ("auto", "float32", "float", "bfloat16", "float16", "half")
-EXECUTOR_BACKENDS = ("mp", "uni", "external_launcher", "ray")
 # LLM keywords of earlier pagedjax releases, and the field each names
 KEYWORD_ALIASES = {"swap_space_gib": "swap_space"}
 
@@ -56,7 +56,6 @@ _no_float16 = refuse_unless(
     lambda d: d not in ("float16", "half"),
     "pagedjax computes in float32 or bfloat16 (auto picks bfloat16 on a GPU or TPU)",
 )
-_one = "pagedjax runs one engine per process group"
 
 
 def _cache_check(name: str):
@@ -71,8 +70,9 @@ def _check_speculative(value) -> None:
 
 
 @dataclasses.dataclass
-class EngineArgs:
-    """The engine's options; see each field's help, or ``pagedjax serve --help``."""
+class EngineArgs(VllmCompatArgs):
+    """The engine's options; see each field's help, or ``pagedjax serve --help``. vLLM's options
+    pagedjax refuses or ignores are VllmCompatArgs' fields (engine/arg_compat.py)."""
 
     # ---- model and loading --------------------------------------------------------------------
     model: str | None = option(
@@ -259,34 +259,6 @@ class EngineArgs:
     tensor_parallel_size: int = option(
         1, "split weights and KV heads across this many devices", flags=("-tp",), group="parallel"
     )
-    pipeline_parallel_size: int = option(
-        1,
-        "pipeline stages (only 1: pagedjax splits a model by tensor parallelism)",
-        flags=("-pp",),
-        check=refuse_unless(lambda n: n == 1, "pipeline parallelism is not supported"),
-        group="parallel",
-    )
-    data_parallel_size: int = option(
-        1,
-        "engine replicas (only 1 here: `pagedjax serve --ray --num-replicas N` serves replicas)",
-        flags=("-dp",),
-        check=refuse_unless(
-            lambda n: n == 1, f"{_one}; serve replicas with --ray --num-replicas N"
-        ),
-        group="parallel",
-    )
-    distributed_executor_backend: str | None = option(
-        None,
-        "how the engine's devices are driven: mp / uni (one process drives its host's devices, "
-        "pagedjax's way), external_launcher (every host runs the same command: see "
-        "--coordinator-address); ray is refused (Ray replicas: --ray)",
-        choices=EXECUTOR_BACKENDS,
-        check=refuse_unless(
-            lambda b: b != "ray",
-            "JAX drives the devices, not Ray workers; serve Ray replicas with --ray",
-        ),
-        group="parallel",
-    )
     # ---- LoRA ---------------------------------------------------------------------------------
     enable_lora: bool = option(
         False,
@@ -303,48 +275,6 @@ class EngineArgs:
         False,
         "no periodic line of the engine's throughput, queues and KV use (LLM's default: off)",
         group="logging",
-    )
-    # ---- refused: what pagedjax lacks ---------------------------------------------------------
-    limit_mm_per_prompt: dict | None = option(
-        None,
-        "multimodal items per prompt: only zeros (e.g. '{\"image\": 0}'), pagedjax serves "
-        "text-only models",
-        metavar="JSON",
-        check=refuse_unless(
-            lambda v: v is None or not any(v.values()),
-            "multimodal inputs are not supported (only limits of 0)",
-        ),
-        group="refused",
-    )
-    # ---- inert: vLLM's options with no meaning here ------------------------------------------
-    trust_remote_code: bool = option(
-        False,
-        "run the checkpoint's own Python code",
-        inert="the families it runs are built in",
-        group="inert",
-    )
-    enforce_eager: bool = option(
-        False, "no CUDA graphs", inert="XLA compiles every step program", group="inert"
-    )
-    tokenizer_mode: str = option(
-        "auto",
-        "auto, slow, mistral or custom",
-        choices=("auto", "slow", "mistral", "custom"),
-        inert="the checkpoint's fast tokenizer (or the GGUF's) is used",
-        group="inert",
-    )
-    max_seq_len_to_capture: int = option(
-        8192, "CUDA graphs' longest sequence", inert="there are no CUDA graphs", group="inert"
-    )
-    disable_custom_all_reduce: bool = option(
-        False, "NCCL's all-reduce only", inert="XLA's collectives are used", group="inert"
-    )
-    compilation_config: str | None = option(
-        None,
-        "torch.compile's level or config",
-        flags=("-O",),
-        inert="XLA compiles the step programs",
-        group="inert",
     )
 
     def __post_init__(self):
