@@ -134,7 +134,8 @@ class EngineArgs(VllmCompatArgs):
     quantization: str | None = option(
         None,
         "weight-only quantization of the linear layers: a scale per output channel, or per "
-        "64 / 32 inputs of it (int8-g64, int8-g32)",
+        "64 / 32 inputs of it (int8-g64, int8-g32). A Q8_0 GGUF keeps its 8-bit kernels and "
+        "scales (int8-g32; another method is refused)",
         choices=QUANTIZATIONS,
         group="model",
     )

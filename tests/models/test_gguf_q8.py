@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as QT
 from pagedjax.models import quant
 
 import pagedjax.engine.llm_engine
+import pagedjax.engine.model_loading
 import pagedjax.entrypoints.llm
 from pagedjax import LLM, SamplingParams
 from pagedjax.worker.runner import ScheduledSeq
@@ -139,7 +140,7 @@ def test_greedy_tokens_and_logits_as_the_dequantizing_path(q8_file, monkeypatch)
     results = {}
     for keep in (True, False):
         load = functools.partial(loader.load_model, dequantize_gguf=not keep, use_cache=False)
-        monkeypatch.setattr(pagedjax.entrypoints.llm, "load_model", load)
+        monkeypatch.setattr(pagedjax.engine.model_loading, "load_model", load)
         llm = LLM(q8_file, num_blocks=32, block_size=8, max_model_len=64)
         kernel = llm.runner.params["layers"]["mlp"]["up_proj"]["kernel"]
         assert kernel.dtype == (jnp.int8 if keep else jnp.float32)

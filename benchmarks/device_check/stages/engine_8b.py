@@ -53,11 +53,15 @@ def random_params(config, dtype: str, seed: int = 0):
 
 
 def llm_with_weights(loaded, **kwargs):
-    """An ``LLM`` over in-memory weights: LLM only takes a path, so its loader is replaced by one
+    """An ``LLM`` over in-memory weights: LLM only takes a path, so its loader (in
+    pagedjax/engine/model_loading.py, or LLM's own module in older versions) is replaced by one
     returning ``loaded`` for the duration of the constructor."""
     from pagedjax import LLM
 
-    module = sys.modules[LLM.__module__]
+    try:
+        import pagedjax.engine.model_loading as module
+    except ImportError:  # a version before EngineArgs: LLM loaded the model itself
+        module = sys.modules[LLM.__module__]
     if not hasattr(module, "load_model"):
         raise RuntimeError(f"{module.__name__} has no load_model to hand in-memory weights to LLM")
     original = module.load_model

@@ -282,7 +282,7 @@ def test_the_cli_passes_the_response_limit_to_the_server(monkeypatch):
     from pagedjax.entrypoints.cli import main
 
     got = []
-    monkeypatch.setattr(api_server, "serve", lambda *a, limits, **kw: got.append(limits))
+    monkeypatch.setattr(api_server, "serve", lambda engine_args, o: got.append(o.limits))
     assert main(["serve", "--model", "m", "--max-response-logprobs", "1234"]) == 0
     assert main(["serve", "--model", "m"]) == 0
     assert [g.max_response_logprobs for g in got] == [1234, 1 << 20]
