@@ -97,7 +97,8 @@ def test_serve_flags(monkeypatch, capsys, tmp_path):
     monkeypatch.delenv(RUNTIME_UPDATES_ENV, raising=False)
     monkeypatch.setattr(cli, "_initialize_distributed", lambda args: True)
     monkeypatch.setattr(
-        "pagedjax.entrypoints.api_server.serve", lambda model, **kw: seen.update(kw)
+        "pagedjax.entrypoints.api_server.serve",
+        lambda engine_args, options: seen.update(vars(options)),
     )
     assert cli.main(["serve", "--enable-lora"]) == 0
     assert seen["lora_updates"] == LoRAUpdates(enabled=False)
