@@ -109,5 +109,7 @@ def owned_rows(
     """Rows owned by a sequence within its first ``max_query_len`` queries (as the reference)."""
     num_seqs = query_start_loc.shape[0] - 1
     n = jnp.arange(num_tokens)
-    seq = jnp.clip(jnp.searchsorted(query_start_loc, n, side="right") - 1, 0, num_seqs - 1)
+    # compare_all: a [num_tokens, num_seqs + 1] comparison (a few MiB at most), no while loop
+    seq = jnp.searchsorted(query_start_loc, n, side="right", method="compare_all") - 1
+    seq = jnp.clip(seq, 0, num_seqs - 1)
     return (n < query_start_loc[-1]) & (n - query_start_loc[seq] < max_query_len)

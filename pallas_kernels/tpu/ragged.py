@@ -175,7 +175,9 @@ def tpu_prefill(
     qsl = md.query_start_loc.astype(jnp.int32)
     num_tiles = cdiv(max(num_tokens, 1), block_q)
     tile_start = jnp.arange(num_tiles, dtype=jnp.int32) * block_q
-    first_seq = jnp.searchsorted(qsl, tile_start, side="right").astype(jnp.int32) - 1
+    # compare_all: one [num_tiles, num_seqs + 1] comparison, no loop in the step's program
+    first_seq = jnp.searchsorted(qsl, tile_start, side="right", method="compare_all") - 1
+    first_seq = first_seq.astype(jnp.int32)
     first_seq = jnp.clip(first_seq, 0, g.num_seqs)
     padded = num_tiles * block_q
     qg = wrapper.grouped_queries(q, g, pad_rows=padded - num_tokens).transpose(1, 2, 0, 3)
