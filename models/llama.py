@@ -45,7 +45,8 @@ def kv_pool_shapes(
     """The pool's arrays as ``init_kv_pool`` makes them for ``platform`` (default: JAX's
     default backend): pages [num_kv_heads, num_layers * num_blocks, block_size, head_dim] and,
     for an 8-bit ``dtype``, f32 scales [num_kv_heads, num_layers * num_blocks, width]; on a TPU
-    head_dim and width are padded to whole 128-lane rows (pallas_kernels/pool_layout.py)."""
+    head_dim and width are padded to whole 128-lane rows and the scales' rows to a multiple of 8
+    (pallas_kernels/pool_layout.py)."""
     if config.num_layers * num_blocks * block_size >= 2**31:
         raise ValueError(
             f"num_blocks={num_blocks} x block_size={block_size} x {config.num_layers} layers "
@@ -56,7 +57,9 @@ def kv_pool_shapes(
     pages = (jax.ShapeDtypeStruct((*lead, block_size, layout.head_dim), jnp.dtype(dtype)),) * 2
     if not is_kv8(dtype):
         return pages
-    return pages + (jax.ShapeDtypeStruct((*lead, layout.scale_width), jnp.float32),) * 2
+    rows = layout.scale_rows(lead[1])  # on a TPU a multiple of 8 (pool_layout.py says why)
+    shape = (lead[0], rows, layout.scale_width)
+    return pages + (jax.ShapeDtypeStruct(shape, jnp.float32),) * 2
 
 
 def init_kv_pool(
@@ -91,9 +94,11 @@ def kv_pool_bytes_per_block(
     config: ModelConfig, block_size: int, dtype, platform: str | None = None
 ) -> int:
     """Bytes of one block in every layer, K and V, as ``kv_pool_shapes`` stores it on
-    ``platform``: the pages, plus an 8-bit pool's f32 scale rows."""
+    ``platform``: the pages, plus an 8-bit pool's f32 scale rows (a row per block and layer;
+    the few spare rows a TPU rounds up to are not the blocks')."""
     shapes = kv_pool_shapes(config, 1, block_size, dtype, platform)
-    return sum(math.prod(s.shape) * s.dtype.itemsize for s in shapes)
+    row_bytes = [math.prod(s.shape) // s.shape[1] * s.dtype.itemsize for s in shapes]
+    return config.num_layers * sum(row_bytes)
 
 
 def forward(

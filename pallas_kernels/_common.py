@@ -226,12 +226,13 @@ def check_kv_scales(k_pages, v_pages, k_scales, v_scales) -> bool:
     if quantized:
         want = tuple(k_pages.shape[:3])  # [num_kv_heads, num_blocks, block_size]
         for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
-            ok = s.ndim == 3 and tuple(s.shape[:2]) == want[:2] and s.shape[2] >= want[2]
+            ok = s.ndim == 3 and s.shape[0] == want[0] and s.shape[1] >= want[1]
+            ok = ok and s.shape[2] >= want[2]
             if not ok or s.dtype != jnp.float32 or s.shape != k_scales.shape:
                 raise ValueError(
                     f"{name} must be float32{list(want)} (the pool's [num_kv_heads, num_blocks, "
-                    f"block_size], or rows wider than block_size on a TPU) like the other "
-                    f"scales, got {s.dtype}{list(s.shape)}"
+                    f"block_size]; on a TPU padded: pool_layout.py) like the other scales, got "
+                    f"{s.dtype}{list(s.shape)}"
                 )
     return quantized
 

@@ -69,7 +69,8 @@ def write_kv_reference(
         return flat.reshape(pages.shape)
 
     def write_scales(scales, new):  # new f32[num_tokens, num_kv_heads]
-        return scales.at[:, slots // block_size, slots % block_size].set(new.T, mode="drop")
+        blocks = jnp.where(slot_mapping < 0, scales.shape[1], slot_mapping // block_size)
+        return scales.at[:, blocks, slot_mapping % block_size].set(new.T, mode="drop")
 
     rows = stored_rows(k_pages, k_new, v_new, k_scales)
     if k_scales is None:
@@ -143,19 +144,22 @@ def check_write(k_pages, v_pages, k_new, v_new, slot_mapping, k_scales=None, v_s
 
 
 def _check_pool_tree(pages) -> int:
-    """Every leaf is a [num_kv_heads, num_blocks, block_size, head_dim] pool or an 8-bit pool's
-    scales [num_kv_heads, num_blocks, block_size], all with the same num_blocks; returns it."""
+    """Every leaf is a [num_kv_heads, num_blocks, block_size, head_dim] pool, all with the same
+    num_blocks, or an 8-bit pool's scales [num_kv_heads, num_blocks, block_size] (a TPU's with
+    spare rows: pool_layout.py); returns num_blocks."""
     leaves = jax.tree.leaves(pages)
     if not leaves:
         raise ValueError("pages holds no arrays")
-    num_blocks = {leaf.shape[1] if leaf.ndim in (3, 4) else None for leaf in leaves}
-    if None in num_blocks or len(num_blocks) != 1:
+    num_blocks = {leaf.shape[1] for leaf in leaves if leaf.ndim == 4}
+    pools = num_blocks or {leaf.shape[1] for leaf in leaves if leaf.ndim == 3}
+    ok = len(pools) == 1 and all(leaf.ndim in (3, 4) for leaf in leaves)
+    if not ok or any(leaf.shape[1] < min(pools) for leaf in leaves):
         raise ValueError(
             "every pool array must be [num_kv_heads, num_blocks, block_size, head_dim] (or scales "
             f"[num_kv_heads, num_blocks, block_size]) with the same num_blocks, got shapes "
             f"{[leaf.shape for leaf in leaves]}"
         )
-    return num_blocks.pop()
+    return pools.pop()
 
 
 def _check_ids(name: str, ids: jax.Array) -> None:

@@ -12,6 +12,9 @@ On a TPU both are padded to whole 128-lane rows:
 - A Mosaic DMA moves whole 512-byte rows (the contiguous inner slice of a transfer must be a
   multiple of 512 bytes): one block's scales, 16 or 32 floats, cannot be copied alone, but a
   128-float row can. Padded, the scales of a block take 512 bytes, as its tiled row would.
+- The scales' rows (every layer's blocks) are a multiple of 8, a f32 tile's: XLA:TPU lays
+  f32[8, N, 128] out with the heads second-minor when N is not (less tile padding), a layout
+  the kernels do not read. The rows past the pool's blocks are never addressed.
 Padded columns hold zeros (pages) or are never read (scales).
 """
 
@@ -28,14 +31,20 @@ def _round_up(n: int, m: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class PoolLayout:
-    """The stored ``head_dim`` of the pages and the width of an 8-bit pool's scale rows."""
+    """The stored ``head_dim`` of the pages, the width of an 8-bit pool's scale rows, and the
+    multiple their number of rows is rounded up to."""
 
     head_dim: int
     scale_width: int
+    scale_row_multiple: int = 1
+
+    def scale_rows(self, num_blocks: int) -> int:
+        """Rows of scales for a pool of ``num_blocks`` blocks (every layer's)."""
+        return _round_up(num_blocks, self.scale_row_multiple)
 
 
 def pool_layout(platform: str, block_size: int, head_dim: int) -> PoolLayout:
     """The pool layout the kernels of ``platform`` ("tpu", "gpu"/"cuda", "cpu") read in place."""
     if platform == "tpu":
-        return PoolLayout(_round_up(head_dim, LANES), _round_up(block_size, LANES))
+        return PoolLayout(_round_up(head_dim, LANES), _round_up(block_size, LANES), 8)
     return PoolLayout(head_dim, block_size)

@@ -32,16 +32,17 @@ def write_kv_rows(
     """``write_kv``'s contract (pallas_kernels/kv_cache.py), one scatter index per (token, KV
     head)."""
     check_write(k_pages, v_pages, k_new, v_new, slot_mapping, k_scales, v_scales)
-    num_kv_heads, num_blocks, block_size, _ = k_pages.shape
+    num_kv_heads, _, block_size, _ = k_pages.shape
     num_tokens = slot_mapping.shape[0]
     shape = (num_tokens, num_kv_heads)
     heads = jnp.broadcast_to(jnp.arange(num_kv_heads, dtype=jnp.int32), shape)
-    # A dropped row's block is out of range, so mode="drop" drops it (-1 would wrap).
-    blocks = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
-    blocks = jnp.broadcast_to(blocks[:, None], shape)
     offsets = jnp.broadcast_to((slot_mapping % block_size)[:, None], shape)
 
     def write(pool, new):  # new [num_tokens, num_kv_heads, ...]: one row, or one scale, each
+        # A dropped row's block is past the array (a TPU's scales have spare rows), so
+        # mode="drop" drops it (-1 would wrap).
+        blocks = jnp.where(slot_mapping < 0, pool.shape[1], slot_mapping // block_size)
+        blocks = jnp.broadcast_to(blocks[:, None], shape)
         return pool.at[heads, blocks, offsets].set(new, mode="drop")
 
     rows = stored_rows(k_pages, k_new, v_new, k_scales)

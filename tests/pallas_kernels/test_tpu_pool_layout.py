@@ -40,7 +40,7 @@ def test_tpu_layout_pads_head_dim_and_scale_rows_to_whole_lanes():
     assert pool_layout("tpu", 16, 64) == pool_layout("tpu", 32, 128)
     assert pool_layout("tpu", 16, 64).head_dim == 128
     assert pool_layout("tpu", 16, 64).scale_width == 128
-    assert pool_layout("tpu", 256, 256) == PoolLayout(256, 256)
+    assert pool_layout("tpu", 256, 256) == PoolLayout(256, 256, 8)
     assert pool_layout("cpu", 16, 64) == pool_layout("gpu", 16, 64) == PoolLayout(64, 16)
     config = ModelConfig.from_hf_dict(
         {
@@ -54,7 +54,8 @@ def test_tpu_layout_pads_head_dim_and_scale_rows_to_whole_lanes():
         }
     )
     tpu = kv_pool_shapes(config, 10, 16, jnp.int8, platform="tpu")
-    assert [s.shape for s in tpu] == [(3, 20, 16, 128)] * 2 + [(3, 20, 128)] * 2
+    # the scales' rows (2 layers x 10 blocks) rounded up to a multiple of 8: spare rows
+    assert [s.shape for s in tpu] == [(3, 20, 16, 128)] * 2 + [(3, 24, 128)] * 2
     cpu = kv_pool_shapes(config, 10, 16, jnp.int8, platform="cpu")
     assert [s.shape for s in cpu] == [(3, 20, 16, 64)] * 2 + [(3, 20, 16)] * 2
     # What the pool's memory budget counts is what the platform stores.
@@ -80,7 +81,8 @@ def test_tpu_write_matches_the_reference_write(request, kv_dtype):
         pages = jnp.asarray(rng.standard_normal((heads, blocks, bs, stored)), dtype)
         pool = [pages, pages + 1]
         if kv_dtype is not None:
-            scales = jnp.asarray(rng.random((heads, blocks, width)), jnp.float32)
+            rows = blocks + (width != bs) * 2  # a TPU pool's scales have spare rows
+            scales = jnp.asarray(rng.random((heads, rows, width)), jnp.float32)
             pool += [scales, scales + 1]
         want = write_kv_reference(*pool[:2], k_new, v_new, slots, *pool[2:])
         got = jax.jit(write_kv_rows)(*pool[:2], k_new, v_new, slots, *pool[2:])
@@ -117,14 +119,15 @@ def test_padded_tpu_pool_gives_the_unpadded_attention(request, layout, kv_dtype)
     pool = [stale.astype(kv_dtype), stale.astype(kv_dtype)]
     if kv_dtype == jnp.int8:
         pool = [jnp.zeros_like(p) for p in pool]
-        pool += [jnp.full((heads, blocks, layout.scale_width), jnp.nan, jnp.float32)] * 2
+        spare = layout.scale_rows(blocks + 1)  # spare rows, as a TPU pool's may have
+        pool += [jnp.full((heads, spare, layout.scale_width), jnp.nan, jnp.float32)] * 2
     backend = TpuBackend(interpret=True, block_q=8)
     kv = backend.write_kv(
         PagedKV(*pool), rows(case.k_pages), rows(case.v_pages), jnp.asarray(slots, jnp.int32)
     )
     if kv_dtype == jnp.int8:  # the oracle reads what the pool holds: the dequantized rows
         deq = [np.asarray(p, np.float64)[..., :hd] for p in (kv.k_pages, kv.v_pages)]
-        scales = [np.asarray(s, np.float64)[:, :, :bs, None] for s in kv.scales]
+        scales = [np.asarray(s, np.float64)[:, :blocks, :bs, None] for s in kv.scales]
         case.k_pages, case.v_pages = deq[0] * scales[0], deq[1] * scales[1]
     max_q = None if layout == "decode" else 16
     md = AttentionMetadata(
