@@ -34,15 +34,17 @@ def write_kv_rows(
     check_write(k_pages, v_pages, k_new, v_new, slot_mapping, k_scales, v_scales)
     num_kv_heads, _, block_size, _ = k_pages.shape
     num_tokens = slot_mapping.shape[0]
+    # One index per (token, KV head), flattened: i32[num_tokens * num_kv_heads] each
     shape = (num_tokens, num_kv_heads)
-    heads = jnp.broadcast_to(jnp.arange(num_kv_heads, dtype=jnp.int32), shape)
-    offsets = jnp.broadcast_to((slot_mapping % block_size)[:, None], shape)
+    heads = jnp.broadcast_to(jnp.arange(num_kv_heads, dtype=jnp.int32), shape).reshape(-1)
+    offsets = jnp.broadcast_to((slot_mapping % block_size)[:, None], shape).reshape(-1)
 
     def write(pool, new):  # new [num_tokens, num_kv_heads, ...]: one row, or one scale, each
         # A dropped row's block is past the array (a TPU's scales have spare rows), so
         # mode="drop" drops it (-1 would wrap).
         blocks = jnp.where(slot_mapping < 0, pool.shape[1], slot_mapping // block_size)
-        blocks = jnp.broadcast_to(blocks[:, None], shape)
+        blocks = jnp.broadcast_to(blocks[:, None], shape).reshape(-1)
+        new = new.reshape(num_tokens * num_kv_heads, *new.shape[2:])
         return pool.at[heads, blocks, offsets].set(new, mode="drop")
 
     rows = stored_rows(k_pages, k_new, v_new, k_scales)
