@@ -83,15 +83,15 @@ def run(args: argparse.Namespace) -> int:
 
     if not os.environ.get("JAX_PLATFORMS"):  # compiling for a target needs no local device
         jax.config.update("jax_platforms", "cpu")
-    from .compile import compile_job, format_table, select_jobs
+    from .compile import compile_jobs, format_table, select_jobs
     from .kernels import compile_kernel, kernel_matrix
     from .model_config import load_model_config
     from .target_runner import TargetRunner
     from .targets import get_target
 
+    model = load_model_config(args.model)
     target = get_target(args.target)
     target.devices()  # the compiler's package, or a ValueError naming it
-    model = load_model_config(args.model)
     engine = engine_config(args, model.max_context_len, target.chips)
     runner = TargetRunner(model, engine, target, args.layer_loop)
     sched = engine.scheduler
@@ -105,10 +105,11 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     jobs = select_jobs(runner, args.programs, sched.max_num_seqs, sched.token_budget, args.only)
-    reports = []
-    for job in jobs:
-        reports.append(compile_job(runner, job))
-        print(f"  {reports[-1].name}: {reports[-1].seconds:.1f} s", file=sys.stderr, flush=True)
+
+    def log(report):
+        print(f"  {report.name}: {report.seconds:.1f} s", file=sys.stderr, flush=True)
+
+    reports = compile_jobs(runner, jobs, log=log)
     print(format_table(reports, target.allocator_bytes))
     for r in reports:
         if r.error:

@@ -11,7 +11,9 @@ memory per device against the device's, and what its optimized HLO holds that a 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 import re
 import time
 
@@ -100,15 +102,44 @@ def largest_shapes(shapes) -> list:
 
 def compile_job(runner: TargetRunner, job: Job) -> ProgramReport:
     """Lower and compile one job for the runner's target; a failure is reported, not raised."""
-    name, lower = job
-    start = time.perf_counter()
+    return compile_jobs(runner, [job], workers=1)[0]
+
+
+def compile_jobs(runner: TargetRunner, jobs: list[Job], workers: int | None = None, log=None):
+    """Each job lowered (one at a time: tracing holds the GIL) and compiled on ``workers``
+    threads (XLA compiles outside it; default: the CPUs, at most 4), reported in order.
+    ``log(report)`` is called as each finishes."""
+    workers = workers or min(4, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = []
+        for name, lower in jobs:
+            start = time.perf_counter()
+            try:
+                with jax.set_mesh(runner.lowering_mesh):  # Pallas reads the target's chip off it
+                    lowered = lower()
+            except Exception as e:  # a lowering error is the report
+                futures.append(pool.submit(_failed, name, start, e))
+                continue
+            futures.append(pool.submit(_compile, runner, name, lowered, start))
+        reports = []
+        for future in futures:
+            reports.append(future.result())
+            if log is not None:
+                log(reports[-1])
+    return reports
+
+
+def _failed(name: str, start: float, error: Exception) -> ProgramReport:
+    return ProgramReport(name, time.perf_counter() - start, error=_first_lines(error))
+
+
+def _compile(runner: TargetRunner, name: str, lowered, start: float) -> ProgramReport:
     options = GPU_COMPILER_OPTIONS if runner.target.platform == "cuda" else None
     try:
-        with jax.set_mesh(runner.lowering_mesh):
-            compiled = lower().compile(options)
+        compiled = lowered.compile(options)
         text = compiled.as_text()
     except Exception as e:  # the compiler's error is the report
-        return ProgramReport(name, time.perf_counter() - start, error=_first_lines(e))
+        return _failed(name, start, e)
     findings = scan_hlo(text, runner.pool_leaf_shapes(), runner.weight_shapes())
     return ProgramReport(
         name,
