@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import os
 
 import numpy as np
 
@@ -124,6 +125,9 @@ def _devices(target: Target) -> tuple:
     from jax.experimental import topologies
 
     if target.platform == "tpu":
+        # libtpu takes /tmp/libtpu_lockfile so that one process drives a machine's TPUs; a
+        # compile-only topology drives none, and two compiles may run side by side.
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         topology = topologies.get_topology_desc(
             platform="tpu",
             topology_name=target.topology,
