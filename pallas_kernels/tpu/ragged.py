@@ -148,6 +148,14 @@ def _ragged_kernel(
     jax.lax.while_loop(more, attend, first_seq_ref[tile])
 
 
+def _first_seqs(qsl, num_tiles: int, block_q: int, num_seqs: int) -> jax.Array:
+    """i32[num_tiles]: the first sequence owning a row of each tile. compare_all: one
+    [num_tiles, num_seqs + 1] comparison, no while loop in the step's program."""
+    tile_start = jnp.arange(num_tiles, dtype=jnp.int32) * block_q
+    first = jnp.searchsorted(qsl, tile_start, side="right", method="compare_all") - 1
+    return jnp.clip(first.astype(jnp.int32), 0, num_seqs)
+
+
 def tpu_prefill(
     q: jax.Array,  # [num_tokens, num_heads, head_dim]
     kv: m.PagedKV,
@@ -175,11 +183,7 @@ def tpu_prefill(
     lens = wrapper.clipped_lens(md, g)
     qsl = md.query_start_loc.astype(jnp.int32)
     num_tiles = cdiv(max(num_tokens, 1), block_q)
-    tile_start = jnp.arange(num_tiles, dtype=jnp.int32) * block_q
-    # compare_all: one [num_tiles, num_seqs + 1] comparison, no loop in the step's program
-    first_seq = jnp.searchsorted(qsl, tile_start, side="right", method="compare_all") - 1
-    first_seq = first_seq.astype(jnp.int32)
-    first_seq = jnp.clip(first_seq, 0, g.num_seqs)
+    first_seq = _first_seqs(qsl, num_tiles, block_q, g.num_seqs)
     padded = num_tiles * block_q
     qg = wrapper.grouped_queries(q, g, pad_rows=padded - num_tokens).transpose(1, 2, 0, 3)
 
