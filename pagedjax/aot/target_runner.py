@@ -27,6 +27,7 @@ from pagedjax.models.config import ModelConfig
 from pagedjax.models.layer_loop import ENV_LAYER_LOOP, check_layer_loop
 from pagedjax.models.linear import process_weights_after_loading
 from pagedjax.models.llama import kv_pool_bytes_per_block, kv_pool_shapes, param_shapes
+from pagedjax.models.quant import compute_dtype
 from pagedjax.models.sharding import (
     AXIS,
     param_shardings,
@@ -84,6 +85,7 @@ class TargetRunner:
             layer_loop or os.environ.get(ENV_LAYER_LOOP, "").strip().lower() or "unrolled"
         )
         self.params, self.linear = self._weights(model, engine, tp)
+        self.dtype = compute_dtype(self.params)
         cache, sched = engine.cache, engine.scheduler
         self.block_size = cache.block_size
         dtype = pool_dtype(cache.kv_cache_dtype, engine.dtype)
@@ -102,8 +104,13 @@ class TargetRunner:
         )
         spec = engine.speculative_config
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
+        # Built as the Runner builds its own (worker/runner.py): the same buckets.
         self.batcher = InputBatcher(
-            cache.block_size, sched.max_model_len, 1 + self.num_speculative_tokens
+            cache.block_size,
+            sched.max_model_len,
+            1 + self.num_speculative_tokens,
+            follows_context=self.backend.follows_context,
+            max_num_seqs=sched.max_num_seqs,
         )
         self.batcher.query_buckets = not self.backend.follows_rows
         self.max_blocks_per_seq = self.batcher.max_blocks_per_seq

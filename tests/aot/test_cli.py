@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import target_or_skip
+from aot_cases import target_or_skip
 
 from pagedjax.entrypoints.cli import main
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import target_or_skip
+from aot_cases import target_or_skip
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, SingleDeviceSharding

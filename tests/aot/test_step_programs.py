@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from conftest import model_config, target_or_skip
+from aot_cases import model_config, target_or_skip
 from pagedjax.pallas_kernels import AttentionBackend, TpuBackend
 
 from pagedjax.aot.compile import compile_jobs, select_jobs
