@@ -9,7 +9,7 @@ import json
 import sys
 
 from pagedjax.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
-from pagedjax.entrypoints.engine_args import add_engine_args
+from pagedjax.entrypoints.engine_args import add_engine_args, engine_kwargs
 
 from .targets import GIB, TARGETS
 
@@ -48,29 +48,23 @@ def build_parser(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace, model_context_len: int, chips: int) -> EngineConfig:
-    """The engine's settings from the flags, as ``LLM`` builds them."""
+    """The engine's settings from the flags (``engine_kwargs``, as ``LLM`` takes them)."""
+    kw = engine_kwargs(args)
+    cache = ("block_size", "num_blocks", "kv_cache_space_gib", "swap_space_gib")
+    cache += ("enable_prefix_caching", "kv_cache_dtype", "gpu_memory_utilization")
+    sched = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill")
     return EngineConfig(
         model=args.model or "default",
-        dtype=args.dtype,
-        quantization=args.quantization,
-        tensor_parallel_size=args.tensor_parallel_size or chips,
-        cache=CacheConfig(
-            args.block_size,
-            args.num_blocks,
-            args.kv_cache_space_gib,
-            args.swap_space,
-            args.enable_prefix_caching,
-            args.kv_cache_dtype,
-            args.gpu_memory_utilization,
-        ),
+        dtype=kw["dtype"],
+        quantization=kw["quantization"],
+        tensor_parallel_size=kw["tensor_parallel_size"] or chips,
+        cache=CacheConfig(**{k: kw[k] for k in cache}),
         scheduler=SchedulerConfig(
-            args.max_num_seqs,
-            resolve_max_model_len(args.max_model_len, model_context_len),
-            args.max_num_batched_tokens,
-            args.enable_chunked_prefill,
-            args.preemption_mode,
+            max_model_len=resolve_max_model_len(kw["max_model_len"], model_context_len),
+            preemption_mode=kw["preemption_mode"],
+            **{k: kw[k] for k in sched},
         ),
-        speculative_config=args.speculative_config,
+        speculative_config=kw["speculative_config"],
     )
 
 
