@@ -5,13 +5,17 @@ target's own compiler (no weights are read: the model's config gives the shapes)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+import types
 
-from pagedjax.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
-from pagedjax.entrypoints.engine_args import add_engine_args, engine_kwargs
+from pagedjax.config import EngineConfig
+from pagedjax.engine.arg_utils import EngineArgs
+from pagedjax.engine.model_loading import resolved_dtype
+from pagedjax.models.config import ModelConfig
 
-from .targets import GIB, TARGETS
+from .targets import GIB, TARGETS, Target
 
 
 def build_parser(p: argparse.ArgumentParser) -> None:
@@ -21,7 +25,7 @@ def build_parser(p: argparse.ArgumentParser) -> None:
         choices=sorted(TARGETS),
         help="the machine: a TPU slice (needs pagedjax[tpu]) or an NVIDIA GPU (pagedjax[cuda])",
     )
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.add_argument(
         "--programs",
         default="largest",
@@ -47,25 +51,17 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run, tensor_parallel_size=None)
 
 
-def engine_config(args: argparse.Namespace, model_context_len: int, chips: int) -> EngineConfig:
-    """The engine's settings from the flags (``engine_kwargs``, as ``LLM`` takes them)."""
-    kw = engine_kwargs(args)
-    cache = ("block_size", "num_blocks", "kv_cache_space_gib", "swap_space_gib")
-    cache += ("enable_prefix_caching", "kv_cache_dtype", "gpu_memory_utilization")
-    sched = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill")
-    return EngineConfig(
-        model=args.model or "default",
-        dtype=kw["dtype"],
-        quantization=kw["quantization"],
-        tensor_parallel_size=kw["tensor_parallel_size"] or chips,
-        cache=CacheConfig(**{k: kw[k] for k in cache}),
-        scheduler=SchedulerConfig(
-            max_model_len=resolve_max_model_len(kw["max_model_len"], model_context_len),
-            preemption_mode=kw["preemption_mode"],
-            **{k: kw[k] for k in sched},
-        ),
-        speculative_config=kw["speculative_config"],
-    )
+def engine_config(args: argparse.Namespace, model: ModelConfig, target: Target) -> EngineConfig:
+    """The engine's settings from its flags (``EngineArgs``, as ``serve`` takes them) for
+    ``model`` on ``target``: tensor parallel over its chips unless given, and the dtype "auto"
+    resolves to as it would there (bfloat16)."""
+    if args.tensor_parallel_size is None:
+        args.tensor_parallel_size = target.chips
+    engine_args = EngineArgs.from_cli_args(args)
+    loaded = types.SimpleNamespace(config=model, source=args.model or "default")
+    config = engine_args.create_engine_config(loaded)
+    dtype = "bfloat16" if args.dtype == "auto" else resolved_dtype(args.dtype)
+    return dataclasses.replace(config, dtype=dtype)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,16 +73,19 @@ def run(args: argparse.Namespace) -> int:
 
     if not os.environ.get("JAX_PLATFORMS"):  # compiling for a target needs no local device
         jax.config.update("jax_platforms", "cpu")
+    from pagedjax.models.hf_overrides import apply_hf_overrides
+
     from .compile import compile_jobs, format_table, select_jobs
     from .kernels import compile_kernel, kernel_matrix
     from .model_config import load_model_config
     from .target_runner import TargetRunner
     from .targets import get_target
 
-    model = load_model_config(args.model)
+    model = load_model_config(args.model, args.revision, args.hf_token)
+    model = apply_hf_overrides(model, args.hf_overrides)
     target = get_target(args.target)
     target.devices()  # the compiler's package, or a ValueError naming it
-    engine = engine_config(args, model.max_context_len, target.chips)
+    engine = engine_config(args, model, target)
     runner = TargetRunner(model, engine, target, args.layer_loop)
     sched = engine.scheduler
     print(

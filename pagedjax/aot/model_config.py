@@ -10,10 +10,12 @@ from pagedjax.models.config import ModelConfig
 from pagedjax.models.loader import default_model_path
 
 
-def load_model_config(model: str | None) -> ModelConfig:
+def load_model_config(
+    model: str | None, revision: str | None = None, token: str | None = None
+) -> ModelConfig:
     """The config of ``model``: a ``config.json`` file, a Hugging Face checkpoint directory, a
-    .gguf file (its metadata), a hub id (its config.json alone is fetched), or None for the
-    embedded SmolLM2-135M-Instruct GGUF. No weights are read."""
+    .gguf file (its metadata), a hub id (its config.json alone is fetched, at ``revision`` with
+    ``token``), or None for the embedded SmolLM2-135M-Instruct GGUF. No weights are read."""
     source = model or default_model_path()
     path = Path(source).expanduser()
     if path.is_dir():
@@ -31,14 +33,15 @@ def load_model_config(model: str | None) -> ModelConfig:
             raise ValueError(f"{str(path)!r} is not a JSON config: {e}") from None
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", source) or source.startswith("."):
         raise ValueError(f"model path does not exist: {source!r}")
-    return ModelConfig.from_hf_dict(json.loads(Path(_hub_config(source)).read_text()))
+    config = _hub_config(source, revision, token)
+    return ModelConfig.from_hf_dict(json.loads(Path(config).read_text()))
 
 
-def _hub_config(repo: str) -> str:
+def _hub_config(repo: str, revision: str | None, token: str | None) -> str:
     try:
         import huggingface_hub
 
-        return huggingface_hub.hf_hub_download(repo, "config.json")
+        return huggingface_hub.hf_hub_download(repo, "config.json", revision=revision, token=token)
     except Exception as e:  # offline, unknown or gated repository: one error for the user
         raise ValueError(
             f"model {repo!r} is not a local path and its config.json could not be fetched from "

@@ -171,6 +171,10 @@ def _add_compile_parser(sub) -> None:
     p = sub.add_parser(
         "compile",
         help="compile the engine's programs for a TPU or GPU that is not here (shapes only)",
+        description="Compile the engine's programs for a TPU slice or an NVIDIA GPU with that "
+        "machine's own compiler, on this one, from the model's config alone; report each "
+        "program's memory and what its optimized HLO holds (pagedjax/aot/).",
+        formatter_class=HelpFormatter,
     )
     build_parser(p)
 
