@@ -100,15 +100,10 @@ def largest_shapes(shapes) -> list:
     return [max(group, key=key) for group in (decode, prefill) if group]
 
 
-def compile_job(runner: TargetRunner, job: Job) -> ProgramReport:
-    """Lower and compile one job for the runner's target; a failure is reported, not raised."""
-    return compile_jobs(runner, [job], workers=1)[0]
-
-
 def compile_jobs(runner: TargetRunner, jobs: list[Job], workers: int | None = None, log=None):
     """Each job lowered (one at a time: tracing holds the GIL) and compiled on ``workers``
-    threads (XLA compiles outside it; default: the CPUs, at most 4), reported in order.
-    ``log(report)`` is called as each finishes."""
+    threads (XLA compiles outside it; default: the CPUs, at most 4), reported in order; a
+    failure is reported, not raised. ``log(report)`` is called as each finishes."""
     workers = workers or min(4, os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         futures = []
