@@ -62,3 +62,14 @@ def test_bad_input_is_named(config, capsys):
     assert "/no/such/model" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["compile", "--target", "v9z-1", "--model", config])
+
+
+def test_a_missing_compiler_is_named(config, monkeypatch, capsys):
+    """Without libtpu (or the CUDA plugin) a target refuses with the package to install."""
+    from pagedjax.aot import targets
+
+    monkeypatch.setattr(targets.Target, "available", lambda self: False)
+    assert main(["compile", "--target", "v5e-8", "--model", config]) == 2
+    assert "needs libtpu (pip install 'pagedjax[tpu]')" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="jax_cuda12_plugin"):
+        targets.get_target("h100").devices()
