@@ -175,6 +175,7 @@ class GenerationRequest(_Strict):
     response_format: dict[str, Any] | None = None
     # vLLM's: exactly one of json (a schema), regex, choice, grammar, json_object
     structured_outputs: dict[str, Any] | None = None
+    priority: Int = 0  # vLLM's, with --scheduling-policy priority: lower values served first
 
 
 class CompletionRequest(GenerationRequest):

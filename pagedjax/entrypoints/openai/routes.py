@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from pagedjax.core.request_queue import check_priority
 from pagedjax.entrypoints.openai.app_state import check_key, read_constrained, read_json
 from pagedjax.entrypoints.openai.metrics import CONTENT_TYPE
 from pagedjax.entrypoints.openai.protocol import (
@@ -280,6 +281,7 @@ async def completions(request: Request):
         limits, prompts, k=req.logprobs, n=req.n, max_tokens=shown, echo=req.echo, field="logprobs"
     )
     _check_prompt_logprobs(limits, prompts * req.n, req.prompt_logprobs)  # on every choice
+    _check_priority(serving, req.priority)
     await serving.admit(prompts, params, "prompt")
     echo = None
     if req.echo:
@@ -289,6 +291,14 @@ async def completions(request: Request):
     return await serving.run(
         request, req, prompts, params, chat=False, k_logprobs=req.logprobs, echo=echo, lora=lora
     )
+
+
+def _check_priority(serving, priority: int) -> None:
+    """vLLM's ``priority``: any integer under --scheduling-policy priority, else only 0."""
+    try:
+        check_priority(priority, serving.engine.config.scheduler.policy)
+    except ValueError as e:
+        raise bad_request(str(e), "priority") from None
 
 
 def _check_prompt_logprobs(limits, prompts, k: int | None) -> None:
@@ -354,6 +364,7 @@ async def chat_completions(request: Request):
         limits, [ids], k=k, n=req.n, max_tokens=max_tokens, echo=False, field=lp_field
     )
     _check_prompt_logprobs(limits, [ids], req.prompt_logprobs)
+    _check_priority(serving, req.priority)
     await serving.admit([ids], params, "messages")
     return await serving.run(
         request, req, [ids], params, chat=True, k_logprobs=k, tools=tools, lora=lora
