@@ -84,9 +84,14 @@ def new_queue(policy: str, groups: Iterable[SequenceGroup] = ()):
     return collections.deque(groups)
 
 
+def arrival_key(group: SequenceGroup) -> float:
+    return group.arrival_time
+
+
 def running_order(policy: str):
-    """The key running groups are served by (and preempted from the end of)."""
-    return priority_key if policy == "priority" else (lambda g: g.arrival_time)
+    """The key running groups are served by (and preempted from the end of); module-level
+    functions, so that a scheduler pickles (engine snapshots)."""
+    return priority_key if policy == "priority" else arrival_key
 
 
 def check_priority(priority, policy: str) -> None:
