@@ -40,6 +40,7 @@ from pagedjax.structured_output import limits as structured_limits
 from pagedjax.structured_output import masks as step_masks
 from pagedjax.structured_output import structural_tag
 from pagedjax.structured_output import worker as structured_worker
+from pagedjax.structured_output.lark import grammar_lark
 from pagedjax.structured_output.masks import mask_width
 from pagedjax.structured_output.params import (  # noqa: F401 (grammar's names, re-exported)
     JSON_STYLE,
@@ -275,6 +276,8 @@ def _grammar_text(params: StructuredOutputsParams) -> str:
         if kind == "choice":
             words = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
             return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {words}")
+        if kind == "grammar":
+            return grammar_lark(params.grammar)
         return llguidance.grammar_from(kind, getattr(params, kind))
     except ValueError as e:
         raise ValueError(f"structured_outputs.{kind}: invalid {what}: {e}") from None

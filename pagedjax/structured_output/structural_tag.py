@@ -23,6 +23,7 @@ import json
 from typing import Any
 
 from pagedjax.structured_output import limits
+from pagedjax.structured_output.lark import grammar_lark
 
 MAX_FORMATS = 512  # formats (nodes) in one structural tag
 _TEXT = r"(.|\n)*"
@@ -189,12 +190,10 @@ class _Builder:
         return self.terminal(_regex(pattern))
 
     def _grammar(self, node, where) -> str:
-        import llguidance
-
         text = self._field(node, where, "grammar", str)
         limits.check_grammar(text)
         try:
-            lark = llguidance.grammar_from("grammar", text)  # Lark, GBNF converted to Lark
+            lark = grammar_lark(text)
         except ValueError as e:
             raise ValueError(f"{where}.grammar: {e}") from None
         name = f"g{len(self.side) + 1}"
