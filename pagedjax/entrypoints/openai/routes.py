@@ -4,7 +4,8 @@
 - ``health_router``: /health and /ping (open to all), /metrics, /openapi.json, /docs, /redoc
 - ``models_router``: /v1/models, /v1/models/{id}, /version
 - ``tokenize_router``: /tokenize, /detokenize (vLLM's)
-- ``generate_router``: /v1/completions, /v1/chat/completions
+- ``generate_router``: /v1/completions, /v1/chat/completions (and /v1/responses, which runs as
+  a chat completion: routes_responses.py)
 - ``lora_router`` (with --enable-lora and run-time updates only: pagedjax/lora/updates.py):
   /v1/load_lora_adapter, /v1/unload_lora_adapter
 """
@@ -321,9 +322,16 @@ def _chat_tools(req, tool_config, constraint, field):
 @generate_router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     check_key(request)
+    req, constraint, constraint_field = await read_constrained(request, ChatRequest)
+    return await run_chat(request, req, constraint, constraint_field)
+
+
+async def run_chat(request: Request, req: ChatRequest, constraint, constraint_field: str):
+    """Answer a parsed chat request whose own constraint (response_format, structured_outputs
+    or a guided field) is ``constraint``, from ``constraint_field``: /v1/chat/completions, and
+    /v1/responses, which runs as one (routes_responses.py)."""
     state = request.app.state
     serving, limits, tokenizer = state.serving, state.limits, state.tokenizer
-    req, constraint, constraint_field = await read_constrained(request, ChatRequest)
     lora = state.models.resolve(req.model)  # a LoRA adapter's name runs under it
     if tokenizer is None or tokenizer.chat_template is None:
         raise bad_request("this model's tokenizer has no chat template")
