@@ -272,7 +272,7 @@ def _grammar_text(params: StructuredOutputsParams) -> str:
                 json.dumps(schema), overrides=params.json_style()
             )
         if kind == "structural_tag":
-            return structural_tag.grammar_text(params.structural_tag)
+            return structural_tag.grammar_text(params.structural_tag, JSON_STYLE)
         if kind == "choice":
             words = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
             return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {words}")

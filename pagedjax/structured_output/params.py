@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import TYPE_CHECKING
 
 from pagedjax.structured_output import limits as structured_limits
 from pagedjax.structured_output import structural_tag
-
-if TYPE_CHECKING:
-    from pagedjax.structured_output.grammar import CompiledGrammar
 
 # JSON is generated in one style: ", " and ": " between items, no other whitespace (free
 # whitespace lets small models loop on newlines)
@@ -38,7 +34,8 @@ class StructuredOutputsParams:
     structural_tag: str | dict | None = None
     whitespace_pattern: str | None = None
     # Set at admission: the compiled constraint, shared by every copy of these params.
-    compiled: CompiledGrammar | None = dataclasses.field(default=None, repr=False, compare=False)
+    # (a grammar.CompiledGrammar: not imported here, grammar.py imports this module)
+    compiled: object | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -73,7 +70,7 @@ class StructuredOutputsParams:
         if self.json_object not in (None, True, False):
             raise ValueError("structured_outputs: json_object must be a boolean")
         if self.structural_tag is not None:
-            self.structural_tag = structural_tag.normalize(self.structural_tag)
+            self.structural_tag = structural_tag.normalize(self.structural_tag, JSON_STYLE)
         if self.whitespace_pattern is not None:
             if not isinstance(self.whitespace_pattern, str) or not self.whitespace_pattern:
                 raise ValueError(

@@ -32,9 +32,10 @@ FORMATS = ("const_string", "json_schema", "regex", "grammar", "any_text", "seque
 FORMATS += ("triggered_tags", "tags_with_separator", "optional", "star", "plus", "repeat")
 
 
-def normalize(spec: Any) -> dict:
+def normalize(spec: Any, style: dict) -> dict:
     """The spec as a dict (JSON text parsed), its form checked: ``structures`` and
-    ``triggers``, or ``format``. ValueError naming what is wrong."""
+    ``triggers``, or ``format``; ``style``: the JSON style of its schemas (grammar_text).
+    ValueError naming what is wrong."""
     if isinstance(spec, str):
         limits.check_json_text(spec)
         try:
@@ -54,25 +55,19 @@ def normalize(spec: Any) -> dict:
         raise ValueError("structural_tag needs 'format', or 'structures' and 'triggers'")
     if extra:
         raise ValueError(f"structural_tag: unknown field {extra[0]!r}")
-    grammar_text(spec)  # every part checked now, before it is compiled
+    grammar_text(spec, style)  # every part checked now, before it is compiled
     return spec
 
 
-def grammar_text(spec: dict) -> str:
+def grammar_text(spec: dict, style: dict) -> str:
     """llguidance's grammar for a normalized spec: Lark, or a grammar list (JSON) when a
-    ``grammar`` format brings a grammar of its own."""
-    builder = _Builder(json_style())
+    ``grammar`` format brings a grammar of its own; its JSON in llguidance's ``style``."""
+    builder = _Builder(style)
     if "format" in spec:
         start = builder.format(spec["format"], "structural_tag.format")
     else:
         start = builder.legacy(spec.get("structures"), spec.get("triggers"))
     return builder.render(start)
-
-
-def json_style() -> dict:
-    from pagedjax.structured_output.params import JSON_STYLE  # params imports this module
-
-    return JSON_STYLE
 
 
 def _literal(text: str) -> str:

@@ -173,3 +173,15 @@ def test_a_waiting_group_that_outranks_the_first_swapped_one_is_admitted_before_
     assert names(sched.swapped) == ["background"]
     assert [c.group.request_id for c in out.chunks] == ["interactive"]
     assert not out.blocks_to_swap_in
+
+
+def test_a_priority_scheduler_pickles_with_its_queues_in_order():
+    import pickle
+
+    _, sched = make("priority", max_seqs=1)
+    for name, priority in (("c", 3), ("a", 1), ("b", 2)):
+        sched.add(group(name, 4, 0.0, priority=priority))
+    copy = pickle.loads(pickle.dumps(sched))
+    assert names(copy.waiting) == ["a", "b", "c"] and copy.policy == "priority"
+    copy.waiting.append(group("first", 4, 9.0, priority=0))
+    assert copy.waiting[0].request_id == "first"

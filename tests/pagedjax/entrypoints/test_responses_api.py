@@ -83,6 +83,19 @@ def test_text_whole_and_streamed(base):
     assert final.output_text == text and final.usage.output_tokens == r.usage.output_tokens
 
 
+def test_vllms_responses_client_flow(base):
+    """examples/online_serving/openai_responses_client.py: a response, its reasoning items (none
+    from this model) sent back, a second response."""
+    c = openai.OpenAI(base_url=base + "/v1", api_key=KEY, timeout=60.0, max_retries=3)
+    input_messages = [{"role": "user", "content": "What model are you?"}]
+    response = c.responses.create(model=MODEL, input=input_messages, max_output_tokens=16)
+    for message in response.output:
+        if message.type == "reasoning":
+            input_messages.append(message)
+    response_2 = c.responses.create(model=MODEL, input=input_messages, max_output_tokens=16)
+    assert isinstance(response_2.output_text, str) and response_2.usage.output_tokens > 0
+
+
 def test_vllms_tool_client_flow_required_then_answered(base):
     """examples/online_serving/openai_responses_client_with_tools.py's flow."""
     c = client(base)
