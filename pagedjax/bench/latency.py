@@ -29,13 +29,14 @@ from pagedjax.bench import emit, latency_poisson, vllm_result
 
 
 def _llm(args, max_model_len: int | None = None):
+    """The LLM of the engine flags (EngineArgs, as vLLM's LLM.from_engine_args)."""
     from pagedjax import LLM
-    from pagedjax.entrypoints.engine_args import engine_kwargs
+    from pagedjax.engine.arg_utils import EngineArgs
 
-    kwargs = engine_kwargs(args)
+    kwargs = EngineArgs.from_cli_args(args).keywords()
     if kwargs["max_model_len"] is None and max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
-    return LLM(args.model, **kwargs)
+    return LLM(**kwargs)
 
 
 def fixed_batch(args) -> dict:
@@ -99,7 +100,7 @@ def print_report(res: dict) -> None:
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    from pagedjax.entrypoints.engine_args import add_engine_args
+    from pagedjax.engine.arg_utils import EngineArgs
 
     parser = parser or argparse.ArgumentParser(prog="pagedjax bench latency")
     parser.description = __doc__.split("\n")[0]
@@ -112,7 +113,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--num-iters", type=int, default=30, help="timed iterations")
     parser.add_argument("--output-json", default=None, help="write vLLM's result JSON here")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    add_engine_args(parser)
+    EngineArgs.add_cli_args(parser)
     parser.set_defaults(enable_prefix_caching=False)  # as vLLM: iterations repeat the prompts
     poisson = parser.add_argument_group(
         "Poisson arrivals (--request-rate)",

@@ -273,7 +273,8 @@ class LLM:
         Gauge, Histogram and Vector, labelled with the model's name."""
         name = self.engine_args.model or Path(self.config.model).stem
         labels = {"model_name": name, "engine": "0"}
-        return engine_metrics(self.get_stats(), labels) + self._request_counts.metrics(labels)
+        stats, block_size = self.get_stats(), self.config.cache.block_size
+        return engine_metrics(stats, labels, block_size) + self._request_counts.metrics(labels)
 
     def close(self) -> None:
         self.engine.close()

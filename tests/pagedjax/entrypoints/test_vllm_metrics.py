@@ -186,3 +186,20 @@ def test_the_dashboard_query_parser_sees_names_labels_and_groupings():
         ("vllm:y", set(), set()),
         ("vllm:z2_total", set(), set()),
     ]
+
+
+def test_the_server_and_llm_get_metrics_read_one_list_of_names():
+    from pagedjax.metrics import names
+    from pagedjax.metrics.offline import RequestCounts, engine_metrics
+    from pagedjax.outputs import EngineStats
+
+    stats = EngineStats(10, 2, 3, 0, 0, 0.0, 1, 0, 0.0, 0, prefix_cache_queries=4)
+    labels = {"model_name": MODEL, "engine": "0"}
+    offline = engine_metrics(stats, labels, block_size=8) + RequestCounts(96).metrics(labels)
+    assert {m.name for m in offline} <= set(names.ALL) == set(VLLM_METRIC_NAMES)
+    queries = next(m for m in offline if m.name == "vllm:prefix_cache_queries")
+    assert queries.value == 4 * 8  # tokens, as vLLM and the server count them
+    histogram = next(m for m in offline if m.name == "vllm:request_prompt_tokens")
+    assert list(histogram.buckets) == [
+        str(b) for b in names.buckets("request_prompt_tokens", 96)
+    ] + ["+Inf"]
