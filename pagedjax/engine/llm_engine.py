@@ -17,6 +17,7 @@ import numpy as np
 from pagedjax.config import EngineConfig
 from pagedjax.core.block_manager import BlockManager
 from pagedjax.core.lora_admission import LoRAAdmission
+from pagedjax.core.request_queue import check_priority
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.sequence import Sequence, SequenceGroup
 from pagedjax.distributed import Channel, DriverOrFollower
@@ -114,6 +115,7 @@ class LLMEngine:
             max_model_len=sched.max_model_len,
             eos_token_ids=self.eos_token_ids,
             speculator=self.speculator,
+            policy=sched.policy,
         )
         self.profile = StepProfile()  # padding counts; phase times while profile.enabled
         self.runner = (runner_factory or Runner)(
@@ -173,11 +175,13 @@ class LLMEngine:
         prompt: Prompt,
         params: Params,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request, under the LoRA adapter ``lora_request`` if given. Bad input, or a
         request that could never run, raises ValueError here and leaves the engine untouched.
-        ``params`` is copied: later changes to it do nothing."""
-        prepared = self.prepare_request(request_id, prompt, params, lora_request)
+        ``params`` is copied: later changes to it do nothing. ``priority`` (vLLM's, with
+        ``scheduling_policy="priority"``): lower values are served first."""
+        prepared = self.prepare_request(request_id, prompt, params, lora_request, priority)
         self.enqueue(request_id, *prepared)
 
     def prepare_request(
@@ -186,13 +190,15 @@ class LLMEngine:
         prompt: Prompt,
         params: Params,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ):
         """Tokenize, copy and check a request without queueing it, and load its adapter into
-        the host cache: (text, token ids, params, lora_request)."""
+        the host cache: (text, token ids, params, lora_request, priority)."""
         self.processes.require_driver("add_request")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         try:
+            check_priority(priority, self.config.scheduler.policy)
             params = self.input_processor.copy_params(params)
             text, ids = self.input_processor.tokenize(prompt)
             k = getattr(params, "truncate_prompt_tokens", None)
@@ -202,7 +208,7 @@ class LLMEngine:
                 self.add_lora(lora_request)
         except ValueError as e:
             raise ValueError(f"request {request_id!r}: {e}") from None
-        return text, ids, params, lora_request
+        return text, ids, params, lora_request, priority
 
     def enqueue(
         self,
@@ -211,6 +217,7 @@ class LLMEngine:
         ids: list[int],
         params: Params,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue what prepare_request returned."""
         if request_id in self.requests:
@@ -220,7 +227,7 @@ class LLMEngine:
             seed = int(self._rng.integers(2**32))
         seed = (seed ^ (seed >> 32)) & 0xFFFFFFFF  # 64-bit seeds fold into the sampler's 32
         seq = Sequence(self.scheduler.new_seq_id(), ids, self.config.cache.block_size)
-        group = SequenceGroup(request_id, [seq], time.monotonic(), params, lora_request)
+        group = SequenceGroup(request_id, [seq], time.monotonic(), params, lora_request, priority)
         request = Request(request_id, text, ids, group, seed)
         if getattr(params, "masks_early_stops", False):  # EOS (unless ignored) and stop ids
             eos = () if params.ignore_eos else self.eos_token_ids

@@ -45,6 +45,7 @@ class Request:
     sent_prompt_logprobs: bool = dataclasses.field(default=False, repr=False)
     # seq id -> its generated logprobs as Logprobs, built so far (OutputProcessor._logprobs)
     sample_logprobs: dict[int, list] = dataclasses.field(default_factory=dict, repr=False)
+    last_token_time: float | None = dataclasses.field(default=None, repr=False, compare=False)
     # (vocab size, the sampling row fields of its parameters): built on first use
     _row_cache: tuple[int, dict] | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False
@@ -141,10 +142,15 @@ class Request:
                 return mask & not_stops
         return mask
 
-    def got_tokens(self, now: float) -> None:
-        """Its sequences got tokens in a step that finished at ``now``."""
+    def got_tokens(self, now: float) -> float | None:
+        """Its sequences got tokens in a step that finished at ``now``: the seconds since its
+        tokens before (vLLM's inter-token latency), None for its first."""
+        gap = None if self.last_token_time is None else now - self.last_token_time
+        self.last_token_time = now
         if self.metrics.first_token_time is None:
-            self.metrics = RequestMetrics(self.metrics.arrival_time, now)
+            scheduled = self.group.first_scheduled_time
+            self.metrics = RequestMetrics(self.metrics.arrival_time, now, scheduled)
+        return gap
 
     def _row_fields(self, vocab_size: int) -> dict:
         """The sampling row fields that come from the request's parameters alone (built once:

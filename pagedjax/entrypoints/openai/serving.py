@@ -28,6 +28,7 @@ from pagedjax.entrypoints.openai.engine_loop import EngineLoop
 from pagedjax.entrypoints.openai.offload import Offload
 from pagedjax.entrypoints.openai.protocol import APIError, ServerLimits, error_response
 from pagedjax.entrypoints.openai.routes import ROUTERS, lora_router
+from pagedjax.entrypoints.openai.routes_responses import responses_router
 from pagedjax.entrypoints.openai.serving_engine import OpenAIServing
 from pagedjax.entrypoints.openai.serving_models import ServedModels
 from pagedjax.entrypoints.openai.tools import ToolConfig
@@ -118,6 +119,7 @@ def build_app(
         engine_loop = EngineLoop(engine, max_queue=limits.max_queue)
     if models.enable_lora:
         engine_loop.metrics.max_loras = engine.config.max_loras
+    engine_loop.metrics.model_name = model_names[0]  # the vllm: series' model_name label
     # the handlers' own tokenizer: tokenizers aren't shareable across threads
     tokenizer = copy.deepcopy(engine.tokenizer)
     if chat_template is not None:
@@ -150,6 +152,7 @@ def build_app(
     app.add_exception_handler(Exception, _internal_error)
     for router in ROUTERS:
         app.include_router(router)
+    app.include_router(responses_router)
     _include_lora_updates(app, models)
     return app
 
