@@ -91,12 +91,7 @@ class StepLoop:
         self.scheduler, self.history = scheduler, history
         self.runner, self.requests, self.profile = runner, requests, profile
         self.vocab_size, self.check_stops = vocab_size, check_stops
-        self.enabled = (
-            enabled
-            and not speculating
-            and getattr(runner, "channel", None) is None
-            and hasattr(runner, "dispatch")
-        )
+        self.enabled = enabled and not speculating and runner.dispatches_ahead
         self.pending: Dispatched | None = None  # counted ahead, its tokens not yet fetched
         self.num_overlapped = 0  # steps dispatched while the step before was still in flight
         self._touched: set[str] = set()  # requests whose outputs the next step() returns

@@ -218,9 +218,9 @@ class LLM:
                     raise ValueError(f"prompt {i}: {e}") from None
                 # Only the final outputs are read here (vLLM's LLM asks the same): the engine's
                 # own copy of the params, so no output is built at the steps in between.
-                prepared[-1][2].output_kind = RequestOutputKind.FINAL_ONLY
+                prepared[-1].params.output_kind = RequestOutputKind.FINAL_ONLY
             for request_id, request in zip(ids, prepared, strict=True):
-                self.engine.enqueue(request_id, *request)
+                self.engine.enqueue(request_id, request)
                 added.append(request_id)
             results: dict[str, RequestOutput] = {}
             with tqdm(total=len(ids), disable=not use_tqdm, desc="generating") as bar:

@@ -40,7 +40,7 @@ def step_hlo(llm: LLM) -> str:
     lowered = programs.forward.lower(
         r.params,
         r.kv_cache.pages,
-        jax.device_put(step_input, r._inputs),
+        r.place(step_input),
         r.config,
         r.backend,
         r.mesh,

@@ -229,8 +229,7 @@ class RemoteEngine:
         self.eos_token_ids = info.eos_token_ids
         self.default_sampling_params = info.default_sampling_params
         self.input_processor = InputProcessor(info.capacity, info.tokenizer)
-        # build_app and ServedModels read whether the engine serves LoRA adapters from this
-        self.lora_manager = "in the engine process" if info.enable_lora else None
+        self.lora_enabled = info.config.lora is not None  # whether it serves LoRA adapters
 
     def check_request(self, prompt_token_ids: list[int], params) -> None:
         """The engine's admission check, on the same limits (LLMEngine.check_request)."""

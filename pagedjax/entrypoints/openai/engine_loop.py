@@ -114,16 +114,15 @@ class EngineLoop:
         ValueError (bad request), QueueFull, or whatever else add_request raised."""
         futs = [concurrent.futures.Future() for _ in requests]
         cmd = ("add", requests, params, futs, lora_request, None)
-        manager = self._lora_manager()
-        if lora_request is None or manager is None or manager.is_cached(lora_request.lora_int_id):
+        if not self.engine.lora.needs_read(lora_request):
             self._commands.put(cmd)
         else:  # read the adapter first, off the engine thread; install it with the adds
-            self._reader().submit(self._read_then_add, manager, cmd)
+            self._reader().submit(self._read_then_add, cmd)
         return futs
 
-    def _read_then_add(self, manager, cmd) -> None:
+    def _read_then_add(self, cmd) -> None:
         try:
-            adapter = manager.read(cmd[4])
+            adapter = self.engine.lora.read(cmd[4])
         except Exception as e:  # this request's adapter: it fails alone
             for fut in cmd[3]:
                 if fut.set_running_or_notify_cancel():
@@ -143,30 +142,26 @@ class EngineLoop:
         as ``call`` does; the returned future holds its result or exception."""
         if name not in ENGINE_COMMANDS:
             raise ValueError(f"unknown engine command {name!r}; known: {sorted(ENGINE_COMMANDS)}")
-        manager = self._lora_manager()
-        if name == "add_lora" and manager is not None:
-            return self._add_lora(manager, *args)
-        return self.call(lambda engine: getattr(engine, name)(*args))
+        lora = self.engine.lora
+        if name == "add_lora" and lora.enabled:
+            return self._add_lora(lora, *args)
+        return self.call(lambda engine: getattr(engine.lora, name)(*args))
 
-    def _add_lora(self, manager, lora):
+    def _add_lora(self, lora, request):
         """Read and check the adapter on the reader thread, then install it between steps."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def read() -> None:
             try:
-                adapter = manager.read(lora)
+                adapter = lora.read(request)
             except Exception as e:
                 fut.set_exception(e)
                 return
-            installed = self.call(lambda engine: manager.install(lora, adapter))
+            installed = self.call(lambda engine: lora.install(request, adapter))
             installed.add_done_callback(lambda done: _settle(fut, done))
 
         self._reader().submit(read)
         return fut
-
-    def _lora_manager(self):
-        manager = getattr(self.engine, "lora_manager", None)
-        return manager if callable(getattr(manager, "read", None)) else None
 
     def _reader(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._lora_reader is None:
@@ -230,7 +225,7 @@ class EngineLoop:
         _, requests, params, futs, lora, adapter = cmd
         if adapter is not None:  # read on the reader thread for these requests
             try:
-                self.engine.lora_manager.install(lora, adapter)
+                self.engine.lora.install(lora, adapter)
             except Exception as e:
                 for fut in futs:
                     if fut.set_running_or_notify_cancel():
@@ -306,8 +301,8 @@ class EngineLoop:
 
     def _publish(self) -> None:
         self.metrics.publish(self.engine.get_stats())
-        if getattr(self.engine, "lora_manager", None) is not None:
-            self.metrics.publish_lora(self.engine.lora_requests_info())
+        if self.engine.lora.enabled:
+            self.metrics.publish_lora(self.engine.lora.requests_info(self.engine.scheduler))
         if self._after_pass is not None:
             self._after_pass()
 

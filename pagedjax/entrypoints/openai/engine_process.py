@@ -55,7 +55,6 @@ class ServingInfo:
     model_config: object
     capacity: object  # input_processor.Capacity
     eos_token_ids: object
-    enable_lora: bool
     default_sampling_params: dict
 
 
@@ -66,7 +65,6 @@ def serving_info(engine) -> ServingInfo:
         model_config=engine.model_config,
         capacity=engine.input_processor.capacity,
         eos_token_ids=engine.eos_token_ids,
-        enable_lora=getattr(engine, "lora_manager", None) is not None,
         default_sampling_params=engine.default_sampling_params,
     )
 
@@ -103,8 +101,8 @@ class EngineCore:
         self._sender.start()
         self.engine = engine
         self.loop = EngineLoop(engine, max_queue, after_pass=self._flush)
-        if getattr(engine, "lora_manager", None) is not None:
-            self.loop.metrics.max_loras = engine.config.max_loras
+        if engine.lora.enabled:
+            self.loop.metrics.max_loras = engine.config.lora.max_loras
 
     # -- the main thread: commands from the API process --
 
@@ -147,7 +145,7 @@ class EngineCore:
             self._outbox.put(("pass", [("result", cid, (error, None))]))
         elif not self.loop.is_running:
             try:
-                result = (None, getattr(self.engine, name)(*args))
+                result = (None, getattr(self.engine.lora, name)(*args))
             except Exception as e:
                 result = (RemoteError.of(e), None)
             self._outbox.put(("pass", [("result", cid, result)]))

@@ -117,7 +117,7 @@ def build_app(
     else:
         engine_loop = EngineLoop(engine, max_queue=limits.max_queue)
     if models.enable_lora:
-        engine_loop.metrics.max_loras = engine.config.max_loras
+        engine_loop.metrics.max_loras = engine.config.lora.max_loras
     # the handlers' own tokenizer: tokenizers aren't shareable across threads
     tokenizer = copy.deepcopy(engine.tokenizer)
     if chat_template is not None:

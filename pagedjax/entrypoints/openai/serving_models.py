@@ -59,7 +59,10 @@ class ServedModels:
         """The server's models: LoRA is on when the engine has it; ``lora_modules`` ((name, path)
         pairs, --lora-modules) are loaded now, a bad one raising ValueError naming it;
         ``updates``: whether adapters load at run time, and from where."""
-        models = cls(base_names, getattr(engine, "lora_manager", None) is not None, updates)
+        enabled = getattr(engine, "lora_enabled", None)
+        if enabled is None:
+            enabled = engine.lora.enabled
+        models = cls(base_names, enabled, updates)
         if lora_modules and not models.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
         for name, path in lora_modules or ():

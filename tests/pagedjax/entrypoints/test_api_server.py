@@ -18,6 +18,7 @@ from server_helpers import live_server, metrics, raw, wait_idle
 
 from pagedjax import LLM, SamplingParams
 from pagedjax.entrypoints.api_server import EngineLoop, QueueFull, ServerLimits, build_app
+from pagedjax.lora.engine_lora import EngineLoRA
 
 KEY = "test-key"
 MODEL = "tiny"
@@ -319,6 +320,8 @@ def test_bad_requests_get_their_errors_while_others_stream(server, client):
 
 def test_a_full_waiting_queue_refuses():
     class _Engine:  # one request already waits
+        lora = EngineLoRA()  # off
+
         def get_stats(self):
             return idle_stats(num_requests_waiting=1)
 

@@ -26,7 +26,7 @@ from pagedjax import LLM, SamplingParams, compilation
 from pagedjax.entrypoints import startup
 from pagedjax.entrypoints.api_server import build_app
 from pagedjax.worker.input_batch import StepShape
-from pagedjax.worker.runner import Runner
+from pagedjax.worker.runner import Runner, RunnerConfig
 from pagedjax.worker.sampler import Filters, Variant
 from pagedjax.worker.warmup import BackgroundCompile, compile_jobs
 from pagedjax.worker.warmup_jobs import own_program_variant, plain_traffic
@@ -38,7 +38,11 @@ DEFAULT_LIMITS = (256, 8192)
 def _runner(max_model_len: int = 8192, block_size: int = 16) -> Runner:
     config = ModelConfig("LlamaForCausalLM", 64, 32, 64, 2, 2, 1, 16)
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), param_shapes(config))
-    return Runner(config, params, num_blocks=8, block_size=block_size, max_model_len=max_model_len)
+    return Runner(
+        config,
+        params,
+        RunnerConfig(num_blocks=8, block_size=block_size, max_model_len=max_model_len),
+    )
 
 
 def _names(jobs) -> list[str]:
