@@ -210,7 +210,8 @@ def test_layers_traced_once_compile_to_the_program_traced_layer_by_layer(tmp_pat
 
     c = tiny_config("gemma2", tmp_path, num_hidden_layers=4)
     monkeypatch.setenv(layer_loop.ENV_LAYER_LOOP, "unrolled")
-    runner = Runner(c, random_params(c), num_blocks=32, block_size=BLOCK, max_model_len=64)
+    sizes = RunnerConfig(num_blocks=32, block_size=BLOCK, max_model_len=64)
+    runner = Runner(c, random_params(c), sizes)
     shapes = runner.step_shapes(4, 64)
     shapes = [next(s for s in shapes if s.max_query_len == 1), shapes[-1]]  # decode, prefill
     once = [_instructions(lower_step(runner, s).compile().as_text()) for s in shapes]
