@@ -9,12 +9,12 @@ import logging
 from pathlib import Path
 
 from pagedjax.engine.arg_utils import EngineArgs
+from pagedjax.engine.hosting import startup
+from pagedjax.engine.hosting.engine_client import EngineProcess, RemoteEngine
+from pagedjax.engine.hosting.engine_loop import EngineLoop, QueueFull
+from pagedjax.engine.hosting.engine_process import EngineOptions
 from pagedjax.engine.stats_log import start_stats_log
-from pagedjax.entrypoints import startup
 from pagedjax.entrypoints.log_setup import log_to_stderr
-from pagedjax.entrypoints.openai.engine_client import EngineProcess, RemoteEngine
-from pagedjax.entrypoints.openai.engine_loop import EngineLoop, QueueFull
-from pagedjax.entrypoints.openai.engine_process import EngineOptions
 from pagedjax.entrypoints.openai.protocol import ServerLimits
 from pagedjax.entrypoints.openai.serving import (
     Cors,

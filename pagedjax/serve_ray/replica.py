@@ -18,7 +18,7 @@ from pagedjax.serve_ray import asgi
 
 def _load(model, served_model_name, llm_kwargs, server_kwargs, startup_kwargs):
     from pagedjax import LLM
-    from pagedjax.entrypoints import startup
+    from pagedjax.engine.hosting import startup
     from pagedjax.entrypoints.api_server import build_app
 
     llm = LLM(model, **llm_kwargs)

@@ -11,7 +11,7 @@ import time
 
 from fastapi import FastAPI, Request
 
-from pagedjax.entrypoints.openai.engine_loop import EngineLoop
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.openai.offload import INLINE_BODY_BYTES, Offload
 from pagedjax.entrypoints.openai.protocol import (
     APIError,

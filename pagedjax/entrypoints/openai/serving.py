@@ -22,9 +22,9 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedjax.engine.hosting.engine_client import RemoteEngine
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.openai import app_state
-from pagedjax.entrypoints.openai.engine_client import RemoteEngine
-from pagedjax.entrypoints.openai.engine_loop import EngineLoop
 from pagedjax.entrypoints.openai.offload import Offload
 from pagedjax.entrypoints.openai.protocol import APIError, ServerLimits, error_response
 from pagedjax.entrypoints.openai.routes import ROUTERS, lora_router

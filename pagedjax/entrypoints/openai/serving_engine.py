@@ -19,9 +19,9 @@ import uuid
 from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
+from pagedjax.engine.hosting.engine_loop import EngineLoop, QueueFull
 from pagedjax.engine.input_processor import truncated
 from pagedjax.entrypoints.chat_template import ChatOptions
-from pagedjax.entrypoints.openai.engine_loop import EngineLoop, QueueFull
 from pagedjax.entrypoints.openai.offload import Offload
 from pagedjax.entrypoints.openai.protocol import (
     APIError,

@@ -31,9 +31,9 @@ from server_helpers import (
 )
 
 from pagedjax import LLM, EngineArgs, LoRARequest, SamplingParams
+from pagedjax.engine.hosting.engine_client import EngineProcess, RemoteEngine
+from pagedjax.engine.hosting.engine_process import EngineOptions
 from pagedjax.entrypoints.api_server import build_app
-from pagedjax.entrypoints.openai.engine_client import EngineProcess, RemoteEngine
-from pagedjax.entrypoints.openai.engine_process import EngineOptions
 from pagedjax.lora.updates import LoRAUpdates
 
 ENGINE_ARGS = dict(block_size=8, num_blocks=200, seed=0, max_model_len=96, max_num_seqs=8)

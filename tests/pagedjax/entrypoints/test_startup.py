@@ -23,7 +23,7 @@ from pagedjax.models.llama import param_shapes
 from server_helpers import free_port, live_server, raw
 
 from pagedjax import LLM, SamplingParams, compilation
-from pagedjax.entrypoints import startup
+from pagedjax.engine.hosting import startup
 from pagedjax.entrypoints.api_server import build_app
 from pagedjax.worker.input_batch import StepShape
 from pagedjax.worker.runner import Runner, RunnerConfig
@@ -312,7 +312,7 @@ def test_what_the_background_compile_made_is_frozen_once_it_finishes():
 def test_metrics_count_a_background_compile_at_once_while_the_engine_is_idle(tiny):
     """/metrics reads the programs compiled when scraped: a background compile adds to them on
     its own thread while the idle engine thread publishes no new stats snapshot."""
-    from pagedjax.entrypoints.openai.engine_loop import EngineLoop
+    from pagedjax.engine.hosting.engine_loop import EngineLoop
 
     llm = LLM(tiny, block_size=8, max_model_len=64, num_blocks=16, max_num_seqs=2, seed=0)
     loop = EngineLoop(llm.engine, max_queue=4)  # not started: it publishes only once, here

@@ -20,10 +20,10 @@ import logging
 import multiprocessing
 import threading
 
+from pagedjax.engine.hosting.engine_loop import ENGINE_COMMANDS
+from pagedjax.engine.hosting.engine_process import EngineOptions, ServingInfo, engine_main
+from pagedjax.engine.hosting.output_delta import OutputDecoder
 from pagedjax.engine.input_processor import InputProcessor
-from pagedjax.entrypoints.openai.engine_loop import ENGINE_COMMANDS
-from pagedjax.entrypoints.openai.engine_process import EngineOptions, ServingInfo, engine_main
-from pagedjax.entrypoints.openai.output_delta import OutputDecoder
 from pagedjax.outputs import token_texts
 
 logger = logging.getLogger("pagedjax.api_server")
@@ -81,7 +81,7 @@ class EngineProcess:
 
     def start(self) -> None:
         """The server is about to answer: the engine thread and its background compile start."""
-        from pagedjax.entrypoints.startup import freeze_startup_objects
+        from pagedjax.engine.hosting.startup import freeze_startup_objects
 
         freeze_startup_objects()  # this process's start-up objects, as the engine's are there
         self._send(("start",))

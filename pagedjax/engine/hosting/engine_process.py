@@ -27,8 +27,8 @@ import queue
 import signal
 import threading
 
-from pagedjax.entrypoints.openai.engine_loop import ENGINE_COMMANDS, EngineLoop, QueueFull
-from pagedjax.entrypoints.openai.output_delta import OutputEncoder
+from pagedjax.engine.hosting.engine_loop import ENGINE_COMMANDS, EngineLoop, QueueFull
+from pagedjax.engine.hosting.output_delta import OutputEncoder
 
 logger = logging.getLogger("pagedjax.api_server")
 
@@ -227,7 +227,7 @@ def engine_main(options: EngineOptions, conn_in, conn_out) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from pagedjax import LLM
-    from pagedjax.entrypoints import startup
+    from pagedjax.engine.hosting import startup
     from pagedjax.entrypoints.log_setup import log_to_stderr
 
     log_to_stderr(options.log_level)

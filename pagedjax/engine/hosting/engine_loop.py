@@ -12,7 +12,7 @@ between steps: ``command("add_lora", ...)`` (/v1/load_lora_adapter) and a reques
 adapter that is not in the host cache (``submit``). A request whose adapter must be re-read when
 it is admitted, after it left the host cache, reads it there (the scheduler's, on this thread).
 
-A server's start (pagedjax/entrypoints/startup.py) rides on the loop: ``start`` marks the moment
+A server's start (engine/hosting/startup.py) rides on the loop: ``start`` marks the moment
 the server answers and starts the background compile of the programs not yet compiled, which
 runs beside the engine thread (a step that needs one of them compiles it itself); ``stop`` ends
 the background compile before the engine thread.
