@@ -154,7 +154,23 @@ class LLMEngine:
         """vLLM's: the engine of an EngineArgs (pagedjax/engine/arg_utils.py), its model loaded
         as the arguments say."""
         loaded = engine_args.load_model()
-        return cls(engine_args.create_engine_config(loaded), loaded)
+        engine = cls(engine_args.create_engine_config(loaded), loaded)
+        engine.log_ready()
+        return engine
+
+    def log_ready(self) -> None:
+        st, config = self.get_stats(), self.config
+        sched = config.scheduler
+        logger.info(
+            "Engine ready: KV cache of %d blocks x %d tokens (%s), max_model_len=%d, "
+            "max_num_seqs=%d, max_num_batched_tokens=%d",
+            st.num_blocks_total,
+            config.cache.block_size,
+            st.kv_cache_dtype or config.dtype,
+            sched.max_model_len,
+            sched.max_num_seqs,
+            sched.token_budget,
+        )
 
     # ---- requests -------------------------------------------------------------------------
 

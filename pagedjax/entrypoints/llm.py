@@ -52,7 +52,6 @@ class LLM:
         self.engine_args = EngineArgs.from_keywords(model, **kwargs)  # checked before loading
         self.engine = LLMEngine.from_engine_args(self.engine_args)
         config = self.engine.config
-        self._log_engine(config)
         if warmup:
             sched = config.scheduler  # groups of several sequences swap in any mode
             swap = self.engine.block_manager.num_host_blocks > 0
@@ -65,19 +64,6 @@ class LLM:
         self._driver_stats: EngineStats | None = None  # a follower's copy of the driver's
         self._stats_log = None if self.engine_args.disable_log_stats else StatsLog()
         self._request_counts = RequestCounts(config.scheduler.max_model_len)
-
-    def _log_engine(self, config: EngineConfig) -> None:
-        st, sched = self.engine.get_stats(), config.scheduler
-        logger.info(
-            "Engine ready: KV cache of %d blocks x %d tokens (%s), max_model_len=%d, "
-            "max_num_seqs=%d, max_num_batched_tokens=%d",
-            st.num_blocks_total,
-            config.cache.block_size,
-            st.kv_cache_dtype or config.dtype,
-            sched.max_model_len,
-            sched.max_num_seqs,
-            sched.token_budget,
-        )
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: SamplingParams with the model's generation config defaults (temperature,
