@@ -96,6 +96,12 @@ class SchedulerConfig:
             self.max_num_batched_tokens,
             "must be None or >= 1",
         )
+        _require(
+            self.preemption_mode in PREEMPTION_MODES,
+            "preemption_mode",
+            self.preemption_mode,
+            f"must be one of {PREEMPTION_MODES}",
+        )
 
     @property
     def token_budget(self) -> int:

@@ -114,7 +114,13 @@ class LLMEngine:
             profile=self.profile,
         )
         self.lora = EngineLoRA(config.lora, self.runner, mc, lora_loader)
-        self.scheduler = self._scheduler(bm)
+        self.scheduler = Scheduler(
+            bm,
+            config.scheduler,
+            eos_token_ids=self.eos_token_ids,
+            speculator=self.speculator,
+            lora=self.lora.admission,
+        )
         self.profile.set_model_bytes(*model_read_bytes(self.runner))  # the target model's (MBU)
         self.runner = with_draft_model(config, self.runner)  # as is, unless a draft model proposes
         self.processes = DriverOrFollower(self.runner)
@@ -131,22 +137,8 @@ class LLMEngine:
             profile=self.profile,
             vocab_size=mc.vocab_size,
             check_stops=self.output_processor.check_stops,
-            speculating=self.speculator is not None,
-            enabled=config.async_scheduling,
-        )
-
-    def _scheduler(self, bm: BlockManager) -> Scheduler:
-        sched = self.config.scheduler
-        return Scheduler(
-            bm,
-            max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.token_budget,
-            enable_chunked_prefill=sched.enable_chunked_prefill,
-            preemption_mode=sched.preemption_mode,
-            max_model_len=sched.max_model_len,
-            eos_token_ids=self.eos_token_ids,
-            speculator=self.speculator,
-            lora=self.lora.admission,
+            # no overlap with speculative decoding (a step's proposals follow the tokens before)
+            enabled=config.async_scheduling and self.speculator is None,
         )
 
     @classmethod

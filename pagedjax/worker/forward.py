@@ -42,6 +42,6 @@ class ModelForward:
             ops = r.step_ops
             outs, pool.pages = programs.step(*ops.step_operands(packed, ops.no_tokens(), layout))
             return outs["logits"]
-        model = (r.config, r.backend, r.mesh, r.linear, slots_of(r.lora))
-        logits, pool.pages = programs.forward(r.params, pool.pages, r.place(step_input), *model)
+        args = (r.place(step_input), r.statics, slots_of(r.lora))
+        logits, pool.pages = programs.forward(r.params, pool.pages, *args)
         return logits

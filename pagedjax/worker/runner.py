@@ -48,7 +48,7 @@ from pagedjax.models.quant import compute_dtype
 from pagedjax.models.sharding import pool_sharding, shard_params
 from pagedjax.models.step_input import StepInput
 from pagedjax.pallas_kernels.layer_matmul import CpuLinearMethods
-from pagedjax.worker import prompt_logprobs, sampler, step_program
+from pagedjax.worker import programs, prompt_logprobs, sampler, step_program
 from pagedjax.worker.device_calls import DeviceCalls
 from pagedjax.worker.forward import ModelForward
 from pagedjax.worker.input_batch import (
@@ -153,6 +153,7 @@ class Runner:
         self.params, self.linear, self._inputs, self.kv_cache = on_device(
             config, params, sizes, mesh, self.dtype
         )
+        self.statics = programs.ModelStatics(config, self.backend, mesh, self.linear)
         self.channel = channel  # set in a multi-process run
         self.calls = DeviceCalls(self.device_op, channel)  # every device operation's door
         self.lora = None if sizes.lora is None else self._lora(sizes.lora)

@@ -73,9 +73,8 @@ class StepOps:
         """``programs.step``'s operands: this step's packed inputs and previous tokens, the
         runner's weights, pool and static settings."""
         r = self.runner
-        static = (r.config, r.backend, r.mesh, r.linear, layout)
         pool = r.kv_cache.pages
-        return (r.params, pool, self.host(packed), prev_tokens, *static, slots_of(r.lora))
+        return (r.params, pool, self.host(packed), prev_tokens, r.statics, layout, slots_of(r.lora))
 
     def host(self, packed: np.ndarray) -> np.ndarray:
         """A step's packed inputs, handed to the step program as a host array (counted: one

@@ -164,10 +164,7 @@ def lower_step(runner, shape: StepShape, variant: Variant | None = None):
         runner.kv_cache.pages,
         packed,  # a host array, as the steps pass it (Runner._host)
         runner.place(np.zeros(runner.fill_width, np.int32)),
-        runner.config,
-        runner.backend,
-        runner.mesh,
-        runner.linear,
+        runner.statics,
         layout,
         slots_of(runner.lora),
     )

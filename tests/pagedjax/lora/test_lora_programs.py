@@ -49,7 +49,7 @@ def test_without_lora_the_step_program_is_the_one_before(tiny):
         words = sum(np.size(getattr(empty, f)) for f in step_program.ARRAY_FIELDS[:-1])
         assert packed.size == words + rows.size and layout.shapes[-1] is None
         args = (plain.params, plain.kv_cache.pages, packed, plain.place(np.zeros(8, np.int32)))
-        args += (plain.config, plain.backend, plain.mesh, plain.linear, layout)
+        args += (plain.statics, layout)
         before = programs.step.lower(*args)  # the call as it was: no slots argument
         now = warmup_jobs.lower_step(plain, shape)
         assert now.as_text() == before.as_text()

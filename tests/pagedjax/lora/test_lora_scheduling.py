@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from pagedjax import LoRARequest
+from pagedjax.config import SchedulerConfig
 from pagedjax.core.block_manager import BlockManager
 from pagedjax.core.lora_admission import LoRAAdmission
 from pagedjax.core.scheduler import Scheduler
@@ -38,8 +39,7 @@ def make(max_loras=2, num_blocks=128, budget=64, max_seqs=8, max_skips=16):
     bm = BlockManager(num_blocks, BS, watermark=0.0, enable_prefix_caching=True)
     sched = Scheduler(
         bm,
-        max_num_seqs=max_seqs,
-        max_num_batched_tokens=budget,
+        SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget),
         lora=LoRAAdmission(manager, max_skips=max_skips),
     )
     return sched, manager, slots

@@ -36,7 +36,8 @@ def _step_program_hlo(max_query_len: int) -> tuple[str, int]:
     packed, layout = step_program.pack_inputs(step, np.zeros(len(step.logits_indices), np.int32))
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     params = param_shapes(c)
-    args = (params, (pool, pool), i32(packed.shape), i32((16,)), c, "reference", None, False)
+    model = programs.ModelStatics(c, "reference")
+    args = (params, (pool, pool), i32(packed.shape), i32((16,)), model)
     hlo = programs.step.lower(*args, layout).compile().as_text()
     return hlo, len(jax.tree.leaves(params))
 
