@@ -27,19 +27,24 @@ test-all: install
 	$(BIN)/python -m pip install --quiet -e '.[test,ray]'  # the Ray Serve tests (all slow)
 	$(BIN)/python -m pytest -q
 
-# The GPU/TPU proof, one command (benchmarks/device_check/; stages 1-5 about 8 minutes on one H200,
-# stages 6-8 about 300 s more: budgets of 750 s in all, 600 s with ARGS=--budget-scale 0.8, or split
-# with ARGS=--stages ...): JSON and log under $(OUT). Needs no install: it runs on the machine's own python3 (jax with CUDA, torch,
-# transformers, flax, orbax) or this venv's, and finds the repository itself. ARGS=--toy: CPU run.
+# The GPU/TPU check, one command (benchmarks/device_check/): the kernels against references, the
+# engine against transformers, decode bandwidth, serving over HTTP, every attention backend. Stages
+# 1-5 take about 8 minutes on one H200, stages 6-8 about 5 more; each stage has its own time limit,
+# and a failed or stopped stage does not stop the next. ARGS="--stages 1,2,3" runs a part,
+# ARGS="--budget-scale F" scales every stage's limit, ARGS=--toy runs toy sizes on a CPU. JSON and
+# log under $(OUT).
+# Needs no install: it runs on the machine's own python3 (jax with CUDA, torch, transformers, flax,
+# orbax) or this venv's, and finds the repository itself.
 OUT ?= device_check_out
 device-check:
 	PYTHONUNBUFFERED=1 $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) \
 		benchmarks/device_check --out $(OUT) $(ARGS)
 
-# Wheels of what `pagedjax serve`, `pagedjax bench serve` and `transformers serve` need and the H200
-# device image lacks (or has too old), for Python 3.12 on manylinux x86-64, into wheelhouse/ (ignored
-# by git). Copy it beside the checkout on a GPU machine without an index: the device check's stage 6
-# installs it from there.
+# A wheelhouse for GPU machines without a package index: pinned wheels of what `pagedjax serve`,
+# `pagedjax bench serve` and `transformers serve` need beyond a GPU image's jax and torch (which
+# such an image often lacks or has too old), for Python 3.12 on manylinux x86-64, into wheelhouse/
+# (ignored by git). Run it where an index is reachable, copy wheelhouse/ beside the checkout on the
+# GPU machine, and the device check's stage 6 installs from it (no index, a temporary directory).
 WHEELHOUSE_PACKAGES ?= fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 \
 	annotated-types==0.8.0 typing-inspection==0.4.5 opentelemetry-api==1.45.2 uvicorn==0.54.0 \
 	httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 openai==3.57.0 jiter==0.19.0 \

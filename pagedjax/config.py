@@ -13,6 +13,8 @@ DTYPES = ("float32", "bfloat16")
 # weight-only, a scale per output channel, or per 64 / 32 inputs of it (models/quant.py)
 QUANTIZATIONS = ("int8", "fp8", "int8-g64", "int8-g32")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
+# vLLM's --scheduling-policy: arrival order, or (priority, arrival) (pagedjax/core/request_queue.py)
+SCHEDULING_POLICIES = ("fcfs", "priority")
 # The KV pool's dtype: "auto" = the compute dtype; "int8" / "fp8" (float8_e4m3fn) pages with a
 # float32 scale per token and kv head (pagedjax/worker/kv_cache.py)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
@@ -84,8 +86,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None  # None: 2048, or max_model_len without chunking
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"  # or "swap", or "auto" (cheaper of the two per group)
+    policy: str = "fcfs"  # one of SCHEDULING_POLICIES (vLLM's SchedulerConfig.policy)
 
     def __post_init__(self):
+        _require(
+            self.policy in SCHEDULING_POLICIES,
+            "policy",
+            self.policy,
+            f"must be one of {SCHEDULING_POLICIES}",
+        )
         for name in ("max_num_seqs", "max_model_len"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1, name, value, "must be an integer >= 1")

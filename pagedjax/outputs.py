@@ -118,12 +118,14 @@ class CompletionOutput:
 
 @dataclasses.dataclass(frozen=True)
 class RequestMetrics:
-    """When the engine took a request and when its first output token came (``time.monotonic``
-    seconds, this process's clock); a server measures time to first token from these, also for
-    a request that asked for its final output alone."""
+    """When the engine took a request, first scheduled it and got its first output token
+    (``time.monotonic`` seconds, this process's clock; vLLM's names); a server measures time to
+    first token, queue and prefill time from these, also for a request that asked for its final
+    output alone."""
 
     arrival_time: float
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None
 
 
 @dataclasses.dataclass

@@ -47,6 +47,17 @@ def _memory_maps() -> tuple[int, int]:
         return 0, 0
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _guard_for_the_suite():
+    """One process runs every test and holds the programs of all of them: the engine's guard
+    (pagedjax/executables.py), which drops compiled programs past half the memory-map limit,
+    would do so in the middle of tests that count what compiles. The suite keeps its own bound
+    (``_bounded_executables``, between modules) and lets the guard act only near the limit."""
+    from pagedjax import executables
+
+    executables.guard().share = 0.9
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _bounded_executables():
     """JAX keeps every program a process compiles, and each XLA:CPU executable holds about ten

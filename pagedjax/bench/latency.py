@@ -1,191 +1,150 @@
-"""Serving latency at a request rate: TTFT, TPOT and inter-token latency, like `vllm bench serve`.
+"""The latency of one batch, as `vllm bench latency` measures it.
 
-    pagedjax bench latency [--model M] [--request-rate R] [--num-requests N]
-        [--max-prompt-len P] [--max-output-len O] [--json]
+    pagedjax bench latency [--model M] [--input-len 32] [--output-len 128] [--batch-size 8]
+        [--n 1] [--use-beam-search] [--num-iters-warmup 10] [--num-iters 30]
+        [--output-json FILE] [--json] [engine flags: --max-model-len, --enable-prefix-caching,
+        --max-num-seqs, --dtype, --seed, ...]
 
-Requests (the seeded ShareGPT-like mix of ``pagedjax bench throughput``, random token ids, greedy,
-EOS ignored) arrive as a Poisson process of rate R per second (``inf``: all at once) and are fed
-to ``LLMEngine.add_request`` when their time comes; the engine steps continuously in the same
-thread. Every new token is stamped when the step that produced it returns. Per request: TTFT =
-first token - arrival; TPOT = (last token - first token) / (output tokens - 1); ITL = the gaps
-between successive tokens. Reported: mean, median, p90, p99 of each (ms), plus request and output
-token throughput. The same schedule (same lengths and arrival times, other token ids, so that
-the timed run gets no prefix-cache hits) is replayed once beforehand (unless --no-warmup) so
-that compilation is not counted as latency; programs still compiled while timed are reported.
+A batch of ``--batch-size`` prompts of ``--input-len`` random token ids is generated whole
+(``LLM.generate``, ``--output-len`` tokens each, EOS ignored, temperature 1, top_p 1; with
+``--use-beam-search``, ``LLM.beam_search`` of width ``--n``) ``--num-iters-warmup`` times
+untimed, then ``--num-iters`` times timed. Reported, as vLLM does: the mean and standard
+deviation of the iterations' latency and its 10th ... 99th percentiles, in seconds;
+``--output-json`` writes vLLM's result file (``avg_latency``, ``std_latency``, ``latencies``,
+``percentiles``). As in vLLM, prefix caching is off unless ``--enable-prefix-caching`` (every
+iteration repeats the same prompts).
+
+``--request-rate R`` measures something else instead: requests arriving at R per second
+(Poisson) and their TTFT, TPOT and inter-token latency (latency_poisson.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 
 import numpy as np
 
-from pagedjax.bench import emit
-from pagedjax.bench.throughput import synthetic_requests
-
-PERCENTILES = (50, 90, 99)
+from pagedjax.bench import emit, latency_poisson, vllm_result
 
 
-def _summary(values_s: list[float]) -> dict:
-    if not values_s:
-        return {"mean_ms": None, **{f"p{p}_ms": None for p in PERCENTILES}}
-    ms = np.asarray(values_s) * 1e3
-    return {
-        "mean_ms": float(ms.mean()),
-        **{f"p{p}_ms": float(np.percentile(ms, p)) for p in PERCENTILES},
-    }
-
-
-def serve(engine, requests, arrivals: np.ndarray, prefix: str = "lat") -> dict:
-    """Feed requests at their arrival offsets (s) while stepping; per-request token times."""
-    from pagedjax import SamplingParams
-
-    order = np.argsort(arrivals, kind="stable")
-    times: dict[str, list[float]] = {}
-    arrived: dict[str, float] = {}
-    seen: dict[str, int] = {}
-    nxt, done = 0, 0
-    start = time.perf_counter()
-    while done < len(requests):
-        now = time.perf_counter() - start
-        while nxt < len(order) and arrivals[order[nxt]] <= now:
-            i = int(order[nxt])
-            rid = f"{prefix}-{i}"
-            r = requests[i]
-            params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
-            engine.add_request(rid, r.prompt_token_ids, params)
-            arrived[rid] = start + float(arrivals[i])
-            times[rid], seen[rid] = [], 0
-            nxt += 1
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, min(arrivals[order[nxt]] - now, 0.05)))
-            continue
-        outs = engine.step()
-        stamp = time.perf_counter()
-        for o in outs:
-            n = len(o.outputs[0].token_ids)
-            times[o.request_id].extend([stamp] * (n - seen[o.request_id]))
-            seen[o.request_id] = n
-            done += o.finished
-    elapsed = time.perf_counter() - start
-    ttft, tpot, itl = [], [], []
-    for rid, ts in times.items():
-        ttft.append(ts[0] - arrived[rid])
-        if len(ts) > 1:
-            tpot.append((ts[-1] - ts[0]) / (len(ts) - 1))
-            itl.extend(np.diff(ts).tolist())
-    out_tokens = sum(len(ts) for ts in times.values())
-    return {
-        "elapsed_s": elapsed,
-        "requests_per_s": len(requests) / elapsed,
-        "output_tokens_per_s": out_tokens / elapsed,
-        "ttft": _summary(ttft),
-        "tpot": _summary(tpot),
-        "itl": _summary(itl),
-    }
-
-
-def benchmark(args) -> dict:
+def _llm(args, max_model_len: int | None = None):
+    """The LLM of the engine flags (EngineArgs, as vLLM's LLM.from_engine_args)."""
     from pagedjax import LLM
-    from pagedjax.models.loader import default_model_path
+    from pagedjax.engine.arg_utils import EngineArgs
 
-    source = args.model or default_model_path()
-    llm = LLM(
-        source,
-        block_size=args.block_size,
-        max_model_len=args.max_prompt_len + args.max_output_len,
-        max_num_seqs=args.max_num_seqs,
-        seed=args.seed,
+    kwargs = EngineArgs.from_cli_args(args).keywords()
+    if kwargs["max_model_len"] is None and max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
+    return LLM(**kwargs)
+
+
+def fixed_batch(args) -> dict:
+    """vLLM's measurement: the timed iterations of one batch."""
+    from pagedjax import BeamSearchParams, SamplingParams
+
+    llm = _llm(args)
+    limit = llm.config.scheduler.max_model_len
+    if limit < args.input_len + args.output_len:
+        raise ValueError(
+            f"--input-len {args.input_len} + --output-len {args.output_len} exceed the model's "
+            f"max_model_len {limit}: raise --max-model-len"
+        )
+    rng = np.random.default_rng(args.seed)
+    vocab = min(10000, llm.model_config.vocab_size)  # vLLM draws ids below 10000
+    prompts = rng.integers(0, vocab, size=(args.batch_size, args.input_len)).tolist()
+    params = SamplingParams(
+        n=args.n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len
     )
-    requests = synthetic_requests(
-        args.num_requests,
-        vocab_size=llm.model_config.vocab_size,
-        max_prompt_len=args.max_prompt_len,
-        max_output_len=args.max_output_len,
-        seed=args.seed,
-    )
-    rng = np.random.default_rng(args.seed + 2)
-    if np.isinf(args.request_rate):
-        arrivals = np.zeros(len(requests))
-    else:
-        arrivals = np.cumsum(rng.exponential(1.0 / args.request_rate, len(requests)))
-        arrivals -= arrivals[0]
-    if not args.no_warmup:
-        # The same schedule once, to compile the batch shapes it meets, with other token ids of
-        # the same lengths: replaying the same prompts would let the timed run hit the prefix
-        # cache and report a TTFT no new request sees.
-        rng_w = np.random.default_rng(args.seed + 3)
-        vocab = llm.model_config.vocab_size
-        decoys = [
-            dataclasses.replace(
-                r, prompt_token_ids=rng_w.integers(3, vocab, len(r.prompt_token_ids)).tolist()
-            )
-            for r in requests
-        ]
-        serve(llm.engine, decoys, arrivals, prefix="warmup")
+    beams = BeamSearchParams(beam_width=args.n, max_tokens=args.output_len, ignore_eos=True)
+
+    def run_once() -> float:
+        start = time.perf_counter()
+        if args.use_beam_search:
+            llm.beam_search(prompts, beams)
+        else:
+            llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    for _ in range(args.num_iters_warmup):
+        run_once()
     compiled = llm.get_stats().num_compilations
-    res = serve(llm.engine, requests, arrivals)
-    res["compilations_while_timed"] = llm.get_stats().num_compilations - compiled
+    latencies = [run_once() for _ in range(args.num_iters)]
+    result = vllm_result.latency_result(latencies)
+    result.update(
+        model=llm.config.model,
+        batch_size=args.batch_size,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        n=args.n,
+        use_beam_search=args.use_beam_search,
+        num_iters_warmup=args.num_iters_warmup,
+        num_iters=args.num_iters,
+        compilations_while_timed=llm.get_stats().num_compilations - compiled,
+    )
     llm.close()
-    return {
-        "model": source,
-        "request_rate": args.request_rate,
-        "num_requests": len(requests),
-        "mean_prompt_len": float(np.mean([len(r.prompt_token_ids) for r in requests])),
-        "mean_output_len": float(np.mean([r.output_len for r in requests])),
-        **res,
-    }
+    return result
 
 
 def print_report(res: dict) -> None:
+    """vLLM's lines."""
+    print(f"Avg latency: {res['avg_latency']} seconds")
+    print(f"Std latency: {res['std_latency']} seconds")
+    for p, value in res["percentiles"].items():
+        print(f"{p}% percentile latency: {value} seconds")
     print(
-        f"{res['num_requests']} requests at {res['request_rate']} req/s (Poisson), mean prompt "
-        f"{res['mean_prompt_len']:.1f}, mean output {res['mean_output_len']:.1f} tokens; "
-        f"model {res['model']}"
+        f"(batch {res['batch_size']} x {res['input_len']} prompt tokens, {res['output_len']} "
+        f"output tokens, {res['num_iters']} iterations after {res['num_iters_warmup']} warm-up; "
+        f"{res['compilations_while_timed']} programs compiled while timed)"
     )
-    print(
-        f"elapsed {res['elapsed_s']:.2f} s, {res['requests_per_s']:.3f} requests/s, "
-        f"{res['output_tokens_per_s']:.1f} output tokens/s, "
-        f"{res['compilations_while_timed']} programs compiled while timed"
-    )
-    cols = ["mean_ms"] + [f"p{p}_ms" for p in PERCENTILES]
-    print(f"{'(ms)':28}" + "".join(f"{c[:-3]:>10}" for c in cols))
-    for key, label in (
-        ("ttft", "time to first token"),
-        ("tpot", "time per output token"),
-        ("itl", "inter-token latency"),
-    ):
-        vals = res[key]
-        print(
-            f"{label:28}"
-            + "".join(f"{vals[c]:10.1f}" if vals[c] is not None else f"{'-':>10}" for c in cols)
-        )
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    from pagedjax.engine.arg_utils import EngineArgs
+
     parser = parser or argparse.ArgumentParser(prog="pagedjax bench latency")
     parser.description = __doc__.split("\n")[0]
-    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M GGUF")
-    parser.add_argument("--request-rate", type=float, default=1.0, help="requests/s; inf: burst")
-    parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--max-prompt-len", type=int, default=128)
-    parser.add_argument("--max-output-len", type=int, default=32)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-warmup", action="store_true")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--n", type=int, default=1, help="sequences generated per prompt")
+    parser.add_argument("--use-beam-search", action="store_true")
+    parser.add_argument("--num-iters-warmup", type=int, default=10, help="untimed iterations")
+    parser.add_argument("--num-iters", type=int, default=30, help="timed iterations")
+    parser.add_argument("--output-json", default=None, help="write vLLM's result JSON here")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(enable_prefix_caching=False)  # as vLLM: iterations repeat the prompts
+    poisson = parser.add_argument_group(
+        "Poisson arrivals (--request-rate)",
+        "requests arrive at a rate instead, and TTFT, TPOT and inter-token latency are reported",
+    )
+    poisson.add_argument("--request-rate", type=float, default=None, help="requests/s; inf: burst")
+    poisson.add_argument("--num-requests", type=int, default=32)
+    poisson.add_argument("--max-prompt-len", type=int, default=128)
+    poisson.add_argument("--max-output-len", type=int, default=32)
+    poisson.add_argument("--no-warmup", action="store_true")
     return parser
 
 
 def run(args) -> int:
-    if args.num_requests < 1:
-        raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
-    if not args.request_rate > 0:
-        raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
-    res = benchmark(args)
+    if args.request_rate is not None:
+        if args.num_requests < 1:
+            raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
+        if not args.request_rate > 0:
+            raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
+        llm = _llm(args, args.max_prompt_len + args.max_output_len)
+        res = latency_poisson.benchmark(args, llm, llm.config.model)
+        llm.close()
+        return emit(res, args.json, latency_poisson.print_report)
+    for flag in ("input_len", "output_len", "batch_size", "n", "num_iters"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.num_iters_warmup < 0:
+        raise ValueError(f"--num-iters-warmup must be >= 0, got {args.num_iters_warmup}")
+    res = fixed_batch(args)
+    if args.output_json:
+        vllm_result.write_json(args.output_json, res)
     return emit(res, args.json, print_report)
 
 

@@ -29,6 +29,7 @@ The command exits 1 when a server did not start or failed more than --max-failur
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -38,6 +39,7 @@ import tempfile
 from pathlib import Path
 
 from pagedjax.bench import serve_metrics as metrics
+from pagedjax.bench import vllm_result
 from pagedjax.bench.serve_args import build_parser, extra_body, validate_args
 from pagedjax.bench.serve_client import Target, probe_and_warm, run_requests, warm_up
 from pagedjax.bench.serve_peers import (
@@ -97,6 +99,22 @@ def build_workloads(args, tokenizer) -> list:
 
 
 def build_workload(args, tokenizer, seed: int):
+    requests = _dataset(args, tokenizer, seed)
+    if args.output_len is not None and args.dataset_name != "random":  # vLLM's override
+        requests = [dataclasses.replace(r, output_len=args.output_len) for r in requests]
+    return requests
+
+
+def _dataset(args, tokenizer, seed: int):
+    if args.dataset_name == "sharegpt":  # vLLM's: its ShareGPT file, read as ours
+        if not args.dataset_path:
+            raise ValueError(
+                "--dataset-name sharegpt needs --dataset-path (a ShareGPT JSON file); "
+                "sharegpt-like draws ShareGPT's lengths without one"
+            )
+        return json_requests(
+            args.dataset_path, tokenizer, args.num_prompts, args.max_prompt_len, 1 << 30
+        )
     if args.dataset_name == "random":
         return random_requests(
             tokenizer,
@@ -192,6 +210,10 @@ def bench_server(
         None if per_value is None else build_workload(args, tokenizer, args.seed + args.repeats)
     )
     rows, sent, failed = [], 0, 0
+    selected = (  # vLLM's result: the metrics and percentiles asked
+        vllm_result.parse_metrics(args.percentile_metrics),
+        vllm_result.parse_percentiles(args.metric_percentiles),
+    )
     counts = _prompts_per_value(args, values)
     for i, (value, count) in enumerate(zip(values, counts, strict=True)):
         rate = value if knob == "request_rate" else args.request_rate
@@ -224,7 +246,9 @@ def bench_server(
             _count_output_tokens(results, tokenizer)
             sent += len(results)
             failed += sum(not r.success for r in results)
-            runs.append(metrics.summarize(results, duration, slo))
+            run = metrics.summarize(results, duration, slo)
+            run["vllm"] = vllm_result.serve_result(results, duration, slo, *selected)
+            runs.append(run)
         row = metrics.pick_median_run(runs)
         row.update(server=name, request_rate=rate, max_concurrency=conc, burstiness=args.burstiness)
         if per_value is not None:
@@ -377,6 +401,9 @@ def execute(args) -> dict | None:
     result["args"] = {k: v for k, v in vars(args).items() if k != "func"}
     result["knob"] = knob
     metrics.report(result, knob, args)
+    if args.save_result or args.append_result:
+        for path in vllm_result.save_serve_results(result, args):
+            print(f"result: {path}")
     return result
 
 

@@ -7,9 +7,17 @@ import json
 import math
 import os
 
+from pagedjax.bench import vllm_result
 from pagedjax.bench.serve_client import ENDPOINTS
 from pagedjax.bench.serve_peers import KNOWN_PEERS
 from pagedjax.bench.serve_workload import DATASETS
+
+# vLLM's --backend: the API it speaks -> its default endpoint
+BACKENDS = {
+    "openai": "/v1/completions",
+    "vllm": "/v1/completions",
+    "openai-chat": "/v1/chat/completions",
+}
 
 DESCRIPTION = (
     "Online serving benchmark over HTTP, like `vllm bench serve`: any OpenAI-compatible server."
@@ -32,8 +40,24 @@ def extra_body(args) -> dict:
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(prog="pagedjax bench serve")
     p.description = DESCRIPTION
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server to measure")
-    p.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
+    p.add_argument(
+        "--base-url", default=None, help="the server to measure (default: http://HOST:PORT)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="the server's host, without --base-url")
+    p.add_argument("--port", type=int, default=8000, help="the server's port, without --base-url")
+    p.add_argument(
+        "--backend",
+        default=None,
+        choices=list(BACKENDS),
+        help="the API the server speaks (vLLM's): openai / vllm (completions), openai-chat "
+        "(default: the --endpoint's, else openai)",
+    )
+    p.add_argument(
+        "--endpoint",
+        default=None,
+        choices=ENDPOINTS,
+        help="the API path (default: the backend's, /v1/completions or /v1/chat/completions)",
+    )
     p.add_argument(
         "--model",
         default=None,
@@ -53,9 +77,22 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     """What is sent: the dataset, its sizes and its seed."""
     w = p.add_argument_group("workload")
-    w.add_argument("--dataset-name", default="sharegpt-like", choices=DATASETS)
-    w.add_argument("--dataset-path", default=None, help="JSON requests (--dataset-name json)")
+    w.add_argument("--dataset-name", default="sharegpt-like", choices=[*DATASETS, "sharegpt"])
+    w.add_argument(
+        "--dataset-path",
+        default=None,
+        help="JSON requests (--dataset-name json), or vLLM's ShareGPT JSON (sharegpt)",
+    )
     w.add_argument("--num-prompts", type=int, default=32)
+    w.add_argument(
+        "--input-len", type=int, default=None, help="vLLM's: the random dataset's prompt length"
+    )
+    w.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="vLLM's: every request's output length (random: --random-output-len)",
+    )
     w.add_argument("--random-input-len", type=int, default=128)
     w.add_argument("--random-output-len", type=int, default=64)
     w.add_argument("--random-range-ratio", type=float, default=0.0)
@@ -106,8 +143,42 @@ def _add_report_args(p: argparse.ArgumentParser) -> None:
     """What is reported, and when the command fails."""
     r = p.add_argument_group("report")
     r.add_argument("--slo", default=None, help="goodput SLO in ms, e.g. ttft=500,tpot=50,e2el=5000")
+    r.add_argument(
+        "--goodput", nargs="+", default=None, metavar="KEY:MS", help="vLLM's SLO: ttft:500 tpot:50"
+    )
     r.add_argument("--json", action="store_true", help="print the results as JSON")
-    r.add_argument("--save-result", metavar="PATH", default=None, help="also write the JSON here")
+    r.add_argument(
+        "--save-result",
+        action="store_true",
+        help="write vLLM's result JSON (one file per run: --result-dir, --result-filename)",
+    )
+    r.add_argument("--append-result", action="store_true", help="append it to the file instead")
+    r.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="vLLM's: keep the per-request lists (ttfts, itls, ...); they are always kept here",
+    )
+    r.add_argument("--result-dir", default=None, help="where the result files go")
+    r.add_argument(
+        "--result-filename",
+        default=None,
+        help="the result file's name (default: vLLM's {label}-{rate}qps-{model}-{date}.json)",
+    )
+    r.add_argument("--label", default=None, help="the result's label (default: --backend)")
+    r.add_argument("--metadata", nargs="*", default=None, metavar="KEY=VALUE")
+    r.add_argument(
+        "--percentile-metrics",
+        default=None,
+        help="metrics with percentiles in the result: ttft,tpot,itl,e2el (default ttft,tpot,itl)",
+    )
+    r.add_argument(
+        "--metric-percentiles", default="99", help="their percentiles, e.g. 50,90,99 (default 99)"
+    )
+    r.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="vLLM's: requests ignore EOS (always here, where the server takes it: exact lengths)",
+    )
     r.add_argument("--plot", default="bench_serve_sweep.png", help="the sweep's PNG")
     r.add_argument("--disable-tqdm", action="store_true")
     r.add_argument(
@@ -144,7 +215,32 @@ def _add_started_server_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--log-dir", default=None, help="server logs (default: a new temp dir)")
 
 
+def resolve_vllm_args(args) -> None:
+    """vLLM's flags in terms of ours: --host/--port as --base-url, --backend's endpoint,
+    --input-len / --output-len as the random lengths, --goodput as the SLO."""
+    if args.base_url is None:
+        args.base_url = f"http://{args.host}:{args.port}"
+    if args.backend is None:
+        args.backend = "openai-chat" if args.endpoint == "/v1/chat/completions" else "openai"
+    default = BACKENDS[args.backend]
+    if args.endpoint is None:
+        args.endpoint = default
+    elif (args.endpoint == "/v1/chat/completions") != (default == "/v1/chat/completions"):
+        raise ValueError(f"--endpoint {args.endpoint} is not the API of --backend {args.backend}")
+    if args.input_len is not None:
+        args.random_input_len = args.input_len
+    if args.output_len is not None:
+        args.random_output_len = args.output_len
+    if args.goodput:
+        if args.slo:
+            raise ValueError("give --goodput (vLLM's) or --slo, not both")
+        args.slo = ",".join(f"{k}={v}" for k, v in vllm_result.parse_goodput(args.goodput).items())
+    vllm_result.parse_metrics(args.percentile_metrics)
+    vllm_result.parse_percentiles(args.metric_percentiles)
+
+
 def validate_args(args) -> None:
+    resolve_vllm_args(args)
     for flag, value, low in (
         ("--num-prompts", args.num_prompts, 1),
         ("--num-warmups", args.num_warmups, 0),

@@ -90,6 +90,7 @@ class RequestResult:
     output_tokens: int | None = None  # the server's usage, else counted by the caller
     usage_prompt_tokens: int | None = None  # the server's count (with the chat template)
     text: str = ""
+    start_time: float = 0.0  # time.perf_counter() at the send
 
 
 def error_message(status: int, raw: bytes) -> str:
@@ -130,7 +131,7 @@ async def send(client, target: Target, req: BenchRequest) -> RequestResult:
     """One streamed request, timed; every failure is caught into ``RequestResult.error``."""
     res = RequestResult(req.prompt_len, req.output_len)
     parts: list[str] = []
-    start = time.perf_counter()
+    start = res.start_time = time.perf_counter()
     last = start
     try:
         async with client.stream(

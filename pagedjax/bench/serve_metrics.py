@@ -8,7 +8,6 @@ import collections
 import json
 import math
 import os
-from pathlib import Path
 
 import numpy as np
 
@@ -284,15 +283,12 @@ def _jsonable(x):
 
 
 def report(result: dict, knob: str | None, args) -> None:
-    """Write the JSON (--save-result), then print it (--json) or the tables; the load average
-    last, as a warning on the figures when the machine was busy."""
+    """Print the JSON (--json) or the tables; the load average last, as a warning on the
+    figures when the machine was busy. (--save-result writes vLLM's files: vllm_result.py.)"""
     rows = [row for s in result["servers"] for row in s["rows"]]
     plotted = plot_sweep(rows, knob, args.plot) if knob and rows else None
-    text = json.dumps(_jsonable({**result, "rows": rows, "plot": plotted}), indent=2)
-    if args.save_result:
-        Path(args.save_result).write_text(text + "\n")
     if args.json:
-        print(text)
+        print(json.dumps(_jsonable({**result, "rows": rows, "plot": plotted}), indent=2))
         return
     for s in result["servers"]:
         if "start_error" in s:

@@ -34,6 +34,12 @@ With ``--num-loras N`` the pagedjax side also runs with N random LoRA adapters (
 requests, all in one batch (``max_loras`` = N), in a process of its own after the base-only one,
 and the report gives its output tok/s as a fraction of the base-only run's.
 
+vLLM's flags are taken with vLLM's meaning: ``--num-prompts``, ``--input-len`` / ``--output-len``
+(every request exactly so long, random token ids), ``--dataset-name sharegpt --dataset-path``
+(ShareGPT's JSON), ``--backend vllm`` (this engine alone) and ``--output-json`` (vLLM's result:
+``elapsed_time`` of the best warm run, ``num_requests``, ``total_num_tokens``,
+``requests_per_second``, ``tokens_per_second``).
+
 Reported per side: min and median of the warm runs, the cold run, output tok/s, and the useful
 FLOP/s as a fraction of the measured matmul roofline; the ratios warm (min vs min) and cold; and
 the share of CPU time a virtual machine's host stole while each process ran (on a shared host,
@@ -50,7 +56,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pagedjax.bench import emit
+from pagedjax.bench import emit, vllm_result
 from pagedjax.bench.throughput_sides import Request, synthetic_requests  # noqa: F401 (re-export)
 from pagedjax.models.quant import QUANTIZATIONS
 
@@ -129,6 +135,8 @@ def benchmark(args) -> dict:
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
         "async_scheduling": args.async_scheduling,
+        "fixed_lengths": args.input_len is not None,  # vLLM's --input-len / --output-len
+        "output_len": args.output_len,
     }
     prep = _run_side("prepare", spec)
     requests = [Request(**r) for r in prep["requests"]]
@@ -342,7 +350,69 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     parser.add_argument("--max-lora-rank", type=int, default=8, help="their rank (--num-loras)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_vllm_args(parser)
     return parser
+
+
+def _add_vllm_args(parser: argparse.ArgumentParser) -> None:
+    """`vllm bench throughput`'s flags, in terms of this benchmark's."""
+    v = parser.add_argument_group("vLLM's flags")
+    v.add_argument(
+        "--backend",
+        default=None,
+        choices=("pagedjax", "vllm", "hf"),
+        help="pagedjax / vllm: this engine alone (as --skip-hf); hf: with transformers beside "
+        "it (the default)",
+    )
+    v.add_argument("--num-prompts", type=int, default=None, help="as --num-requests")
+    v.add_argument(
+        "--input-len", type=int, default=None, help="every prompt this long (random token ids)"
+    )
+    v.add_argument("--output-len", type=int, default=None, help="every request's output length")
+    v.add_argument("--dataset-name", default=None, choices=("random", "sharegpt", "json"))
+    v.add_argument(
+        "--dataset-path", default=None, help="ShareGPT's JSON (sharegpt), or ours (json)"
+    )
+    v.add_argument("--output-json", default=None, help="write vLLM's result JSON here")
+
+
+def _resolve_vllm_args(args) -> None:
+    if args.num_prompts is not None:
+        args.num_requests = args.num_prompts
+    if args.backend in ("pagedjax", "vllm"):
+        args.skip_hf = True
+    if args.dataset_name in ("sharegpt", "json"):
+        if not args.dataset_path:
+            raise ValueError(f"--dataset-name {args.dataset_name} needs --dataset-path")
+        args.dataset = args.dataset_path
+    elif args.dataset_path:
+        raise ValueError("--dataset-path needs --dataset-name sharegpt or json")
+    if args.input_len is not None:
+        if args.dataset:
+            raise ValueError("--input-len is for the random dataset (no --dataset)")
+        args.max_prompt_len = args.input_len
+        if args.output_len is None:
+            raise ValueError("--input-len needs --output-len (vLLM's random dataset)")
+    if args.output_len is not None:
+        if args.output_len < 1:
+            raise ValueError(f"--output-len must be >= 1, got {args.output_len}")
+        args.max_output_len = args.output_len
+
+
+def vllm_json(res: dict) -> dict:
+    """vLLM's throughput result of ours: the pagedjax side's best warm run (with ours beside)."""
+    ours = res["pagedjax"]
+    prompt_tokens = round(res["mean_prompt_len"] * res["num_requests"])
+    total = prompt_tokens + res["output_tokens"]
+    out = vllm_result.throughput_result(ours["warm"]["min_s"], res["num_requests"], total)
+    out.update(
+        total_num_prompt_tokens=prompt_tokens,
+        total_num_output_tokens=res["output_tokens"],
+        output_tokens_per_second=res["output_tokens"] / ours["warm"]["min_s"],
+        cold_elapsed_time=ours["cold_s"],
+        model=res["model"],
+    )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args) -> int:
+    _resolve_vllm_args(args)
     if args.num_requests < 1:
         raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
     if args.repeats < 1:
@@ -363,6 +434,8 @@ def run(args) -> int:
     if args.compare_quantization and args.quantization is None:
         raise ValueError("--compare-quantization needs --quantization (what to compare with)")
     res = benchmark(args)
+    if args.output_json:
+        vllm_result.write_json(args.output_json, vllm_json(res))
     return emit(res, args.json, print_report)
 
 

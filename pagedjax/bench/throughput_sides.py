@@ -39,9 +39,17 @@ def synthetic_requests(
     max_output_len: int,
     seed: int = 0,
     low_token: int = 3,
+    fixed: bool = False,
 ) -> list[Request]:
-    """ShareGPT-like lengths clipped to (max_prompt_len, max_output_len); random token ids."""
+    """ShareGPT-like lengths clipped to (max_prompt_len, max_output_len); random token ids.
+    ``fixed``: every request exactly (max_prompt_len, max_output_len) (vLLM's --input-len and
+    --output-len)."""
     lengths = sharegpt_like(num_requests, max_model_len=4096, seed=seed)
+    if fixed:
+        lengths = [
+            dataclasses.replace(r, prompt_len=max_prompt_len, output_len=max_output_len)
+            for r in lengths
+        ]
     rng = np.random.default_rng(seed + 1)
     return [
         Request(
@@ -53,12 +61,21 @@ def synthetic_requests(
 
 
 def load_dataset(path: str, tokenizer, max_prompt_len: int, max_output_len: int) -> list[Request]:
-    """A JSON list of {"prompt": text or token ids, "output_len": int}."""
+    """A JSON list of {"prompt": text or token ids, "output_len": int}, or of ShareGPT's
+    conversations (vLLM's dataset: the first turn the prompt, the second's tokens the output)."""
     items = json.loads(Path(path).read_text())
     if not isinstance(items, list) or not items:
         raise ValueError(f"{path}: expected a non-empty JSON list of requests")
     out = []
     for i, item in enumerate(items):
+        if isinstance(item, dict) and "conversations" in item and tokenizer is not None:
+            turns = item["conversations"]
+            if len(turns) < 2:
+                continue  # vLLM skips one-turn conversations too
+            item = {
+                "prompt": turns[0]["value"],
+                "output_len": len(tokenizer(turns[1]["value"])["input_ids"]),
+            }
         if not isinstance(item, dict) or "prompt" not in item or "output_len" not in item:
             raise ValueError(f"{path}: request {i} needs 'prompt' and 'output_len'")
         prompt = item["prompt"]
@@ -129,7 +146,10 @@ def prepare(spec: dict) -> dict:
             max_prompt_len=spec["max_prompt_len"],
             max_output_len=spec["max_output_len"],
             seed=spec["seed"],
+            fixed=spec.get("fixed_lengths", False),
         )
+    if spec.get("output_len"):  # vLLM's --output-len: every request's
+        requests = [dataclasses.replace(r, output_len=spec["output_len"]) for r in requests]
     del loaded
     return {
         "requests": [dataclasses.asdict(r) for r in requests],

@@ -35,7 +35,7 @@ class InFlight:
         """Whether the next schedule cannot preempt, swap or re-prefill: a sequence with a
         placeholder must stay where it is until its token arrives."""
         s = self.scheduler
-        if s.swapped or s.longrope_switch_len is not None:
+        if s.swapped or s.longrope_switch_len is not None or s.priority_inversion():
             return False
         if s.bm.sliding_window is not None:  # prompt chunks take blocks too
             return False

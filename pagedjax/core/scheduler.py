@@ -1,17 +1,21 @@
-"""FCFS continuous batching: a token budget per step, chunked prefill, preemption.
+"""Continuous batching: a token budget per step, chunked prefill, preemption.
 
 Pure Python; imports no jax. Each step the scheduler decides, on the host, which sequences compute
 how many tokens, and which blocks the runner must swap or copy first. Order of service:
-running groups (oldest first; the latest-arrived are preempted when blocks run out), then swapped
-groups (resumed before any new request), then waiting groups, first come first served (with
-LoRA, a group whose adapter would exceed the batch's slots waits: core/lora_admission.py).
+running groups first (the last of them in the policy's order are preempted when blocks run out),
+then swapped groups (resumed before any new request), then waiting groups (with LoRA, a group
+whose adapter would exceed the batch's slots waits: core/lora_admission.py).
+
+The policy (``--scheduling-policy``, core/request_queue.py) orders every queue: ``fcfs`` by
+arrival; ``priority`` by (priority, arrival), where a running group of lower priority is also
+preempted to admit a waiting one that outranks it, and a waiting group that outranks the first
+swapped one is admitted before it.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import itertools
+import time
 from collections.abc import Collection
 
 from pagedjax.config import SchedulerConfig
@@ -20,8 +24,21 @@ from pagedjax.core.block_manager import AllocStatus, BlockManager
 from pagedjax.core.in_flight import InFlight
 from pagedjax.core.longrope import LongRopeSwitch
 from pagedjax.core.lora_admission import LoRAAdmission
+from pagedjax.core.preemption import Preemption, max_seqs
+from pagedjax.core.preemption_cost import PreemptionCostModel
+from pagedjax.core.request_queue import new_queue, priority_key, running_order
+from pagedjax.core.scheduler_output import SchedulerOutput, SeqChunk, StepUpdate
 from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus, append_sampled
 from pagedjax.sampling_params import BeamSearchParams, SamplingParams
+
+__all__ = [  # the step's types live in scheduler_output.py; importers may take them from here
+    "PreemptionCostModel",
+    "Scheduler",
+    "SchedulerOutput",
+    "SeqChunk",
+    "StepUpdate",
+    "check_stop",
+]
 
 _FINISHED_STATUS = {
     "stop": SequenceStatus.FINISHED_STOPPED,
@@ -47,85 +64,9 @@ def check_stop(
     return None
 
 
-@dataclasses.dataclass
-class SeqChunk:
-    """``num_tokens`` tokens of ``seq`` computed this step, from ``seq.num_computed_tokens`` on."""
-
-    group: SequenceGroup
-    seq: Sequence
-    num_tokens: int
-    # Proposals verified after the seq's own tokens (in num_tokens; see pagedjax.spec_decode)
-    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
-    lora_slot: int = 0  # the device slot of its group's LoRA adapter (0: none), set by schedule
-
-    @property
-    def completes(self) -> bool:
-        """Whether the step brings the sequence up to date, so its logits yield a new token."""
-        num_own = self.num_tokens - len(self.spec_token_ids)
-        return self.seq.num_computed_tokens + num_own == self.seq.get_len()
-
-    @property
-    def num_samples(self) -> int:
-        """Tokens sampled from this chunk's last logits: none before the prompt is done, n (or
-        best_of) for the first tokens of a parallel-sampling request (its samples fork then),
-        else one."""
-        if not self.completes:
-            return 0
-        p = self.group.sampling_params
-        first = self.group.num_seqs() == 1 and self.seq.get_output_len() == 0
-        return p.max_num_seqs if first and isinstance(p, SamplingParams) else 1
-
-
-@dataclasses.dataclass
-class StepUpdate:
-    """What update_from_output did: sequences that got a token, requests whose update failed."""
-
-    new_tokens: list[tuple[SequenceGroup, Sequence]] = dataclasses.field(default_factory=list)
-    failed: dict[str, Exception] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    chunks: list[SeqChunk] = dataclasses.field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    preempted: list[SequenceGroup] = dataclasses.field(default_factory=list)
-    aborted: list[SequenceGroup] = dataclasses.field(default_factory=list)  # could not be kept
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-
-class PreemptionCostModel:
-    """Estimates, from measured step times, whether swapping a group out and back in costs less
-    than recomputing its tokens (the paper's section 7.3). Until both are measured: recompute."""
-
-    def __init__(self, smoothing: float = 0.2):
-        self.smoothing = smoothing
-        self.seconds_per_token: float | None = None  # prefill compute
-        self.seconds_per_block: float | None = None  # one block moved one way
-
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
-
-    def observe_prefill(self, seconds: float, num_tokens: int) -> None:
-        if num_tokens:
-            self.seconds_per_token = self._ema(self.seconds_per_token, seconds / num_tokens)
-
-    def observe_swap(self, seconds: float, num_blocks: int) -> None:
-        if num_blocks:
-            self.seconds_per_block = self._ema(self.seconds_per_block, seconds / num_blocks)
-
-    def prefer_swap(self, num_tokens: int, num_blocks: int) -> bool:
-        if self.seconds_per_token is None or self.seconds_per_block is None:
-            return False
-        return 2 * num_blocks * self.seconds_per_block < num_tokens * self.seconds_per_token
-
-
-class Scheduler:
-    """``config``: the engine's limits and preemption mode (pagedjax/config.py, checked there)."""
+class Scheduler(Preemption):
+    """``config``: the engine's limits, preemption mode and policy (pagedjax/config.py, checked
+    there)."""
 
     def __init__(
         self,
@@ -137,6 +78,8 @@ class Scheduler:
         lora: LoRAAdmission | None = None,  # admission by LoRA adapter slots
     ):
         budget, max_model_len = config.token_budget, config.max_model_len
+        self.policy = policy = config.policy  # the order of service (core/request_queue.py)
+        self._order = running_order(policy)
         self.bm = block_manager
         block_manager.limit_chunk_tokens(budget)  # a windowed table's run-ahead
         # LongRoPE (models/config.py ModelConfig.longrope_switch_len), as the block manager keys
@@ -149,9 +92,9 @@ class Scheduler:
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.preemption_mode = config.preemption_mode
         self.cost_model = PreemptionCostModel()
-        self.waiting: collections.deque[SequenceGroup] = collections.deque()
+        self.waiting = new_queue(policy)  # a deque (fcfs) or a PriorityQueue, served from [0]
         self.running: list[SequenceGroup] = []
-        self.swapped: collections.deque[SequenceGroup] = collections.deque()
+        self.swapped = new_queue(policy)
         self.num_preemptions = 0
         self.num_swapped = 0
         self.num_aborted = 0  # groups the scheduler gave up on (with a reason)
@@ -194,21 +137,40 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.policy == "priority":
+            self._preempt_for_waiting(out)
+        made_room = len(out.preempted)
         budget = self._schedule_running(out, self.token_budget)
-        if not out.preempted:
-            budget = self._schedule_swapped(out, budget)
-            if not self.swapped:
-                self._schedule_waiting(out, budget)
-        self.running.sort(key=lambda g: g.arrival_time)
+        if len(out.preempted) == made_room:  # no running group lacked blocks
+            self._schedule_queued(out, budget)
+        self.running.sort(key=self._order)
         self.lora.assign_slots(out.chunks)
         return out
 
+    def _schedule_queued(self, out: SchedulerOutput, budget: int) -> None:
+        """Swapped groups, then waiting ones. Under fcfs every swapped group resumes before any
+        new one is admitted; under priority, whichever queue's first group ranks first is served,
+        in turn, until one's first group cannot go."""
+        if self.policy != "priority":
+            budget, _ = self._schedule_swapped(out, budget)
+            if not self.swapped:
+                self._schedule_waiting(out, budget)
+            return
+        yielded = True
+        while yielded and (self.waiting or self.swapped) and budget > 0:
+            w = priority_key(self.waiting[0]) if self.waiting else None
+            s = priority_key(self.swapped[0]) if self.swapped else None
+            if w is not None and (s is None or w < s):
+                budget, yielded = self._schedule_waiting(out, budget, until=s)
+            else:
+                budget, yielded = self._schedule_swapped(out, budget, until=w)
+
     def _num_running_seqs(self) -> int:
-        return sum(_max_seqs(g) for g in self.running)
+        return sum(max_seqs(g) for g in self.running)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Decodes first (one token each, after securing a slot), then prompt chunks."""
-        queue = sorted(self.running, key=lambda g: g.arrival_time)
+        queue = sorted(self.running, key=self._order)
         if self.bm.sliding_window is not None:
             for group in queue:  # before any is preempted: only live blocks are swapped out
                 for seq in group.get_seqs(SequenceStatus.RUNNING):
@@ -252,9 +214,13 @@ class Scheduler:
         self.running = kept
         return budget
 
-    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int, until=None) -> tuple[int, bool]:
+        """Resume swapped groups in order (under priority, those ranked before ``until``); the
+        budget left, and whether it stopped only for the other queue (or an empty one)."""
         while self.swapped:
             group = self.swapped[0]
+            if until is not None and priority_key(group) > until:
+                return budget, True
             seqs = group.get_seqs(SequenceStatus.SWAPPED)
             status = self.bm.can_swap_in(group)
             if status is AllocStatus.NEVER:  # admission rules this out; never wait on it
@@ -262,11 +228,11 @@ class Scheduler:
                 self._abort(group, out, "its swapped-out blocks no longer fit the device pool")
                 continue
             if status is AllocStatus.LATER or budget < len(seqs):
-                break
-            if self._num_running_seqs() + _max_seqs(group) > self.max_num_seqs:
-                break
+                return budget, False
+            if self._num_running_seqs() + max_seqs(group) > self.max_num_seqs:
+                return budget, False
             if self.lora.should_wait(group, self.running, []):
-                break
+                return budget, False
             self.swapped.popleft()
             if (why := self.lora.activate(group, self.running)) is not None:
                 self._abort(group, out, why)
@@ -280,13 +246,19 @@ class Scheduler:
                 out.chunks.append(SeqChunk(group, seq, n))
                 budget -= n
             self.running.append(group)
-        return budget
+        return budget, True
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, until=None) -> tuple[int, bool]:
+        """Admit waiting groups in order (under priority, those ranked before ``until``); the
+        budget left, and whether it stopped only for the other queue (or an empty one)."""
         skipped: list[SequenceGroup] = []  # waiting for an adapter slot; later ones may go
+        yielded = False
         while self.waiting and budget > 0:
             group = self.waiting[0]
-            if self._num_running_seqs() + _max_seqs(group) > self.max_num_seqs:
+            if until is not None and priority_key(group) > until:
+                yielded = True
+                break
+            if self._num_running_seqs() + max_seqs(group) > self.max_num_seqs:
                 break
             if self.lora.should_wait(group, self.running, skipped):
                 skipped.append(self.waiting.popleft())
@@ -308,6 +280,8 @@ class Scheduler:
             if (why := self.lora.activate(group, self.running)) is not None:
                 self._abort(group, out, why)
                 continue
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = time.monotonic()
             self.bm.allocate(group)
             for s in group.get_seqs(SequenceStatus.WAITING):
                 s.status = SequenceStatus.RUNNING
@@ -315,7 +289,9 @@ class Scheduler:
             out.chunks.append(SeqChunk(group, seq, n))
             budget -= n
             self.running.append(group)
+        yielded = yielded or not (self.waiting or skipped)
         self.waiting.extendleft(reversed(skipped))
+        return budget, yielded
 
     # ---- after the step -------------------------------------------------------------------
 
@@ -408,35 +384,6 @@ class Scheduler:
                 group.finished_beams.append((list(seq.output_token_ids), seq.cumulative_logprob))
                 self.finish_seq(seq, "length")
 
-    # ---- LongRoPE's switch (core/longrope.py) ----------------------------------------------------
-
-    def _recompute(self, group: SequenceGroup) -> None:
-        """Free the group's one sequence and queue it first, to be prefilled anew."""
-        seq = group.get_seqs(SequenceStatus.RUNNING)[0]
-        self.bm.free(seq)
-        seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
-        seq.longrope_recomputed = True
-        self.waiting.appendleft(group)
-        self.num_longrope_recomputes += 1
-
-    # ---- preemption -----------------------------------------------------------------------
-
-    def _can_preempt(self, group: SequenceGroup) -> bool:
-        """A single sequence can always be recomputed; several can only be swapped out."""
-        return group.num_seqs(SequenceStatus.RUNNING) == 1 or self.bm.can_swap_out(group)
-
-    def _pick_victim(self, queue: list[SequenceGroup], group: SequenceGroup) -> SequenceGroup:
-        """The latest-arrived group that can be preempted without losing it: from the groups not
-        yet served this step (queue, oldest first), else ``group`` itself. Only when none can is
-        one lost (the latest)."""
-        for i in range(len(queue) - 1, -1, -1):
-            if self._can_preempt(queue[i]):
-                return queue.pop(i)
-        if self._can_preempt(group) or not queue:
-            return group
-        return queue.pop()
-
     def _end_group(self, group: SequenceGroup) -> None:
         """Abort every unfinished seq of group (a finished one keeps its finish reason)."""
         for seq in group.get_seqs():
@@ -450,45 +397,3 @@ class Scheduler:
         group.abort_reason = reason
         out.aborted.append(group)
         self.num_aborted += 1
-
-    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        """All of the group's blocks at once: by recompute (a single sequence only, as in vLLM)
-        or by swap. A group that can neither be swapped nor recomputed is aborted."""
-        self.num_preemptions += 1
-        seqs = group.get_seqs(SequenceStatus.RUNNING)
-        out.preempted.append(group)
-        can_recompute = len(seqs) == 1
-        mode = self.preemption_mode
-        if mode == "auto":
-            tokens = sum(s.get_len() for s in seqs)
-            blocks = sum(len(self.bm.get_block_table(s)) - self.bm.num_released(s) for s in seqs)
-            mode = "swap" if self.cost_model.prefer_swap(tokens, blocks) else "recompute"
-        if mode == "swap" or not can_recompute:
-            if self.bm.can_swap_out(group):
-                out.blocks_to_swap_out += self.bm.swap_out(group)
-                for seq in seqs:
-                    seq.status = SequenceStatus.SWAPPED
-                self.swapped.append(group)
-                self.num_swapped += 1
-                return
-            if not can_recompute:
-                out.preempted.remove(group)
-                self._abort(
-                    group,
-                    out,
-                    f"it had to be preempted and its {len(seqs)} sequences, which cannot be "
-                    f"recomputed, found no free swap space ({self.bm.get_num_free_host_blocks()} "
-                    f"host blocks free); raise swap_space_gib",
-                )
-                return
-        for seq in seqs:
-            self.bm.free(seq)
-            seq.status = SequenceStatus.WAITING
-            seq.num_computed_tokens = 0
-        self.waiting.appendleft(group)
-
-
-def _max_seqs(group: SequenceGroup) -> int:
-    """Sequences the group will run at once (n samples or beams appear after the prompt)."""
-    width = getattr(group.sampling_params, "max_num_seqs", 1)
-    return max(width, group.num_seqs(SequenceStatus.RUNNING), 1)

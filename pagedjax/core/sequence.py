@@ -133,6 +133,7 @@ class SequenceGroup:
         arrival_time: float,
         sampling_params: SamplingParams | BeamSearchParams | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ):
         self.request_id = request_id
         self.seqs_dict: dict[int, Sequence] = {}
@@ -150,6 +151,8 @@ class SequenceGroup:
             for seq in self.seqs_dict.values():
                 seq.lora_int_id = lora_request.lora_int_id
         self.num_lora_skips = 0  # times admission passed it over for want of an adapter slot
+        self.priority = priority  # --scheduling-policy priority: lower is served first
+        self.first_scheduled_time: float | None = None  # time.monotonic() when first admitted
 
     def __repr__(self) -> str:
         return f"SequenceGroup(request_id={self.request_id!r}, seqs={self.get_seqs()})"

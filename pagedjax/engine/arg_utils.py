@@ -18,6 +18,7 @@ from pagedjax.config import (
     MAX_MODEL_LEN_CAP,
     PREEMPTION_MODES,
     QUANTIZATIONS,
+    SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
@@ -251,6 +252,14 @@ class EngineArgs(VllmCompatArgs):
         choices=PREEMPTION_MODES,
         group="scheduler",
     )
+    scheduling_policy: str = option(
+        SchedulerConfig.policy,
+        "the order requests are served in: fcfs (arrival), or priority (each request's "
+        "priority, lower first, then arrival; a running request of lower priority is preempted "
+        "for a waiting one of higher priority when blocks run out)",
+        choices=SCHEDULING_POLICIES,
+        group="scheduler",
+    )
     async_scheduling: bool = option(
         True,
         "schedule and dispatch each step while the one before runs on the device, where that "
@@ -341,6 +350,7 @@ class EngineArgs(VllmCompatArgs):
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
             preemption_mode=self.preemption_mode,
+            policy=self.scheduling_policy,
         )
         # the limits checked whether or not LoRA is on: a bad value is refused either way
         lora = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)

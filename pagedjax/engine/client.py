@@ -86,13 +86,13 @@ class EngineClient(abc.ABC):
 
     @abc.abstractmethod
     def submit(
-        self, requests: list[tuple], params, lora_request=None
+        self, requests: list[tuple], params, lora_request=None, priority: int = 0
     ) -> list[concurrent.futures.Future]:
-        """Add ``requests`` ((request id, prompt ids, sink) each, all with ``params``, under
-        the adapter ``lora_request`` if given), taken by the engine between the same two steps;
-        each request's outputs (or an exception) go to its ``sink``, on another thread. One
-        future per request: it fails with ValueError (a bad request), QueueFull, or
-        RuntimeError."""
+        """Add ``requests`` ((request id, prompt ids, sink) each, all with ``params`` and
+        ``priority``, under the adapter ``lora_request`` if given), taken by the engine between
+        the same two steps; each request's outputs (or an exception) go to its ``sink``, on
+        another thread. One future per request: it fails with ValueError (a bad request),
+        QueueFull, or RuntimeError."""
 
     @abc.abstractmethod
     def abort(self, request_id: str) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 
 from pagedjax.config import EngineConfig
 from pagedjax.core.block_manager import BlockManager
+from pagedjax.core.request_queue import check_priority
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.sequence import Sequence, SequenceGroup
 from pagedjax.distributed import Channel, DriverOrFollower
@@ -177,14 +178,22 @@ class LLMEngine:
         prompt: Prompt,
         params: Params,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request, under the adapter ``lora_request`` if given. Bad input, or a
         request that could never run, raises ValueError here and leaves the engine untouched.
-        ``params`` is copied: later changes to it do nothing."""
-        self.enqueue(request_id, self.prepare_request(request_id, prompt, params, lora_request))
+        ``params`` is copied: later changes to it do nothing. ``priority`` (vLLM's, with
+        ``scheduling_policy="priority"``): lower values are served first."""
+        prepared = self.prepare_request(request_id, prompt, params, lora_request, priority)
+        self.enqueue(request_id, prepared)
 
     def prepare_request(
-        self, request_id: str, prompt: Prompt, params: Params, adapter=None
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: Params,
+        adapter: LoRARequest | None = None,
+        priority: int = 0,
     ) -> PreparedRequest:
         """Tokenize, copy and check a request without queueing it, and load its adapter (a
         LoRARequest) into the host cache."""
@@ -192,6 +201,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         try:
+            check_priority(priority, self.config.scheduler.policy)
             params = self.input_processor.copy_params(params)
             text, ids = self.input_processor.tokenize(prompt)
             k = getattr(params, "truncate_prompt_tokens", None)
@@ -200,7 +210,7 @@ class LLMEngine:
             self.lora.add_adapter_of(adapter)
         except ValueError as e:
             raise ValueError(f"request {request_id!r}: {e}") from None
-        return PreparedRequest(text, ids, params, adapter)
+        return PreparedRequest(text, ids, params, adapter, priority)
 
     def enqueue(self, request_id: str, prepared: PreparedRequest) -> None:
         """Queue what prepare_request returned."""
@@ -212,7 +222,9 @@ class LLMEngine:
             seed = int(self._rng.integers(2**32))
         seed = (seed ^ (seed >> 32)) & 0xFFFFFFFF  # 64-bit seeds fold into the sampler's 32
         seq = Sequence(self.scheduler.new_seq_id(), ids, self.config.cache.block_size)
-        group = SequenceGroup(request_id, [seq], time.monotonic(), params, prepared.adapter)
+        group = SequenceGroup(
+            request_id, [seq], time.monotonic(), params, prepared.adapter, prepared.priority
+        )
         request = Request(request_id, text, ids, group, seed)
         if getattr(params, "masks_early_stops", False):  # EOS (unless ignored) and stop ids
             eos = () if params.ignore_eos else self.eos_token_ids

@@ -28,12 +28,13 @@ SAMPLING_EPS = 1e-5  # a temperature below this samples greedily (as vLLM)
 class PreparedRequest:
     """A request tokenized, copied and checked, not yet queued (``LLMEngine.prepare_request``):
     its text (None: given as ids), prompt ids, own copy of the parameters, and its adapter
-    (a LoRARequest, or None)."""
+    (a LoRARequest, or None), its priority (served lowest first under the priority policy)."""
 
     text: str | None
     prompt_token_ids: list[int]
     params: SamplingParams | BeamSearchParams
     adapter: object = None
+    priority: int = 0
 
 
 @dataclasses.dataclass
@@ -57,6 +58,7 @@ class Request:
     sent_prompt_logprobs: bool = dataclasses.field(default=False, repr=False)
     # seq id -> its generated logprobs as Logprobs, built so far (OutputProcessor._logprobs)
     sample_logprobs: dict[int, list] = dataclasses.field(default_factory=dict, repr=False)
+    last_token_time: float | None = dataclasses.field(default=None, repr=False, compare=False)
     # (vocab size, the sampling row fields of its parameters): built on first use
     _row_cache: tuple[int, dict] | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False
@@ -153,10 +155,15 @@ class Request:
                 return mask & not_stops
         return mask
 
-    def got_tokens(self, now: float) -> None:
-        """Its sequences got tokens in a step that finished at ``now``."""
+    def got_tokens(self, now: float) -> float | None:
+        """Its sequences got tokens in a step that finished at ``now``: the seconds since its
+        tokens before (vLLM's inter-token latency), None for its first."""
+        gap = None if self.last_token_time is None else now - self.last_token_time
+        self.last_token_time = now
         if self.metrics.first_token_time is None:
-            self.metrics = RequestMetrics(self.metrics.arrival_time, now)
+            scheduled = self.group.first_scheduled_time
+            self.metrics = RequestMetrics(self.metrics.arrival_time, now, scheduled)
+        return gap
 
     def _row_fields(self, vocab_size: int) -> dict:
         """The sampling row fields that come from the request's parameters alone (built once:

@@ -95,6 +95,9 @@ class StepLoop:
         self.pending: Dispatched | None = None  # counted ahead, its tokens not yet fetched
         self.num_overlapped = 0  # steps dispatched while the step before was still in flight
         self._touched: set[str] = set()  # requests whose outputs the next step() returns
+        # Seconds since each request's tokens before, for those that got tokens in the last
+        # step() (vLLM's inter-token latencies; a server's metrics read them): one per request
+        self.token_gaps: list[float] = []
 
     def load(self, scheduler: Scheduler, history) -> None:
         """Take a loaded state's scheduler and history; the step in flight is dropped with the
@@ -106,6 +109,7 @@ class StepLoop:
     # ---- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self.token_gaps = []
         prev = self.pending
         if prev is not None and not self.scheduler.in_flight.can_schedule_ahead():
             self.drain()  # this step runs synchronously
@@ -222,8 +226,10 @@ class StepLoop:
             pairs = [(requests[g.request_id], s) for g, s in (update.new_tokens if update else ())]
             pairs = [(req, seq) for req, seq in pairs if req.error is None]
             now = time.monotonic()
-            for req, _ in pairs:
-                req.got_tokens(now)
+            for req in {id(req): req for req, _ in pairs}.values():  # each request once
+                gap = req.got_tokens(now)
+                if gap is not None:
+                    self.token_gaps.append(gap)
             for (req, seq), why in zip(pairs, self.check_stops(pairs), strict=True):
                 if isinstance(why, Exception):
                     requests.fail(req, why)

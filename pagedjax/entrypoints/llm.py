@@ -97,11 +97,13 @@ class LLM:
         sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | SequenceOf[LoRARequest | None] | None = None,
+        priority: SequenceOf[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts. A prompt
         is a string, a list of token ids, a TextPrompt or a TokensPrompt (pagedjax/inputs.py).
         ``lora_request``: one adapter for every prompt, or a list with one (or None) per
-        prompt."""
+        prompt. ``priority`` (vLLM's, with ``scheduling_policy="priority"``): one integer per
+        prompt, lower served first."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -112,7 +114,9 @@ class LLM:
                 f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts"
             )
         loras = _per_prompt_loras(lora_request, len(prompts))
-        return self._run(prompts, list(sampling_params), use_tqdm, loras)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        return self._run(prompts, list(sampling_params), use_tqdm, loras, priority)
 
     def beam_search(
         self,
@@ -188,6 +192,7 @@ class LLM:
         params: list[Params],
         use_tqdm: bool,
         loras: list[LoRARequest | None],
+        priority: SequenceOf[int] | None = None,
     ):
         if not self.engine.is_driver:
             return self._follow_run()
@@ -195,11 +200,12 @@ class LLM:
         added = []
         try:
             prepared = []  # every prompt checked before any is queued
-            for i, (request_id, prompt, p, lora) in enumerate(
-                zip(ids, prompts, params, loras, strict=True)
+            ranks = list(priority) if priority is not None else [0] * len(ids)
+            for i, (request_id, prompt, p, lora, rank) in enumerate(
+                zip(ids, prompts, params, loras, ranks, strict=True)
             ):
                 try:
-                    prepared.append(self.engine.prepare_request(request_id, prompt, p, lora))
+                    prepared.append(self.engine.prepare_request(request_id, prompt, p, lora, rank))
                 except ValueError as e:
                     raise ValueError(f"prompt {i}: {e}") from None
                 # Only the final outputs are read here (vLLM's LLM asks the same): the engine's
@@ -253,7 +259,8 @@ class LLM:
         Gauge, Histogram and Vector, labelled with the model's name."""
         name = self.engine_args.model or Path(self.config.model).stem
         labels = {"model_name": name, "engine": "0"}
-        return engine_metrics(self.get_stats(), labels) + self._request_counts.metrics(labels)
+        stats, block_size = self.get_stats(), self.config.cache.block_size
+        return engine_metrics(stats, labels, block_size) + self._request_counts.metrics(labels)
 
     def close(self) -> None:
         self.engine.close()

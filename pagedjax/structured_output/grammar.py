@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import dataclasses
 import json
 import threading
 from typing import Any
@@ -39,102 +38,17 @@ import numpy as np
 
 from pagedjax.structured_output import limits as structured_limits
 from pagedjax.structured_output import masks as step_masks
+from pagedjax.structured_output import structural_tag
 from pagedjax.structured_output import worker as structured_worker
+from pagedjax.structured_output.lark import grammar_lark
 from pagedjax.structured_output.masks import mask_width
+from pagedjax.structured_output.params import (  # noqa: F401 (grammar's names, re-exported)
+    JSON_STYLE,
+    KINDS,
+    StructuredOutputsParams,
+)
 
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _CACHE_SIZE = 128
-
-
-@dataclasses.dataclass
-class StructuredOutputsParams:
-    """vLLM's: exactly one of ``json`` (a JSON schema, as a dict or its text), ``regex``,
-    ``choice`` (the output is one of these strings), ``grammar`` (Lark, or GBNF / EBNF as
-    llama.cpp writes it) or ``json_object=True`` (any JSON object)."""
-
-    json: str | dict | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    # Set at admission: the compiled constraint, shared by every copy of these params.
-    compiled: CompiledGrammar | None = dataclasses.field(default=None, repr=False, compare=False)
-
-    def __post_init__(self):
-        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
-        if len(given) != 1:
-            raise ValueError(
-                f"structured_outputs: give exactly one of {', '.join(_KINDS)}, got "
-                f"{given or 'none'}"
-            )
-        if isinstance(self.json, str):
-            structured_limits.check_json_text(self.json)
-            text = self.json
-            try:
-                self.json = json.loads(text)
-            except (ValueError, RecursionError) as e:
-                raise ValueError(f"structured_outputs: json is not valid JSON: {e}") from None
-            if self.json is None or self.json is False:  # no schema, or one nothing matches
-                shown = text if len(text) <= 40 else text[:40] + "..."
-                raise ValueError(
-                    f"structured_outputs: json must be a JSON schema an output can match (an "
-                    f"object, or true), got {shown!r}"
-                )
-        if self.json is not None and not isinstance(self.json, dict | bool):
-            raise ValueError("structured_outputs: json must be a JSON schema (an object)")
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"structured_outputs: {name} must be a non-empty string")
-        if self.choice is not None:
-            ok = isinstance(self.choice, list | tuple) and self.choice
-            if not ok or not all(isinstance(c, str) and c for c in self.choice):
-                raise ValueError("structured_outputs: choice must be a list of non-empty strings")
-            self.choice = list(self.choice)
-        if self.json_object not in (None, True, False):
-            raise ValueError("structured_outputs: json_object must be a boolean")
-        self.check_limits()
-
-    def check_limits(self) -> None:
-        """Refuse (ValueError naming the limit and the value) a constraint llguidance could not
-        build safely (structured_limits.py)."""
-        kind = self.kind
-        value = getattr(self, kind)
-        if kind == "json":
-            structured_limits.check_schema(value)
-        elif kind == "regex":
-            structured_limits.check_regex(value)
-        elif kind == "grammar":
-            structured_limits.check_grammar(value)
-        elif kind == "choice":
-            structured_limits.check_choice(value)
-        text = self.key()[1]
-        if kind == "json" and len(text) > structured_limits.MAX_SCHEMA_CHARS:
-            raise ValueError(
-                f"structured_outputs.json: the schema's length in characters is {len(text)}, over "
-                f"the limit of {structured_limits.MAX_SCHEMA_CHARS}"
-            )
-
-    @property
-    def kind(self) -> str:
-        kind = next((k for k in _KINDS if getattr(self, k) not in (None, False)), None)
-        if kind is None:  # fields set to nothing after construction
-            raise ValueError(f"structured_outputs: give exactly one of {', '.join(_KINDS)}")
-        return kind
-
-    def key(self) -> tuple[str, str]:
-        """A hashable, canonical form of the constraint (the compile cache's key)."""
-        kind = self.kind
-        try:
-            return kind, json.dumps(getattr(self, kind), sort_keys=True, allow_nan=False)
-        except RecursionError:
-            raise ValueError(
-                f"structured_outputs.{kind}: nested more than the limit of "
-                f"{structured_limits.MAX_SCHEMA_DEPTH} levels"
-            ) from None
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"structured_outputs.{kind}: not JSON-serializable: {e}") from None
 
 
 class TokenizerSpec:
@@ -355,11 +269,15 @@ def _grammar_text(params: StructuredOutputsParams) -> str:
             if schema is True:  # any JSON value: the empty schema
                 schema = {}
             return llguidance.LLMatcher.grammar_from_json_schema(
-                json.dumps(schema), overrides=JSON_STYLE
+                json.dumps(schema), overrides=params.json_style()
             )
+        if kind == "structural_tag":
+            return structural_tag.grammar_text(params.structural_tag, JSON_STYLE)
         if kind == "choice":
             words = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
             return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {words}")
+        if kind == "grammar":
+            return grammar_lark(params.grammar)
         return llguidance.grammar_from(kind, getattr(params, kind))
     except ValueError as e:
         raise ValueError(f"structured_outputs.{kind}: invalid {what}: {e}") from None
@@ -389,6 +307,7 @@ _DESCRIPTIONS = {
     "regex": "regex",
     "choice": "choice",
     "grammar": "grammar",
+    "structural_tag": "structural tag",
 }
 
 

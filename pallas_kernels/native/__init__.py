@@ -1,7 +1,7 @@
 """Native CPU kernels: C++ sources beside this file, built on first use, called through XLA's FFI.
 
 On a CPU, XLA's own code for the paged attention and for the layer scan's matmuls reads far more
-memory than the work needs (docs/BENCHMARKS.md, "Where a decode step's time goes"). The kernels
+memory than the work needs (docs/benchmarks/history-2026-12.md, a decode step's time). The kernels
 here read each byte once. A kernel's source ``NAME.cc`` is compiled with the system's C++
 compiler into ``$PAGEDJAX_CACHE_DIR/native`` (default ``~/.cache/pagedjax/native``) the first time
 a process asks for it (or earlier: ``prebuild``, which ``LLM()`` calls before it loads the

@@ -134,8 +134,8 @@ class _InterfaceOnly(EngineClient):
     def compile_grammar(self, constraint):
         return self._host.compile_grammar(constraint)
 
-    def submit(self, requests, params, lora_request=None):
-        return self._host.submit(requests, params, lora_request)
+    def submit(self, requests, params, lora_request=None, priority=0):
+        return self._host.submit(requests, params, lora_request, priority)
 
     def abort(self, request_id):
         self._host.abort(request_id)

@@ -126,7 +126,7 @@ class EngineProcess(EngineClient):
         from pagedjax.engine.hosting.startup import freeze_startup_objects
 
         freeze_startup_objects()  # this process's start-up objects, as the engine's are there
-        self._send(("start",))
+        self._send(("start", self.metrics.model_name))
         self._started = True
 
     @property
@@ -149,7 +149,7 @@ class EngineProcess(EngineClient):
         if self.process.is_alive():
             self.stop()
 
-    def submit(self, requests: list[tuple], params, lora_request=None) -> list:
+    def submit(self, requests: list[tuple], params, lora_request=None, priority: int = 0) -> list:
         """As EngineLoop.submit, in one message: the futures fail with ValueError, QueueFull or
         RuntimeError."""
         futs = []
@@ -159,7 +159,7 @@ class EngineProcess(EngineClient):
             self._adds[request_id] = fut
             futs.append(fut)
         adds = [(request_id, prompt_ids) for request_id, prompt_ids, _ in requests]
-        msg = ("add", adds, _without_compiled(params), lora_request)
+        msg = ("add", adds, _without_compiled(params), lora_request, priority)
         self._send_unless_gone(msg)  # gone: the handler sees is_running false, as in-thread
         return futs
 
@@ -255,6 +255,7 @@ class RemoteMetrics:
         self._process = process
         self._timeout_s = timeout_s
         self._last = b""
+        self.model_name = "pagedjax"  # the vllm: series' label, sent to the engine at start
 
     def render(self) -> bytes:
         """The engine process's exposition now; the last one read if it has stopped."""

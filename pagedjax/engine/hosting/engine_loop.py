@@ -53,12 +53,15 @@ def run_command(engine, name: str, args: tuple):
 class _Tracked:
     """What the engine thread remembers about one engine request."""
 
-    def __init__(self, sink, arrival: float, lora_name: str | None = None):
+    def __init__(self, sink, arrival: float, lora_name: str | None = None, params=None):
         self.sink = sink  # callable(item) that passes item to the event loop thread
         self.arrival = arrival
         self.lora_name = lora_name  # the LoRA adapter it runs under, if any
         self.first_token: float | None = None
         self.num_tokens = 0
+        # its n (beam width) and max_tokens, for vLLM's request_params_* histograms
+        self.n = getattr(params, "n", None) or getattr(params, "beam_width", 1)
+        self.max_tokens = getattr(params, "max_tokens", 0)
 
 
 class EngineLoop(EngineClient):
@@ -71,11 +74,13 @@ class EngineLoop(EngineClient):
         self.engine = engine
         self.max_queue = max_queue
         self._after_pass = after_pass
-        self.metrics = ServerMetrics()
+        config = engine.config
+        cache = config.cache
+        self.metrics = ServerMetrics(config.scheduler.max_model_len, cache.block_size, cache)
         runner = engine.runner  # its counts also grow on a background compile's thread
         self.metrics.compile_counts = lambda: (runner.num_compilations, runner.compile_seconds)
         if engine.lora.enabled:
-            self.metrics.max_loras = engine.config.lora.max_loras
+            self.metrics.max_loras = config.lora.max_loras
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._thread: threading.Thread | None = None
@@ -150,14 +155,15 @@ class EngineLoop(EngineClient):
 
     # ---- requests -----------------------------------------------------------------------------
 
-    def submit(self, requests: list[tuple], params, lora_request=None) -> list:
+    def submit(self, requests: list[tuple], params, lora_request=None, priority: int = 0) -> list:
         """Queue the adds of ``requests`` ((request id, prompt ids, sink) each, all with
-        ``params``, under the LoRA adapter ``lora_request`` if given) as one command: the engine
+        ``params`` and ``priority``, under the LoRA adapter ``lora_request`` if given) as one
+        command: the engine
         takes them between the same two steps, so that the prompts of one HTTP request are
         prefilled together, as ``LLM.generate``'s are. One future per request; each fails with
         ValueError (bad request), QueueFull, or whatever else add_request raised."""
         futs = [concurrent.futures.Future() for _ in requests]
-        cmd = ("add", requests, params, futs, lora_request, None)
+        cmd = ("add", requests, params, futs, lora_request, None, priority)
         if not self.engine.lora.needs_read(lora_request):
             self._commands.put(cmd)
         else:  # read the adapter first, off the engine thread; install it with the adds
@@ -172,7 +178,7 @@ class EngineLoop(EngineClient):
                 if fut.set_running_or_notify_cancel():
                     fut.set_exception(e)
             return
-        self._commands.put((*cmd[:5], adapter))
+        self._commands.put((*cmd[:5], adapter, cmd[6]))
 
     def call(self, fn):
         """Run ``fn(engine)`` on the engine thread, between steps (e.g. loading a LoRA adapter);
@@ -235,6 +241,7 @@ class EngineLoop(EngineClient):
                 if self.engine.has_unfinished_requests():
                     last_step = time.monotonic()
                     self._deliver(self.engine.step())
+                    self._observe_step()
                 self._publish()
             except Exception as e:  # keep serving: fail the requests in flight
                 logger.exception("engine step failed")
@@ -260,12 +267,13 @@ class EngineLoop(EngineClient):
             if self._tracked.pop(cmd[1], None) is not None:
                 self.engine.abort_request(cmd[1])
                 self.metrics.finished("abort")
+                self.metrics.vllm.finished_reason("abort")
             return
         if cmd[0] == "call":
             _, fn, fut = cmd
             _settle_call(fut, fn, self.engine)
             return
-        _, requests, params, futs, lora, adapter = cmd
+        _, requests, params, futs, lora, adapter, priority = cmd
         if adapter is not None:  # read on the reader thread for these requests
             try:
                 self.engine.lora.install(lora, adapter)
@@ -275,9 +283,9 @@ class EngineLoop(EngineClient):
                         fut.set_exception(e)
                 return
         for (request_id, prompt_ids, sink), fut in zip(requests, futs, strict=True):
-            self._add(request_id, prompt_ids, params, sink, fut, lora)
+            self._add(request_id, prompt_ids, params, sink, fut, lora, priority)
 
-    def _add(self, request_id: str, prompt_ids: list[int], params, sink, fut, lora) -> None:
+    def _add(self, request_id, prompt_ids: list[int], params, sink, fut, lora, priority) -> None:
         if not fut.set_running_or_notify_cancel():
             return
         if self.engine.get_stats().num_requests_waiting >= self.max_queue:
@@ -285,13 +293,15 @@ class EngineLoop(EngineClient):
             return
         try:
             extra = {} if lora is None else {"lora_request": lora}
+            if priority:
+                extra["priority"] = priority
             self.engine.add_request(request_id, prompt_ids, params, **extra)
         except Exception as e:  # add_request leaves the engine untouched when it raises
             fut.set_exception(e)
             return
         name = None if lora is None else lora.lora_name
-        self._tracked[request_id] = _Tracked(sink, time.monotonic(), name)
-        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        self._tracked[request_id] = _Tracked(sink, time.monotonic(), name, params)
+        self.metrics.admitted(len(prompt_ids))
         self.metrics.lora_request(name)
         fut.set_result(None)
 
@@ -307,20 +317,27 @@ class EngineLoop(EngineClient):
             m.lora_generation_tokens(t.lora_name, num - t.num_tokens)
             if t.first_token is None and num:
                 # the engine's time: a request that asked for its final output alone has none before
-                first = out.metrics.first_token_time if out.metrics is not None else None
-                t.first_token = now if first is None else first
+                m.vllm.first_token(t, out, now)
                 m.ttft.observe(t.first_token - t.arrival)
             if out.finished:
                 if longest > 1:
                     m.tpot.observe((now - t.first_token) / (longest - 1))
                 for c in out.outputs:
                     m.finished(c.finish_reason or "abort")
+                m.vllm.finished(t, out, now)
                 if out.error is not None:
                     m.request_errors.inc()
             t.num_tokens = num
             if out.finished:
                 del self._tracked[out.request_id]
             self._send(out.request_id, t, out)
+
+    def _observe_step(self) -> None:
+        """The step's gaps between each request's tokens (vLLM's inter-token latencies)."""
+        steps = getattr(self.engine, "steps", None)
+        gaps = getattr(steps, "token_gaps", None)
+        if gaps:
+            self.metrics.vllm.token_gaps(gaps)
 
     @staticmethod
     def _send(request_id: str, t: _Tracked, item) -> None:

@@ -9,14 +9,15 @@ the same loop an in-thread server runs); the engine thread steps; the sender thr
 sends what each pass of the loop produced (its outputs, add and command results) as one message,
 so that a step's outputs cross once, not once per token. The API side is engine_client.py.
 
-Messages, API -> engine: ("add", [(rid, ids), ...], params, lora) (one HTTP request's prompts,
-taken by the engine between the same two steps), ("abort", rid), ("command", cid, name,
-args), ("metrics", cid), ("start",), ("stop",). Engine -> API: ("ready", ServingInfo) or
-("follower", None) or ("failed", message) once; then ("pass", [(kind, key, payload)]),
-("metrics", cid, text) and ("stopped",) last. A pass's entries: ("output", rid, RequestOutput |
-OutputDelta | Exception) (a request's first output whole, then what changed: output_delta.py),
-("added", rid, error | None), ("result", cid, (error | None, value)). A command that arrives
-before ("start",) (--lora-modules, while the app is built) runs at once: nothing steps yet.
+Messages, API -> engine: ("add", [(rid, ids), ...], params, lora, priority) (one HTTP
+request's prompts, taken by the engine between the same two steps), ("abort", rid), ("command",
+cid, name, args), ("metrics", cid), ("start", model_name), ("stop",). Engine -> API: ("ready",
+ServingInfo) or ("follower", None) or ("failed", message) once; then ("pass", [(kind, key,
+payload)]), ("metrics", cid, text) and ("stopped",) last. A pass's entries: ("output", rid,
+RequestOutput | OutputDelta | Exception) (a request's first output whole, then what changed:
+output_delta.py), ("added", rid, error | None), ("result", cid, (error | None, value)). A command
+that arrives before ("start", ...) (--lora-modules, while the app is built) runs at once: nothing
+steps yet.
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ class EngineCore:
         elif kind == "metrics":
             self._outbox.put(("metrics", msg[1], self.loop.metrics.render()))
         elif kind == "start":
+            if len(msg) > 1:  # the served model's name, the vllm: series' label
+                self.loop.metrics.model_name = msg[1]
             self.loop.start()
         else:
             logger.error("unknown message from the API server process: %r", kind)
@@ -142,14 +145,14 @@ class EngineCore:
             fut = self.loop.command(name, *args)
             self._when_done(fut, lambda f: ("result", cid, _outcome(f)))
 
-    def _add(self, adds: list[tuple[str, list[int]]], params, lora) -> None:
+    def _add(self, adds: list[tuple[str, list[int]]], params, lora, priority: int = 0) -> None:
         try:
             self._compile_grammar(params)
         except ValueError as e:
             self._outbox.put(("pass", [("added", rid, RemoteError.of(e)) for rid, _ in adds]))
             return
         requests = [(rid, ids, self._sink(rid)) for rid, ids in adds]
-        futs = self.loop.submit(requests, params, lora)
+        futs = self.loop.submit(requests, params, lora, priority)
         for (rid, _), fut in zip(adds, futs, strict=True):
             self._when_done(fut, lambda f, rid=rid: ("added", rid, _outcome(f)[0]))
 

@@ -12,6 +12,7 @@ import time
 from fastapi import FastAPI, Request
 
 from pagedjax.engine.client import EngineClient
+from pagedjax.entrypoints.openai import guided
 from pagedjax.entrypoints.openai.app_options import AppOptions
 from pagedjax.entrypoints.openai.offload import INLINE_BODY_BYTES, Offload
 from pagedjax.entrypoints.openai.protocol import APIError, parse_json, parse_request
@@ -92,7 +93,8 @@ async def read_constrained(request: Request, model_cls):
     data = await state.offload.run(parse_json, body)
     req = await state.offload.run(parse_for_model, state.models, model_cls, data)
     rf = req.response_format
-    if req.structured_outputs is not None or (rf is not None and rf.get("type") != "text"):
+    constrained = rf is not None and rf.get("type") != "text" or guided.given(req)
+    if req.structured_outputs is not None or constrained:
         return req, *await state.offload.run_grammar(structured_outputs, req)
     return req, *structured_outputs(req)
 

@@ -7,6 +7,9 @@ snapshot of ``engine.get_stats()`` that the engine thread refreshes every loop, 
 collector at scrape time. Handlers never read the scheduler's queues. The programs compiled and
 the seconds it took are read at scrape time instead (``compile_counts``): a server's background
 compile adds to them on a thread of its own, between the engine's passes.
+
+The same figures are also exported under vLLM's names (``vllm:...``, labelled ``model_name``),
+with vLLM's request histograms: vllm_metrics.py.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pagedjax.entrypoints.openai import vllm_metrics
 from pagedjax.outputs import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -76,6 +80,7 @@ class _EngineCollector:
             yield GaugeMetricFamily(f"pagedjax_{name}", help_, value=read(stats))
         for name, help_, read in _COUNTERS:
             yield CounterMetricFamily(f"pagedjax_{name}", help_, value=read(stats))
+        yield from self._vllm_families(stats)
         if stats.kv_cache_dtype:  # vLLM's cache_config_info: the settings as labels, value 1
             info = GaugeMetricFamily(
                 "pagedjax_cache_config_info", "The KV cache's settings.", labels=["kv_cache_dtype"]
@@ -105,6 +110,21 @@ class _EngineCollector:
             for i, n in enumerate(spec.num_accepted_tokens_per_pos):
                 per_pos.add_metric([str(i)], n)
             yield per_pos
+
+    def _vllm_families(self, stats: EngineStats):
+        m = self._metrics
+        yield from vllm_metrics.engine_families(stats, m.model_name, m.block_size)
+        if m.cache_config is not None:
+            yield vllm_metrics.cache_config_info(m.cache_config, stats)
+        if m.lora_info is not None:
+            running, waiting = m.lora_info
+            info = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            )
+            info.add_metric([str(m.max_loras), ",".join(running), ",".join(waiting)], 1)
+            yield info
 
 
 # The step profile's figures per step kind, while its timing is on: field, metric, help
@@ -153,9 +173,12 @@ def _spec_decode_metrics(s):
 class ServerMetrics:
     """The metrics of one app: updated by the engine thread, rendered by /metrics."""
 
-    def __init__(self):
+    def __init__(self, max_model_len: int = 2048, block_size: int = 16, cache_config=None):
         self.registry = CollectorRegistry(auto_describe=False)
         reg = self.registry
+        self.block_size = block_size  # the engine counts prefix-cache blocks, vLLM tokens
+        self.cache_config = cache_config  # vllm:cache_config_info's labels (None: not shown)
+        self.vllm = vllm_metrics.VllmRequestMetrics(reg, max_model_len)
         self.prompt_tokens = Counter(
             "pagedjax_prompt_tokens", "Prompt tokens admitted.", registry=reg
         )
@@ -221,6 +244,7 @@ class ServerMetrics:
         count, base = stats.num_generation_tokens, self._generation_base
         if base is not None and count > base:
             self.generation_tokens.inc(count - base)
+            self.vllm.inc("generation_tokens", count - base)
         self._generation_base = count  # lower after a loaded engine state: counted from there
         with self._lock:
             self._engine_stats = stats
@@ -242,6 +266,19 @@ class ServerMetrics:
     def lora_generation_tokens(self, lora_name: str | None, count: int) -> None:
         if lora_name is not None and count:
             self.lora_tokens.labels(lora_name=lora_name).inc(count)
+
+    @property
+    def model_name(self) -> str:
+        """The ``model_name`` label of the vllm: series (the first served name)."""
+        return self.vllm.model_name
+
+    @model_name.setter
+    def model_name(self, name: str) -> None:
+        self.vllm.set_model_name(name)
+
+    def admitted(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.vllm.inc("prompt_tokens", num_prompt_tokens)
 
     def finished(self, reason: str, count: int = 1) -> None:
         self.requests_finished.labels(finished_reason=reason).inc(count)

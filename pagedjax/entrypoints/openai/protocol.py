@@ -176,6 +176,16 @@ class GenerationRequest(_Strict):
     response_format: dict[str, Any] | None = None
     # vLLM's: exactly one of json (a schema), regex, choice, grammar, json_object
     structured_outputs: dict[str, Any] | None = None
+    priority: Int = 0  # vLLM's, with --scheduling-policy priority: lower values served first
+    # vLLM's older spellings of structured_outputs (guided.py): one of these, ...
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    # ... and the JSON's whitespace and the backend (llguidance's, or "auto")
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
 
 
 class CompletionRequest(GenerationRequest):

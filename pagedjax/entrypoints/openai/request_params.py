@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from pagedjax.entrypoints.openai import guided
 from pagedjax.entrypoints.openai.protocol import (
     ChatRequest,
     GenerationRequest,
@@ -18,8 +19,19 @@ from pagedjax.sampling_params import BeamSearchParams, SamplingParams, Structure
 
 
 def structured_outputs(req: GenerationRequest) -> tuple[StructuredOutputsParams | None, str]:
-    """The request's output constraint (from response_format or structured_outputs) and the
-    field it came from; 400s name what is wrong with it."""
+    """The request's output constraint (from response_format, structured_outputs or one of
+    vLLM's older guided_* fields: guided.py) and the field it came from; 400s name what is wrong
+    with it."""
+    constraint, field = _format_constraint(req)
+    old, old_field = guided.guided_constraint(req)
+    if old is not None:
+        if constraint is not None:
+            raise bad_request(f"give {field} or {old_field}, not both", old_field)
+        constraint, field = old, old_field
+    return guided.with_whitespace(constraint, field, req), field
+
+
+def _format_constraint(req: GenerationRequest) -> tuple[StructuredOutputsParams | None, str]:
     rf, so = req.response_format, req.structured_outputs
     if rf is not None and rf.get("type") != "text" and so is not None:
         raise bad_request("give response_format or structured_outputs, not both", "response_format")
@@ -42,8 +54,12 @@ def structured_outputs(req: GenerationRequest) -> tuple[StructuredOutputsParams 
                     "response_format: json_schema must be an object with a 'schema' object"
                 )
             return StructuredOutputsParams(json=spec["schema"]), "response_format"
+        if kind == "structural_tag":  # vLLM's, both of its forms (structural_tag.py)
+            tag = StructuredOutputsParams(structural_tag=rf)
+            return tag, "response_format"
         raise ValueError(
-            f"response_format: type must be text, json_object or json_schema, got {kind!r}"
+            "response_format: type must be text, json_object, json_schema or structural_tag, "
+            f"got {kind!r}"
         )
     except ValueError as e:
         param = "structured_outputs" if so is not None else "response_format"

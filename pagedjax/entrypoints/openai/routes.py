@@ -4,7 +4,8 @@
 - ``health_router``: /health and /ping (open to all), /metrics, /openapi.json, /docs, /redoc
 - ``models_router``: /v1/models, /v1/models/{id}, /version
 - ``tokenize_router``: /tokenize, /detokenize (vLLM's)
-- ``generate_router``: /v1/completions, /v1/chat/completions
+- ``generate_router``: /v1/completions, /v1/chat/completions (and /v1/responses, which runs as
+  a chat completion: routes_responses.py)
 - ``lora_router`` (with --enable-lora and run-time updates only: pagedjax/lora/updates.py):
   /v1/load_lora_adapter, /v1/unload_lora_adapter
 """
@@ -18,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from pagedjax.core.request_queue import check_priority
 from pagedjax.entrypoints.openai.app_state import check_key, read_constrained, read_json
 from pagedjax.entrypoints.openai.metrics import CONTENT_TYPE
 from pagedjax.entrypoints.openai.protocol import (
@@ -280,6 +282,7 @@ async def completions(request: Request):
         limits, prompts, k=req.logprobs, n=req.n, max_tokens=shown, echo=req.echo, field="logprobs"
     )
     _check_prompt_logprobs(limits, prompts * req.n, req.prompt_logprobs)  # on every choice
+    _check_priority(serving, req.priority)
     await serving.admit(prompts, params, "prompt")
     echo = None
     if req.echo:
@@ -289,6 +292,14 @@ async def completions(request: Request):
     return await serving.run(
         request, req, prompts, params, chat=False, k_logprobs=req.logprobs, echo=echo, lora=lora
     )
+
+
+def _check_priority(serving, priority: int) -> None:
+    """vLLM's ``priority``: any integer under --scheduling-policy priority, else only 0."""
+    try:
+        check_priority(priority, serving.client.config.scheduler.policy)
+    except ValueError as e:
+        raise bad_request(str(e), "priority") from None
 
 
 def _check_prompt_logprobs(limits, prompts, k: int | None) -> None:
@@ -311,9 +322,16 @@ def _chat_tools(req, tool_config, constraint, field):
 @generate_router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     check_key(request)
+    req, constraint, constraint_field = await read_constrained(request, ChatRequest)
+    return await run_chat(request, req, constraint, constraint_field)
+
+
+async def run_chat(request: Request, req: ChatRequest, constraint, constraint_field: str):
+    """Answer a parsed chat request whose own constraint (response_format, structured_outputs
+    or a guided field) is ``constraint``, from ``constraint_field``: /v1/chat/completions, and
+    /v1/responses, which runs as one (routes_responses.py)."""
     state = request.app.state
     serving, limits, tokenizer = state.serving, state.limits, state.tokenizer
-    req, constraint, constraint_field = await read_constrained(request, ChatRequest)
     lora = state.models.resolve(req.model)  # a LoRA adapter's name runs under it
     if tokenizer is None or tokenizer.chat_template is None:
         raise bad_request("this model's tokenizer has no chat template")
@@ -354,6 +372,7 @@ async def chat_completions(request: Request):
         limits, [ids], k=k, n=req.n, max_tokens=max_tokens, echo=False, field=lp_field
     )
     _check_prompt_logprobs(limits, [ids], req.prompt_logprobs)
+    _check_priority(serving, req.priority)
     await serving.admit([ids], params, "messages")
     return await serving.run(
         request, req, [ids], params, chat=True, k_logprobs=k, tools=tools, lora=lora

@@ -32,6 +32,7 @@ from pagedjax.entrypoints.openai.app_options import (
 from pagedjax.entrypoints.openai.offload import Offload
 from pagedjax.entrypoints.openai.protocol import APIError, error_response
 from pagedjax.entrypoints.openai.routes import ROUTERS, lora_router
+from pagedjax.entrypoints.openai.routes_responses import responses_router
 from pagedjax.entrypoints.openai.serving_engine import OpenAIServing
 from pagedjax.entrypoints.openai.serving_models import ServedModels
 from pagedjax.lora.updates import LoRAUpdates
@@ -59,6 +60,7 @@ def build_app(
         raise ValueError(f"served model names must be non-empty strings, got {model_names!r}")
     updates = o.lora_updates or LoRAUpdates.from_options()  # default: vLLM's environment variable
     models = ServedModels.for_engine(client, model_names, o.lora_modules, updates)
+    client.metrics.model_name = model_names[0]  # the vllm: series' model_name label
     # the handlers' own tokenizer: tokenizers aren't shareable across threads
     tokenizer = copy.deepcopy(client.tokenizer)
     if o.chat_template is not None:
@@ -87,6 +89,7 @@ def build_app(
     app.add_exception_handler(Exception, _internal_error)
     for router in ROUTERS:
         app.include_router(router)
+    app.include_router(responses_router)
     _include_lora_updates(app, models)
     return app
 

@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import threading
 import time
 import uuid
 
@@ -23,6 +22,8 @@ from pagedjax.engine.client import EngineClient, QueueFull
 from pagedjax.engine.input_processor import truncated
 from pagedjax.entrypoints.chat_template import ChatOptions
 from pagedjax.entrypoints.openai.offload import Offload
+from pagedjax.entrypoints.openai.output_collector import Job as _Job
+from pagedjax.entrypoints.openai.output_collector import Wakeups as _Wakeups
 from pagedjax.entrypoints.openai.protocol import (
     APIError,
     DetokenizeRequest,
@@ -49,110 +50,6 @@ __all__ = ["Echo", "OpenAIServing"]
 logger = logging.getLogger("pagedjax.api_server")
 
 _POLL_S = 0.25  # how often a waiting handler checks that its client is still there
-
-
-class _Wakeups:
-    """Wakes, from the engine thread, the handlers whose requests got outputs: one call into the
-    event loop for all the handlers woken while it was on its way (each ``call_soon_threadsafe``
-    writes to the loop's self-pipe and runs a callback of its own)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self._lock = threading.Lock()
-        self._jobs: list[_Job] = []
-        self._scheduled = False
-
-    def add(self, job: _Job) -> None:  # on the engine thread
-        with self._lock:
-            self._jobs.append(job)
-            if self._scheduled:
-                return
-            self._scheduled = True
-        self.loop.call_soon_threadsafe(self._run)
-
-    def _run(self) -> None:  # on the event loop
-        with self._lock:
-            jobs, self._jobs, self._scheduled = self._jobs, [], False
-        for job in jobs:
-            job.wake()
-
-
-class _Job:
-    """One HTTP request's engine requests (one per prompt) and what their outputs left for its
-    handler. Outputs are cumulative, so a handler that falls behind its engine reads each
-    request's latest output alone (vLLM's RequestOutputCollector): one event for the tokens of
-    several steps, one wake-up of the event loop for all that arrived while it was busy."""
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        coalesce: bool = True,
-        wakeups: _Wakeups | None = None,
-    ):
-        self.loop = loop
-        self.coalesce = coalesce  # False: every output is kept (outputs that are not cumulative)
-        self.wakeups = wakeups if wakeups is not None else _Wakeups(loop)
-        self.request_ids: list[str] = []
-        self.finished: set[str] = set()
-        self._lock = threading.Lock()
-        self._items: list = []  # outputs and exceptions, in arrival order
-        self._slot: dict[str, int] = {}  # a request's output still unread: its place in _items
-        self._waiter: asyncio.Future | None = None  # the handler waiting, if it is
-        self._woken = False  # a wake-up is on its way to the event loop
-        self._held: list = []  # taken by the handler, handed out at its next call
-
-    def sink(self, item) -> None:  # called on the engine thread
-        with self._lock:
-            slot = self._slot.get(item.request_id) if isinstance(item, RequestOutput) else None
-            if slot is not None:
-                self._items[slot] = item  # it supersedes the unread one
-            else:
-                if isinstance(item, RequestOutput) and self.coalesce:
-                    self._slot[item.request_id] = len(self._items)
-                self._items.append(item)
-            if self._woken:
-                return
-            self._woken = True
-        self.wakeups.add(self)
-
-    def wake(self) -> None:  # on the event loop
-        if self._waiter is not None:
-            _release(self._waiter)
-
-    async def wait(self, timeout: float) -> list:
-        """What arrived since the last call (waiting up to ``timeout`` seconds for something);
-        [] if nothing did."""
-        if self._held:
-            items, self._held = self._held, []
-            return items
-        with self._lock:
-            pending = bool(self._items)
-        if not pending:
-            self._waiter = self.loop.create_future()
-            timer = self.loop.call_later(timeout, _release, self._waiter)
-            try:
-                await self._waiter
-            finally:
-                timer.cancel()
-                self._waiter = None
-        with self._lock:
-            items, self._items, self._slot = self._items, [], {}
-            self._woken = False
-        return items
-
-    def hold(self, items: list) -> None:
-        """Give back ``items`` (taken by ``wait``) for its next call."""
-        self._held = items + self._held
-
-    @property
-    def done(self) -> bool:
-        return len(self.finished) == len(self.request_ids)
-
-
-def _release(waiter: asyncio.Future) -> None:
-    """End a handler's wait (its outputs arrived, or its timer ran out), once."""
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 class OpenAIServing:
@@ -325,9 +222,11 @@ class OpenAIServing:
         if not self.client.is_running:
             raise APIError(500, "the engine thread has stopped", "server_error", "engine_error")
 
-    async def start(self, prompts: list[list[int]], params: SamplingParams, lora=None) -> _Job:
-        """Submit one engine request per prompt (under the LoRA adapter ``lora``, if given), all
-        in one command: the engine takes them between the same two steps."""
+    async def start(
+        self, prompts: list[list[int]], params: SamplingParams, lora=None, priority: int = 0
+    ) -> _Job:
+        """Submit one engine request per prompt (under the LoRA adapter ``lora``, if given, with
+        ``priority``), all in one command: the engine takes them between the same two steps."""
         lp = getattr(params, "logprobs", None), getattr(params, "prompt_logprobs", None)
         if lp != (None, None):  # beam search asks for neither
             self.offload.mark_heavy()  # its outputs are turned into events in the heavy lane
@@ -340,7 +239,7 @@ class OpenAIServing:
         job.request_ids = [f"{base}-{i}" for i in range(len(prompts))]
         requests = [(rid, ids, job.sink) for rid, ids in zip(job.request_ids, prompts, strict=True)]
         try:
-            for fut in self.client.submit(requests, params, lora):
+            for fut in self.client.submit(requests, params, lora, priority):
                 fut = asyncio.wrap_future(fut)
                 while not (await asyncio.wait({fut}, timeout=_POLL_S))[0]:
                     self.check_engine_thread()
@@ -409,7 +308,7 @@ class OpenAIServing:
         FINAL_ONLY): no output is built, sent or awaited at the steps in between."""
         if not req.stream:
             params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-        job = await self.start(prompts, params, lora)
+        job = await self.start(prompts, params, lora, getattr(req, "priority", 0))
         responses = self.responses
         if req.return_tokens_as_token_ids:
             responses = responses.with_token_ids()

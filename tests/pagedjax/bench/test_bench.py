@@ -160,6 +160,22 @@ def test_throughput_reads_a_dataset_and_prints_a_table(tiny, tmp_path, capsys):
     assert "workload: 2 requests" in out and "pagedjax" in out and "roofline" in out
 
 
+def test_throughput_takes_vllms_flags_and_writes_its_result_file(tiny, tmp_path, capsys):
+    out = tmp_path / "throughput.json"
+    argv = ["bench", "throughput", "--model", tiny, "--backend", "vllm", "--num-prompts", "3"]
+    argv += ["--input-len", "8", "--output-len", "4", "--output-json", str(out)]
+    argv += ["--repeats", "1", "--roofline-seconds", "0.1", "--keep-compile-cache", "--json"]
+    res = _run_json(capsys, argv)
+    assert res["transformers"] is None  # --backend vllm: this engine alone
+    # read as vLLM's benchmark scripts read a throughput result
+    raw_result = json.loads(out.read_text())
+    columns = ("num_requests", "total_num_tokens", "elapsed_time")
+    row = {k: raw_result[k] for k in (*columns, "requests_per_second", "tokens_per_second")}
+    assert (row["num_requests"], row["total_num_tokens"]) == (3, 3 * 8 + 3 * 4)
+    assert row["tokens_per_second"] == pytest.approx(row["total_num_tokens"] / row["elapsed_time"])
+    assert row["requests_per_second"] == pytest.approx(3 / row["elapsed_time"])
+
+
 def test_latency_reports_percentiles(tiny, capsys):
     res = _run_json(
         capsys,
@@ -182,6 +198,25 @@ def test_latency_reports_percentiles(tiny, capsys):
     assert res["num_requests"] == 5 and res["compilations_while_timed"] >= 0
     for key in ("ttft", "tpot", "itl"):
         assert res[key]["p50_ms"] > 0 and res[key]["p99_ms"] >= res[key]["p50_ms"]
+
+
+def test_latency_measures_vllms_fixed_batch_and_writes_its_result_file(tiny, tmp_path, capsys):
+    out = tmp_path / "latency.json"
+    argv = ["bench", "latency", "--model", tiny, "--input-len", "8", "--output-len", "4"]
+    argv += ["--batch-size", "3", "--num-iters-warmup", "1", "--num-iters", "3"]
+    argv += ["--output-json", str(out), "--max-num-seqs", "8", "--block-size", "8"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "Avg latency:" in printed and "99% percentile latency:" in printed
+    # read as vLLM's benchmark scripts read a latency result
+    raw_result = json.loads(out.read_text())
+    row = {
+        f"P{perc}": 1000 * raw_result["percentiles"][str(perc)] for perc in (10, 25, 50, 75, 90, 99)
+    }
+    row["avg_latency"] = raw_result["avg_latency"] * 1000
+    assert len(raw_result["latencies"]) == 3 and raw_result["std_latency"] >= 0
+    assert 0 < row["P10"] <= row["P50"] <= row["P99"] and row["avg_latency"] > 0
+    assert raw_result["batch_size"] == 3 and raw_result["compilations_while_timed"] >= 0
 
 
 # The sharing part decodes about a dozen runs; notebook 02 runs it too, and the engine tests check

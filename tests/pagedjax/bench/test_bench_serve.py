@@ -5,6 +5,7 @@ stub peer processes. Timings here are meaningless; the assertions are on counts 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -236,9 +237,10 @@ def test_json_dataset_and_the_printed_report(server, tiny_dir, tmp_path, capsys)
     data.write_text(json.dumps(items))
     argv = ["bench", "serve", "--base-url", server, "--model", MODEL, "--tokenizer", tiny_dir]
     argv += ["--dataset-name", "json", "--dataset-path", str(data), "--disable-tqdm"]
-    assert main([*argv, "--save-result", str(tmp_path / "result.json")]) == 0
+    argv += ["--save-result", "--result-dir", str(tmp_path), "--result-filename", "result.json"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
-    assert json.loads((tmp_path / "result.json").read_text())["rows"][0]["completed"] == 3
+    assert json.loads((tmp_path / "result.json").read_text())["completed"] == 3
     assert "Serving benchmark" in out and "warm-up (excluded): 2 requests" in out
     lines = dict(line.rsplit(None, 1) for line in out.splitlines() if line.count(" ") > 3)
     assert lines["successful requests"] == "3" and lines["exact output lengths"] == "3/3"
@@ -524,3 +526,78 @@ def test_each_sweep_value_warms_up_at_its_own_concurrency(stub_script, tiny_dir,
         flags = ["--sweep-concurrency", "1,3", "--sweep-num-warmups", bad]
         assert main(["bench", "serve", "--base-url", stub.base, *flags]) == 2
         assert "--sweep-num-warmups" in capsys.readouterr().err
+
+
+# ---- vLLM's flags and result file -----------------------------------------------------------
+
+# The keys vLLM's own benchmark scripts read from a `vllm bench serve` result
+# (.buildkite/nightly-benchmarks/scripts/convert-results-json-to-markdown.py's serving table)
+VLLM_SERVING_KEYS = (
+    "completed",
+    "request_throughput",
+    "total_token_throughput",
+    "output_throughput",
+    "total_input_tokens",
+    "total_output_tokens",
+    *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl") for s in ("mean", "median", "p99")),
+)
+
+
+def read_serving_results(folder: Path) -> list[dict]:
+    """As vLLM's script: every *.json of the folder, the serving table's columns (a missing key
+    is a KeyError, as pandas' column selection is)."""
+    rows = []
+    for test_file in sorted(folder.glob("*.json")):
+        raw_result = json.loads(test_file.read_text())
+        raw_result.update({"test_name": test_file.stem})
+        rows.append({k: raw_result[k] for k in ("test_name", *VLLM_SERVING_KEYS)})
+    return rows
+
+
+def test_vllms_flags_write_the_result_file_vllms_scripts_read(server, tiny_dir, tmp_path):
+    host, port = server.rsplit("/", 1)[1].split(":")
+    argv = ["bench", "serve", "--backend", "openai", "--host", host, "--port", port]
+    argv += ["--model", MODEL, "--tokenizer", tiny_dir, "--dataset-name", "random"]
+    argv += ["--input-len", "10", "--output-len", "4", "--num-prompts", "5"]
+    argv += ["--max-concurrency", "2", "--save-result", "--result-dir", str(tmp_path)]
+    argv += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99"]
+    argv += ["--goodput", "ttft:600000", "e2el:600000", "--label", "pj", "--metadata", "tp=1"]
+    assert main([*argv, "--disable-tqdm", "--num-warmups", "0"]) == 0
+    (path,) = tmp_path.glob("*.json")
+    assert re.fullmatch(rf"pj-infqps-concurrency2-{MODEL}-\d{{8}}-\d{{6}}\.json", path.name)
+    (row,) = read_serving_results(tmp_path)
+    assert row["completed"] == 5 and row["total_output_tokens"] == 5 * 4
+    assert all(isinstance(row[k], int | float) for k in VLLM_SERVING_KEYS)
+    data = json.loads(path.read_text())
+    assert (data["backend"], data["label"], data["tp"], data["model_id"]) == (
+        "openai",
+        "pj",
+        "1",
+        MODEL,
+    )
+    assert (data["num_prompts"], data["max_concurrency"], data["request_rate"]) == (5, 2, "inf")
+    assert data["input_lens"] == [10] * 5 and data["output_lens"] == [4] * 5
+    assert len(data["ttfts"]) == 5 and all(len(itl) <= 3 for itl in data["itls"])  # events
+    assert all(isinstance(t, str) for t in data["generated_texts"]) and data["errors"] == [""] * 5
+    assert data["request_goodput"] == pytest.approx(data["request_throughput"])
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        assert data[f"p50_{m}_ms"] <= data[f"p90_{m}_ms"] <= data[f"p99_{m}_ms"], m
+        assert data[f"std_{m}_ms"] >= 0
+    assert data["median_e2el_ms"] == pytest.approx(1e3 * float(np.median(data["latencies"])))
+    assert 1 <= data["max_concurrent_requests"] <= 2 and data["max_output_tokens_per_s"] >= 1
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--backend", "openai-chat", "--endpoint", "/v1/completions"], "not the API of"),
+        (["--goodput", "ttft:1", "--slo", "ttft=1"], "give --goodput"),
+        (["--goodput", "latency:5"], "--goodput takes"),
+        (["--percentile-metrics", "ttft,speed"], "--percentile-metrics takes"),
+        (["--metric-percentiles", "0"], "--metric-percentiles takes"),
+    ],
+)
+def test_vllms_flags_are_checked_before_anything_is_sent(tiny_dir, capsys, flags, message):
+    argv = ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--tokenizer", tiny_dir]
+    assert main([*argv, *flags]) == 2
+    assert message in capsys.readouterr().err

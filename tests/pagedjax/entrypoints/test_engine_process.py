@@ -139,6 +139,12 @@ def test_metrics_are_the_engine_processs(process_server):
     assert after["pagedjax_prompt_tokens_total"] - before["pagedjax_prompt_tokens_total"] == 3
     assert after["pagedjax_startup_programs"] > 0  # the start's figures, from the engine process
     assert after["pagedjax_kv_blocks_used"] == 0
+    # vLLM's names, labelled with the served name the API process sent at start
+    vllm = f'{{engine="0",model_name="{MODEL}"}}'
+    gen = "vllm:generation_tokens_total" + vllm
+    assert after[gen] - before[gen] == 7
+    e2e = "vllm:e2e_request_latency_seconds_count" + vllm
+    assert after[e2e] - before[e2e] == 1
 
 
 def open_stream(base: str):
