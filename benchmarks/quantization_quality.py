@@ -53,7 +53,7 @@ KV_SETTINGS = (("auto", "float32"), ("auto", "bfloat16"), ("int8", None), ("fp8"
 def quality(model: str, total_tokens: int) -> dict:
     from pagedjax import LLM, SamplingParams
     from pagedjax.bench.quality import compare, teacher_forced_logits
-    from pagedjax.worker.runner import Runner
+    from pagedjax.worker.runner import Runner, RunnerConfig
 
     per_prompt = total_tokens // len(PROMPTS)
     kw = dict(num_blocks=128, block_size=BLOCK_SIZE, max_model_len=512)
@@ -75,7 +75,8 @@ def quality(model: str, total_tokens: int) -> dict:
         report["settings"][name] = compare(ref_logits, np.concatenate(score(llm.runner)))
         del llm
     for kv_cache_dtype in ("int8", "fp8"):  # the reference's float32 weights, an 8-bit pool
-        runner = Runner(ref.model_config, ref.runner.params, kv_cache_dtype=kv_cache_dtype, **kw)
+        sizes = RunnerConfig(kv_cache_dtype=kv_cache_dtype, **kw)
+        runner = Runner(ref.model_config, ref.runner.params, sizes)
         name = f"{kv_cache_dtype} KV cache (scale per token and head)"
         report["settings"][name] = compare(ref_logits, np.concatenate(score(runner)))
         runner.free_device_memory()

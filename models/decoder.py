@@ -63,7 +63,8 @@ class Attention(nn.Module):
     stacked: bool = True  # parameters stacked over the layers (the scan), taken at ``layer``
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv: KVPool, layer, window, step: StepInput, live, lora=None):
+    def __call__(self, x, rotary, kv: KVPool, layer, window, step: StepInput, live, lora=None):
+        # rotary: this layer's (cos, sin) tables, None without rotary embeddings
         c = self.config
         n = c.num_layers if self.stacked else None
         tokens = x.shape[0]
@@ -82,9 +83,9 @@ class Attention(nn.Module):
         if c.qk_norm:  # per head, over head_dim
             q = norm(c, self.dtype, "q_norm", n)(q, layer)
             k = norm(c, self.dtype, "k_norm", n)(k, layer)
-        if cos is not None:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, kv = paged_attention(q, k, v, kv, layer, window, step, c, self.backend, self.mesh)
+        if rotary is not None:
+            q, k = apply_rope(q, *rotary), apply_rope(k, *rotary)
+        out, kv = paged_attention((q, k, v), kv, layer, window, step, c, self.backend, self.mesh)
         out = out.reshape(tokens, c.num_heads * c.head_dim)
         return linear(c.hidden_size, c.o_bias, "o_proj")(out), kv
 
@@ -141,9 +142,10 @@ class DecoderLayer(nn.Module):
     def __call__(self, carry, per_layer, cos, sin, step: StepInput, stacks, lora=None):
         x, kv = carry  # x: [num_tokens, hidden]
         c, dt = self.config, self.dtype
+        rotary = None
         if cos is not None:  # [num_tables, num_tokens, rotary_dims] -> this layer's table
             table = per_layer.get("rope", 0)
-            cos, sin = cos[table], sin[table]
+            rotary = (cos[table], sin[table])
         window = static_window(c)
         window = per_layer.get("window") if window is None else window
         layer = per_layer["layer"]  # i32[] (or int): the row of every stacked parameter here
@@ -166,12 +168,12 @@ class DecoderLayer(nn.Module):
             return MLP(c, dt, self.layout, self.stacked, name="mlp")(h, layer, live, lora)
 
         if not c.norm_before:  # post-norm (OPT-350m)
-            h, kv = attn(x, cos, sin, kv, layer, window, step, live, lora)
+            h, kv = attn(x, rotary, kv, layer, window, step, live, lora)
             x = layer_norm("input_layernorm")(x + h)
             x = layer_norm("post_attention_layernorm")(x + mlp(x))
             return (x, kv), None
         h = layer_norm("input_layernorm")(x)
-        h, kv = attn(h, cos, sin, kv, layer, window, step, live, lora)
+        h, kv = attn(h, rotary, kv, layer, window, step, live, lora)
         if c.sandwich_norms:  # Gemma: the attention output is normed before the residual
             h = layer_norm("post_attention_layernorm")(h)
         x = x + h
@@ -324,7 +326,7 @@ def _unrolled_layers(model: DecoderModel, x, kv_pool, cos, sin, step: StepInput,
         kind = tuple(sorted((k, v) for k, v in layer_data(c, i).items() if k != "layer"))
         if kind not in kinds:
             kinds[kind] = jax.jit(functools.partial(decoder_layer, module, dict(kind)))
-        args = (x, kv_pool, np.int32(i), cos, sin, step, lora)
+        args = ((x, kv_pool), np.int32(i), (cos, sin), step, lora)
         x, kv_pool = kinds[kind](params[f"layers_{i}"], *args)
     return x, kv_pool
 
@@ -340,14 +342,12 @@ def _layers_one_by_one(model: DecoderModel, x, kv_pool, cos, sin, step: StepInpu
     return x, kv_pool
 
 
-def decoder_layer(
-    module: DecoderLayer, data: dict, params, x, kv_pool, layer, cos, sin, step, lora
-):
-    """One unrolled layer (``module``, unbound) over its parameters: ``(x, kv_pool)`` after it;
-    ``data``: the layer's static ``layer_data`` but its index, ``layer`` (i32[])."""
+def decoder_layer(module: DecoderLayer, data: dict, params, carry, layer, rotary, step, lora):
+    """One unrolled layer (``module``, unbound) over its parameters: ``carry`` ``(x, kv_pool)``
+    after it; ``data``: the layer's static ``layer_data`` but its index, ``layer`` (i32[]);
+    ``rotary``: (cos, sin), each None without rotary embeddings."""
     per_layer = {**data, "layer": layer}
-    carry = (x, kv_pool)
-    (x, kv_pool), _ = module.apply({"params": params}, carry, per_layer, cos, sin, step, None, lora)
+    (x, kv_pool), _ = module.apply({"params": params}, carry, per_layer, *rotary, step, None, lora)
     return x, kv_pool
 
 

@@ -267,9 +267,7 @@ def static_window(config: ModelConfig) -> int | None:
 
 
 def paged_attention(
-    q: jax.Array,  # [num_tokens, num_heads, head_dim]
-    k: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
-    v: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
+    qkv: tuple[jax.Array, jax.Array, jax.Array],  # q, k, v: the step's projected rows
     kv: KVPool,
     layer: jax.Array,  # i32[]
     window: jax.Array | int | None,  # i32[] or int: this layer's window (<= 0: global)
@@ -279,7 +277,8 @@ def paged_attention(
     mesh: Mesh | None,
 ) -> tuple[jax.Array, KVPool]:  # [num_tokens, num_heads, head_dim], pool
     """Write this step's K/V into ``layer``'s pages of the stacked pool, then attend, both
-    through the attention ``backend`` the runner chose.
+    through the attention ``backend`` the runner chose. ``qkv``: q [num_tokens, num_heads,
+    head_dim], k and v [num_tokens, num_kv_heads, head_dim].
 
     The layer's blocks start at block ``layer * num_blocks`` of the pool: its slot mapping and
     block tables are offset there, so the kernels read and write its pages in place. With a
@@ -313,7 +312,7 @@ def paged_attention(
         return backend.attend(q, kv, md, opts), kv.as_tuple()
 
     kv = tuple(kv)
-    args = (q, k, v, kv, slots, tables, step.context_lens, step.query_start_loc)
+    args = (*qkv, kv, slots, tables, step.context_lens, step.query_start_loc)
     args += (window,) if traced_window else ()
     if mesh is not None:
         heads, pool, rep = P(None, AXIS, None), pool_specs(len(kv) == 4), P()

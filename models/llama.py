@@ -110,11 +110,9 @@ def forward(
     mesh: Mesh | None = None,
     layout: WeightLayout | None = None,
     lora: LoRABatch | None = None,
-    return_hidden: bool = False,
 ):
-    """Pure forward: ``(params, kv_pool, step_input) -> (logits f32[num_logits, vocab], kv_pool)``;
-    with ``return_hidden``, also the last layer's output of every token row (``head_logits``
-    turns rows of it into logits: prompt logprobs score them).
+    """Pure forward: ``(params, kv_pool, step_input) -> (logits f32[num_logits, vocab], kv_pool)``
+    (``forward_hidden``: also the last layer's output of every token row).
 
     The compute dtype is the embedding's (linear kernels may be 8-bit: models/quant.py). With a
     ``mesh``, parameters and pool are sharded by heads (models/sharding.py) and attention runs
@@ -127,6 +125,27 @@ def forward(
     targeted projection adding its row's adapter product; None compiles no LoRA op.
     """
     model = _model(params, config, backend, mesh, layout)
+    return _apply(model, params, kv_pool, step_input, lora)
+
+
+def forward_hidden(
+    params,
+    kv_pool: KVPool,
+    step_input: StepInput,
+    config: ModelConfig,
+    backend: pallas_kernels.AttentionBackend | str | None = None,
+    mesh: Mesh | None = None,
+    layout: WeightLayout | None = None,
+    lora: LoRABatch | None = None,
+):
+    """``forward``, also returning the last layer's output of every token row, [num_tokens,
+    hidden]: ``(logits, kv_pool, hidden)`` (``head_logits`` turns rows of it into logits: prompt
+    logprobs score them)."""
+    model = _model(params, config, backend, mesh, layout)
+    return _apply(model, params, kv_pool, step_input, lora, return_hidden=True)
+
+
+def _apply(model, params, kv_pool, step_input, lora, return_hidden: bool = False):
     args = (kv_pool, step_input, lora)
     return model.apply({"params": flax_tree(params)}, *args, return_hidden=return_hidden)
 

@@ -42,30 +42,6 @@ ADAPTER_CONFIG = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
 
-@dataclasses.dataclass(frozen=True)
-class LoRAConfig:
-    """The engine's limits on adapters."""
-
-    max_loras: int = 1  # device slots; slot 0 is "no adapter", so arrays hold max_loras + 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None  # adapters kept on the host; None: max_loras
-
-    def __post_init__(self):
-        if self.max_loras < 1:
-            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
-        if self.max_lora_rank < 1:
-            raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
-        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise ValueError(
-                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
-                f"({self.max_loras})"
-            )
-
-    @property
-    def cpu_loras(self) -> int:
-        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class LoRAAdapter:
     """One adapter on the host, as loaded: per module our ``(a f32[num_layers, in, rank],
@@ -328,7 +304,6 @@ def _zero_module(config: ModelConfig, module: str, rank: int) -> tuple[np.ndarra
 __all__ = [
     "LoRAAdapter",
     "LoRABatch",
-    "LoRAConfig",
     "LoRASlots",
     "TARGET_MODULES",
     "init_slots",

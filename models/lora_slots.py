@@ -138,12 +138,12 @@ def slot_specs(name: str) -> tuple[P, P]:
 
 
 def init_slots(
-    model_config: ModelConfig, lora_config, dtype, mesh: Mesh | None = None
+    model_config: ModelConfig, max_loras: int, max_rank: int, dtype, mesh: Mesh | None = None
 ) -> LoRASlots:
-    """Zeroed slots for every module an adapter may target (``lora_config.max_loras`` slots
-    plus slot 0, rank ``lora_config.max_lora_rank``), in ``dtype``; on a ``mesh`` each device
-    holds its slice (a dimension the degree does not divide stays whole)."""
-    num_slots, rank = lora_config.max_loras + 1, lora_config.max_lora_rank
+    """Zeroed slots for every module an adapter may target (``max_loras`` slots plus slot 0,
+    rank ``max_rank``), in ``dtype``; on a ``mesh`` each device holds its slice (a dimension
+    the degree does not divide stays whole)."""
+    num_slots, rank = max_loras + 1, max_rank
     lead = (model_config.num_layers, num_slots)
     a, b = {}, {}
     for name in lora_modules(model_config):

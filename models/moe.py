@@ -115,16 +115,18 @@ def gated_mlp(x: jax.Array, p: dict, act) -> jax.Array:  # x: [num_tokens, hidde
     return (act(gate) * up) @ p["down_proj"]["kernel"]
 
 
-def _grouped_experts(x, top_idx, top_w, gate_w, up_w, down_w, act, scales, method):
+def _grouped_experts(x, top_idx, top_w, weights, act, scales, method):
     """sum_k top_w[t, k] * expert_{top_idx[t, k]}(x[t]) as three grouped matmuls.
 
-    x: [num_tokens, hidden]; top_idx i32 / top_w f32: [num_tokens, k]; gate_w/up_w:
-    [experts, hidden, inner]; down_w: [experts, inner, hidden]. Returns f32[num_tokens, hidden].
+    x: [num_tokens, hidden]; top_idx i32 / top_w f32: [num_tokens, k]; ``weights``: gate_w and
+    up_w [experts, hidden, inner], down_w [experts, inner, hidden]. Returns f32[num_tokens,
+    hidden].
     ``scales``: None, or the 8-bit kernels' per-output-channel scales (gate, up: f32[experts,
     inner]; down: f32[experts, hidden]; models/quant.py): the kernels are converted to the
     compute dtype inside the matmul and each row's output multiplied by its expert's scales.
     ``method``: the experts' linear method (models/linear.py ``GroupedExpertsLinear``).
     """
+    gate_w, up_w, down_w = weights
     num_tokens, k = top_idx.shape
     experts = gate_w.shape[0]
     flat = top_idx.reshape(-1)  # i32[num_tokens * k]
@@ -161,7 +163,7 @@ def moe_mlp(
     weights = tuple(ex[n] for n in names)
     scales = tuple(ex[f"{n}_scale"] for n in names) if "gate_proj_scale" in ex else ()
     if mesh is None:
-        out = _grouped_experts(x, top_idx, top_w, *weights, act, scales or None, experts)
+        out = _grouped_experts(x, top_idx, top_w, weights, act, scales or None, experts)
     else:
         # Each device holds a slice of EVERY expert's intermediate dimension (column-split
         # gate/up, row-split down, as the dense MLP), not whole experts: every device then does
@@ -171,7 +173,7 @@ def moe_mlp(
         # Quantized: gate/up scales split like their columns, down's (per hidden) whole (a
         # per-column factor commutes with the sum over the devices' partial rows).
         def local(x, top_idx, top_w, gate_w, up_w, down_w, *scales):
-            args = (gate_w, up_w, down_w, act, scales or None, experts)
+            args = ((gate_w, up_w, down_w), act, scales or None, experts)
             part = _grouped_experts(x, top_idx, top_w, *args)
             return jax.lax.psum(part, AXIS)
 

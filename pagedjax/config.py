@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from pagedjax.generation_config import check_generation_config, default_sampling_params
+from pagedjax.lora.config import LoRAConfig
 from pagedjax.sampling_params import MAX_LOGPROBS
 from pagedjax.spec_decode.config import SpeculativeConfig
 
@@ -104,6 +105,12 @@ class SchedulerConfig:
             self.max_num_batched_tokens,
             "must be None or >= 1",
         )
+        _require(
+            self.preemption_mode in PREEMPTION_MODES,
+            "preemption_mode",
+            self.preemption_mode,
+            f"must be one of {PREEMPTION_MODES}",
+        )
 
     @property
     def token_budget(self) -> int:
@@ -123,12 +130,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     # Schedule and dispatch step N+1 while step N runs (engine/step_loop.py), where it is safe
     async_scheduling: bool = True
-    # Multi-LoRA serving (pagedjax/lora/): adapters in a batch at once (device slots), their
-    # largest rank, and adapters kept loaded on the host (None: max_loras)
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
+    # Multi-LoRA serving (pagedjax/lora/): the limits on adapters; None: LoRA is off
+    lora: LoRAConfig | None = None
     # Default sampling parameters (engine/generation_config.py): "auto" (the model's
     # generation_config.json), "vllm" (none) or a folder's; overrides by generation_config names
     generation_config: str = "auto"
@@ -168,27 +171,16 @@ class EngineConfig:
             self.tensor_parallel_size,
             "must be an integer >= 1",
         )
-        self._check_lora()
+        _require(
+            self.lora is None or isinstance(self.lora, LoRAConfig),
+            "lora",
+            self.lora,
+            "must be None or a LoRAConfig",
+        )
 
     def sampling_defaults(self, model_dir: str) -> dict:
         """The SamplingParams fields a request gets unless it sets them: the model's
         generation config (in ``model_dir``) as ``generation_config`` says, with the overrides."""
         return default_sampling_params(
             self.generation_config, model_dir, self.override_generation_config
-        )
-
-    def _check_lora(self) -> None:
-        _require(
-            isinstance(self.enable_lora, bool), "enable_lora", self.enable_lora, "must be a bool"
-        )
-        for name in ("max_loras", "max_lora_rank"):
-            value = getattr(self, name)
-            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-            _require(ok, name, value, "must be an integer >= 1")
-        cpu = self.max_cpu_loras
-        _require(
-            cpu is None or (isinstance(cpu, int) and cpu >= self.max_loras),
-            "max_cpu_loras",
-            cpu,
-            f"must be None or an integer >= max_loras={self.max_loras}",
         )

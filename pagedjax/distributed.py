@@ -178,6 +178,3 @@ class DriverOrFollower:
             else:
                 self.follow()  # until the driver's "stop"
         self.runner.free_device_memory()
-        for leaf in jax.tree.leaves(self.runner.params):
-            leaf.delete()
-        self.runner.params = None

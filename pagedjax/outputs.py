@@ -257,5 +257,4 @@ class EngineStats:
 def _pool_dtype(runner) -> str:
     """The name of the runner's KV pool dtype ("" for a runner without a device pool: the
     tests' fake model)."""
-    kv_cache = getattr(runner, "kv_cache", None)
-    return str(kv_cache.dtype) if kv_cache is not None else ""
+    return str(runner.kv_cache.dtype) if runner.kv_cache is not None else ""

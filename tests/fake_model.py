@@ -18,7 +18,7 @@ from pagedjax.models.loader import LoadedModel
 from pagedjax.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.outputs import EngineStats
-from pagedjax.worker.runner import StepOutput
+from pagedjax.worker.runner import RunnerConfig, StepOutput, WarmupReport
 
 EOS = 2
 VOCAB = 32
@@ -62,19 +62,25 @@ class StaleSlotError(AssertionError):
 
 
 class FakeRunner:
-    """Runner's interface over a pool of token ids (one int per slot; -1 = never written)."""
+    """A ModelRunner (pagedjax/worker/runner_protocol.py) over a pool of token ids (one int per
+    slot; -1 = never written): no device pool, no programs to compile, one process."""
 
-    def __init__(self, *, config, params, num_blocks, block_size, num_host_blocks, **_):
+    kv_cache = None
+    lora = None
+    channel = None
+    dispatches_ahead = True
+
+    def __init__(self, config, params, sizes: RunnerConfig, **_):
         self.config = config
         self.params = params
-        self.block_size = block_size
-        self.pool = np.full(num_blocks * block_size, -1, np.int64)
-        self.host = np.full(max(num_host_blocks, 1) * block_size, -1, np.int64)
-        self.num_host_blocks = num_host_blocks
-        self.channel = None
+        self.block_size = sizes.block_size
+        self.pool = np.full(sizes.num_blocks * self.block_size, -1, np.int64)
+        self.host = np.full(max(sizes.num_host_blocks, 1) * self.block_size, -1, np.int64)
+        self.num_host_blocks = sizes.num_host_blocks
         self.num_compilations = 0
         self.compile_seconds = 0.0
         self.num_steps = 0
+        self.shapes_built = []
 
     def _slots(self, table: list[int], start: int, stop: int) -> np.ndarray:
         pos = np.arange(start, stop)
@@ -150,6 +156,23 @@ class FakeRunner:
 
     def free_device_memory(self):
         pass
+
+    def follow(self):
+        raise RuntimeError("the fake model runs in one process")
+
+    # ---- compiling: the fake has no programs ------------------------------------------------
+
+    def warmup_jobs(self, max_num_seqs: int, max_num_batched_tokens: int, *, swap=None):
+        return []
+
+    def startup_jobs(self, max_num_seqs: int, max_num_batched_tokens: int, *, default=None):
+        return []
+
+    def compile(self, jobs, **kwargs) -> WarmupReport:
+        return WarmupReport([], 0.0)
+
+    def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, **kwargs) -> WarmupReport:
+        return WarmupReport([], 0.0)
 
 
 def fake_engine(

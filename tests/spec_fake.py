@@ -43,9 +43,9 @@ def model_token(kind: str, context: list[int], seed: int) -> int:
 class SpecFakeRunner(FakeRunner):
     model = "hash"
 
-    def __init__(self, *, num_speculative_tokens: int = 0, **kwargs):
-        super().__init__(**kwargs)
-        self.num_speculative_tokens = num_speculative_tokens
+    def __init__(self, config, params, sizes, **kwargs):
+        super().__init__(config, params, sizes, **kwargs)
+        self.num_speculative_tokens = sizes.num_speculative_tokens
         self.num_proposed = 0
 
     def execute(self, seqs, num_top_logprobs: int = 0) -> StepOutput:

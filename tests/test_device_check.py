@@ -244,7 +244,7 @@ def test_every_dependency_serving_imports_is_in_the_image_or_the_wheelhouse(dc):
     modules = {n.replace("-", "_").removesuffix("_checkpoint") for n in names}
     code = (
         "import sys, pagedjax.entrypoints.cli, pagedjax.entrypoints.api_server, "
-        "pagedjax.entrypoints.openai.engine_process, pagedjax.entrypoints.llm, "
+        "pagedjax.engine.hosting.engine_process, pagedjax.entrypoints.llm, "
         "pagedjax.bench.serve\n"
         "import uvicorn  # imported when the server starts\n"
         "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"

@@ -20,6 +20,7 @@ from collections import deque
 import numpy as np
 
 from pagedjax.bench.workload import RequestLengths, sharegpt_like
+from pagedjax.config import SchedulerConfig
 from pagedjax.core.block_manager import BlockManager
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.sequence import Sequence, SequenceGroup
@@ -60,9 +61,11 @@ def simulate_paged(
     bm = BlockManager(num_blocks, block_size, watermark=watermark)
     sched = Scheduler(
         bm,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        preemption_mode="recompute",
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            preemption_mode="recompute",
+        ),
     )
     for i, r in enumerate(workload):
         if cdiv(r.prompt_len + r.output_len - 1, block_size) > num_blocks - 1 - bm.watermark_blocks:

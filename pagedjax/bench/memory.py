@@ -210,7 +210,7 @@ def swap_vs_recompute(model: str, num_tokens: int, repeats: int) -> dict:
     import jax
 
     from pagedjax.models.loader import load_model
-    from pagedjax.worker.runner import Runner, ScheduledSeq
+    from pagedjax.worker.runner import Runner, RunnerConfig, ScheduledSeq
 
     loaded = load_model(model)
     rows = {}
@@ -221,14 +221,10 @@ def swap_vs_recompute(model: str, num_tokens: int, repeats: int) -> dict:
     )
     for bs in BLOCK_SIZES:
         n = num_tokens // bs
-        runner = Runner(
-            loaded.config,
-            loaded.params,
-            num_blocks=n + 2,
-            block_size=bs,
-            max_model_len=num_tokens,
-            num_host_blocks=n + 1,
+        sizes = RunnerConfig(
+            num_blocks=n + 2, block_size=bs, max_model_len=num_tokens, num_host_blocks=n + 1
         )
+        runner = Runner(loaded.config, loaded.params, sizes)
         table = list(range(1, n + 1))
         pairs = [(b, b) for b in table]
         seq = [ScheduledSeq(tokens[: n * bs], 0, table)]

@@ -190,15 +190,17 @@ def _numbers(text: str, flag: str, kind, least=None) -> list:
 
 
 def bench_server(
-    name: str, target: Target, workloads, tokenizer, args, slo, knob, values, eos_free=False
+    name: str, target: Target, workloads, tokenizer, args, slo, sweep, eos_free=False
 ) -> dict:
     """Probe, warm up, then the timed runs against one server: per sweep value, one run per
     workload (``workloads``: --repeats lists of requests, the random ones each drawn with its own
     seed, so that a repeat does not resend the prompts a prefix cache has just seen). With
     --sweep-num-warmups each value is warmed up at its own concurrency first, with the prompts
-    of a seed no timed run uses (the server's warm-up is then the first value's)."""
+    of a seed no timed run uses (the server's warm-up is then the first value's). ``sweep``: the
+    option swept (None: none) and its values (``_sweep``)."""
     from tqdm import tqdm
 
+    knob, values = sweep  # the swept option (None: none) and its values (``_sweep``)
     requests = workloads[0]
     per_value = _warmups_per_value(args, values)
     first = args.num_warmups if per_value is None else 0
@@ -305,7 +307,8 @@ def run_single(args, slo, knob, values) -> dict:
         target.model = _model_from_server(target)
     tokenizer = load_tokenizer(_tokenizer_source(args, target.model))
     workloads = build_workloads(args, tokenizer)
-    server = bench_server(args.server_name, target, workloads, tokenizer, args, slo, knob, values)
+    sweep = (knob, values)
+    server = bench_server(args.server_name, target, workloads, tokenizer, args, slo, sweep)
     return {"servers": [server]}
 
 
@@ -370,8 +373,7 @@ def run_compare(args, slo, knob, values) -> dict:
                 tokenizer,
                 args,
                 slo,
-                knob,
-                values,
+                (knob, values),
                 eos_free=bool(args.disable_eos_copy),
             )
             servers.append({**base, **res, "ready_s": ready_s, "load_avg_before": load})

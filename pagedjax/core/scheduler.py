@@ -18,7 +18,7 @@ import itertools
 import time
 from collections.abc import Collection
 
-from pagedjax.config import PREEMPTION_MODES, SCHEDULING_POLICIES
+from pagedjax.config import SchedulerConfig
 from pagedjax.core import beam_search
 from pagedjax.core.block_manager import AllocStatus, BlockManager
 from pagedjax.core.in_flight import InFlight
@@ -65,39 +65,32 @@ def check_stop(
 
 
 class Scheduler(Preemption):
+    """``config``: the engine's limits, preemption mode and policy (pagedjax/config.py, checked
+    there)."""
+
     def __init__(
         self,
         block_manager: BlockManager,
+        config: SchedulerConfig,
         *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        enable_chunked_prefill: bool = True,
-        preemption_mode: str = "recompute",
-        max_model_len: int = 2**31 - 1,
         eos_token_ids: Collection[int] = (),
         speculator=None,  # proposes tokens and takes the verified ones (pagedjax.spec_decode)
         lora: LoRAAdmission | None = None,  # admission by LoRA adapter slots
-        policy: str = "fcfs",  # the order of service (core/request_queue.py)
     ):
-        if preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}"
-            )
-        if policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
-        self.policy = policy
+        budget, max_model_len = config.token_budget, config.max_model_len
+        self.policy = policy = config.policy  # the order of service (core/request_queue.py)
         self._order = running_order(policy)
         self.bm = block_manager
-        block_manager.limit_chunk_tokens(max_num_batched_tokens)  # a windowed table's run-ahead
+        block_manager.limit_chunk_tokens(budget)  # a windowed table's run-ahead
         # LongRoPE (models/config.py ModelConfig.longrope_switch_len), as the block manager keys
         # its prefix cache by it
-        self.longrope = LongRopeSwitch(block_manager, max_num_batched_tokens, max_model_len)
+        self.longrope = LongRopeSwitch(block_manager, budget, max_model_len)
         self.longrope_switch_len = self.longrope.switch
         self.num_longrope_recomputes = 0
-        self.max_num_seqs = max_num_seqs
-        self.token_budget = max_num_batched_tokens
-        self.enable_chunked_prefill = enable_chunked_prefill
-        self.preemption_mode = preemption_mode
+        self.max_num_seqs = config.max_num_seqs
+        self.token_budget = budget
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.preemption_mode = config.preemption_mode
         self.cost_model = PreemptionCostModel()
         self.waiting = new_queue(policy)  # a deque (fcfs) or a PriorityQueue, served from [0]
         self.running: list[SequenceGroup] = []

@@ -29,19 +29,18 @@ def option(
     *,
     flags: tuple[str, ...] = (),
     choices: tuple | None = None,
-    parse: Callable[[str], Any] | None = None,
     metavar: str | None = None,
     group: str = "engine",
     inert: str | None = None,
     check: Callable[[Any], None] | None = None,
 ) -> Any:
     """A field of EngineArgs: its default and how it is offered and handled (module docstring).
-    ``flags``: more spellings of its flag (``-tp``); ``parse``: argparse's type."""
+    ``flags``: more spellings of its flag (``-tp``). A flag's value is parsed by the field's
+    type (a dict as a JSON object)."""
     meta = dict(
         help=help,
         flags=flags,
         choices=choices,
-        parse=parse,
         metavar=metavar,
         group=group,
         inert=inert,
@@ -100,7 +99,7 @@ def _argparse_type(field: dataclasses.Field) -> Callable[[str], Any]:
     """What turns the flag's text into the field's value; a ValueError from the field's check
     (or the parse) becomes argparse's usage error, naming the flag, before anything loads."""
     meta = field.metadata
-    parse = meta["parse"] or {dict: json_object, float: float, int: int}.get(_kind(field), str)
+    parse = {dict: json_object, float: float, int: int}.get(_kind(field), str)
     check = meta["check"]
 
     def typed(text: str):

@@ -33,6 +33,7 @@ from pagedjax.engine.arg_options import (
     refuse_unless,
 )
 from pagedjax.generation_config import check_generation_config
+from pagedjax.lora.config import LoRAConfig
 from pagedjax.sampling_params import MAX_LOGPROBS
 
 GROUPS = {
@@ -274,6 +275,7 @@ class EngineArgs(VllmCompatArgs):
         False,
         "serve LoRA adapters: a request's lora_request (served: its model) names one",
         group="lora",
+        check=refuse_unless(lambda v: isinstance(v, bool), "must be True or False"),
     )
     max_loras: int = option(1, "adapters in one batch (device slots)", group="lora")
     max_lora_rank: int = option(16, "the largest adapter rank", group="lora")
@@ -350,6 +352,8 @@ class EngineArgs(VllmCompatArgs):
             preemption_mode=self.preemption_mode,
             policy=self.scheduling_policy,
         )
+        # the limits checked whether or not LoRA is on: a bad value is refused either way
+        lora = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
         return EngineConfig(
             model=model,
             dtype=dtype,
@@ -360,10 +364,7 @@ class EngineArgs(VllmCompatArgs):
             scheduler=scheduler,
             speculative_config=self.speculative_config,
             async_scheduling=self.async_scheduling,
-            enable_lora=self.enable_lora,
-            max_loras=self.max_loras,
-            max_lora_rank=self.max_lora_rank,
-            max_cpu_loras=self.max_cpu_loras,
+            lora=lora if self.enable_lora else None,
             generation_config=self.generation_config,
             override_generation_config=self.override_generation_config,
             max_logprobs=self.max_logprobs,

@@ -16,7 +16,6 @@ import numpy as np
 
 from pagedjax.config import EngineConfig
 from pagedjax.core.block_manager import BlockManager
-from pagedjax.core.lora_admission import LoRAAdmission
 from pagedjax.core.request_queue import check_priority
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.sequence import Sequence, SequenceGroup
@@ -29,13 +28,12 @@ from pagedjax.engine.input_processor import (
     truncated,
 )
 from pagedjax.engine.output_processor import OutputProcessor
-from pagedjax.engine.request import Request
+from pagedjax.engine.request import PreparedRequest, Request
 from pagedjax.engine.request_table import RequestTable
 from pagedjax.engine.step_loop import StepLoop
 from pagedjax.inspection import state as inspection
 from pagedjax.inspection.step_profile import StepProfile, model_read_bytes
-from pagedjax.lora.manager import LoRAManager
-from pagedjax.lora.request import LoRARequest
+from pagedjax.lora.engine_lora import EngineLoRA, LoRARequest, lora_methods
 from pagedjax.models.loader import LoadedModel, load_model, load_tokenizer
 from pagedjax.models.sharding import (
     replicate_kv_heads,
@@ -47,7 +45,8 @@ from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 from pagedjax.spec_decode.draft import with_draft_model
 from pagedjax.spec_decode.speculator import make_speculator, stop_checker
 from pagedjax.worker import kv_cache
-from pagedjax.worker.runner import Runner
+from pagedjax.worker.runner import Runner, RunnerConfig
+from pagedjax.worker.runner_protocol import ModelRunner
 
 Prompt = str | list[int]
 Params = SamplingParams | BeamSearchParams
@@ -70,10 +69,8 @@ class LLMEngine:
     In a multi-process run every process builds one; process 0's (the driver) takes requests
     and steps, the others (followers) replay its device operations in ``follow``
     (``self.processes``, a DriverOrFollower).
-    ``runner_factory(**kwargs)`` stands in for ``Runner(**kwargs)`` (tests use a fake model).
-    With ``config.enable_lora`` the runner holds the adapters' device slots (it takes
-    ``lora_config`` and has ``load_lora_slot(slot, adapter)``); ``lora_loader(path,
-    model_config, max_rank)`` stands in for pagedjax.models.lora.load_adapter.
+    ``runner_factory`` stands in for ``Runner`` (tests use a fake model; a ModelRunner,
+    worker/runner_protocol.py), ``lora_loader`` for models/lora.py's adapter loader.
     """
 
     def __init__(
@@ -106,35 +103,25 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}  # kept as one dict: load_state refills it
         stops = stop_checker(self.output_processor, self.requests)
         self.speculator = make_speculator(config.speculative_config, stops)
-        self.scheduler = Scheduler(
-            bm,
-            max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.token_budget,
-            enable_chunked_prefill=sched.enable_chunked_prefill,
-            preemption_mode=sched.preemption_mode,
-            max_model_len=sched.max_model_len,
-            eos_token_ids=self.eos_token_ids,
-            speculator=self.speculator,
-            policy=sched.policy,
-        )
         self.profile = StepProfile()  # padding counts; phase times while profile.enabled
-        self.runner = (runner_factory or Runner)(
-            config=device_config,
-            params=replicate_kv_heads(loaded.params, mc, tp),
-            num_blocks=num_blocks,
-            block_size=cache.block_size,
-            max_model_len=sched.max_model_len,
-            num_host_blocks=num_host_blocks,
+        spec_k = self.speculator.k if self.speculator else 0
+        sizes = RunnerConfig.of(config, num_blocks, num_host_blocks, spec_k)
+        self.runner: ModelRunner = (runner_factory or Runner)(
+            device_config,
+            replicate_kv_heads(loaded.params, mc, tp),
+            sizes,
             mesh=mesh,
             channel=Channel() if jax.process_count() > 1 else None,
             profile=self.profile,
-            num_speculative_tokens=self.speculator.k if self.speculator else 0,
-            kv_cache_dtype=cache.kv_cache_dtype,
-            max_num_seqs=sched.max_num_seqs,
-            **lora_runner_kwargs(config, runner_factory or Runner),
         )
-        self.lora_manager = lora_manager(config, mc, lora_loader, self.runner)
-        self.scheduler.lora = LoRAAdmission(self.lora_manager)
+        self.lora = EngineLoRA(config.lora, self.runner, mc, lora_loader)
+        self.scheduler = Scheduler(
+            bm,
+            config.scheduler,
+            eos_token_ids=self.eos_token_ids,
+            speculator=self.speculator,
+            lora=self.lora.admission,
+        )
         self.profile.set_model_bytes(*model_read_bytes(self.runner))  # the target model's (MBU)
         self.runner = with_draft_model(config, self.runner)  # as is, unless a draft model proposes
         self.processes = DriverOrFollower(self.runner)
@@ -151,8 +138,8 @@ class LLMEngine:
             profile=self.profile,
             vocab_size=mc.vocab_size,
             check_stops=self.output_processor.check_stops,
-            speculating=self.speculator is not None,
-            enabled=config.async_scheduling,
+            # no overlap with speculative decoding (a step's proposals follow the tokens before)
+            enabled=config.async_scheduling and self.speculator is None,
         )
 
     @classmethod
@@ -160,7 +147,23 @@ class LLMEngine:
         """vLLM's: the engine of an EngineArgs (pagedjax/engine/arg_utils.py), its model loaded
         as the arguments say."""
         loaded = engine_args.load_model()
-        return cls(engine_args.create_engine_config(loaded), loaded)
+        engine = cls(engine_args.create_engine_config(loaded), loaded)
+        engine.log_ready()
+        return engine
+
+    def log_ready(self) -> None:
+        st, config = self.get_stats(), self.config
+        sched = config.scheduler
+        logger.info(
+            "Engine ready: KV cache of %d blocks x %d tokens (%s), max_model_len=%d, "
+            "max_num_seqs=%d, max_num_batched_tokens=%d",
+            st.num_blocks_total,
+            config.cache.block_size,
+            st.kv_cache_dtype or config.dtype,
+            sched.max_model_len,
+            sched.max_num_seqs,
+            sched.token_budget,
+        )
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -177,23 +180,23 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         priority: int = 0,
     ) -> None:
-        """Queue a request, under the LoRA adapter ``lora_request`` if given. Bad input, or a
+        """Queue a request, under the adapter ``lora_request`` if given. Bad input, or a
         request that could never run, raises ValueError here and leaves the engine untouched.
         ``params`` is copied: later changes to it do nothing. ``priority`` (vLLM's, with
         ``scheduling_policy="priority"``): lower values are served first."""
         prepared = self.prepare_request(request_id, prompt, params, lora_request, priority)
-        self.enqueue(request_id, *prepared)
+        self.enqueue(request_id, prepared)
 
     def prepare_request(
         self,
         request_id: str,
         prompt: Prompt,
         params: Params,
-        lora_request: LoRARequest | None = None,
+        adapter: LoRARequest | None = None,
         priority: int = 0,
-    ):
-        """Tokenize, copy and check a request without queueing it, and load its adapter into
-        the host cache: (text, token ids, params, lora_request, priority)."""
+    ) -> PreparedRequest:
+        """Tokenize, copy and check a request without queueing it, and load its adapter (a
+        LoRARequest) into the host cache."""
         self.processes.require_driver("add_request")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
@@ -204,30 +207,24 @@ class LLMEngine:
             k = getattr(params, "truncate_prompt_tokens", None)
             ids = truncated(ids, k, self.config.scheduler.max_model_len)
             self.check_request(ids, params)
-            if lora_request is not None:
-                self.add_lora(lora_request)
+            self.lora.add_adapter_of(adapter)
         except ValueError as e:
             raise ValueError(f"request {request_id!r}: {e}") from None
-        return text, ids, params, lora_request, priority
+        return PreparedRequest(text, ids, params, adapter, priority)
 
-    def enqueue(
-        self,
-        request_id: str,
-        text: str | None,
-        ids: list[int],
-        params: Params,
-        lora_request: LoRARequest | None = None,
-        priority: int = 0,
-    ) -> None:
+    def enqueue(self, request_id: str, prepared: PreparedRequest) -> None:
         """Queue what prepare_request returned."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        text, ids, params = prepared.text, prepared.prompt_token_ids, prepared.params
         seed = getattr(params, "seed", None)
         if seed is None:
             seed = int(self._rng.integers(2**32))
         seed = (seed ^ (seed >> 32)) & 0xFFFFFFFF  # 64-bit seeds fold into the sampler's 32
         seq = Sequence(self.scheduler.new_seq_id(), ids, self.config.cache.block_size)
-        group = SequenceGroup(request_id, [seq], time.monotonic(), params, lora_request, priority)
+        group = SequenceGroup(
+            request_id, [seq], time.monotonic(), params, prepared.adapter, prepared.priority
+        )
         request = Request(request_id, text, ids, group, seed)
         if getattr(params, "masks_early_stops", False):  # EOS (unless ignored) and stop ids
             eos = () if params.ignore_eos else self.eos_token_ids
@@ -240,44 +237,8 @@ class LLMEngine:
         if self.requests.pop(request_id, None) is not None:
             self.scheduler.abort(request_id)
 
-    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras / pin_lora) ----------------
-
-    def _loras(self) -> LoRAManager:
-        if self.lora_manager is None:
-            raise ValueError("LoRA adapters need enable_lora=True")
-        return self.lora_manager
-
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load an adapter into the host cache now (a request's own is added with it); a bad
-        path or a rank above max_lora_rank raises ValueError naming it."""
-        if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest, got {lora_request!r:.200}")
-        if self.lora_manager is None:
-            raise ValueError(
-                f"lora_request {lora_request.lora_name!r} given, but LoRA is off: enable_lora=True"
-            )
-        return self.lora_manager.add_lora(lora_request)
-
-    def remove_lora(self, lora_int_id: int) -> bool:
-        """Drop an adapter from the host cache; requests in flight keep it until they finish
-        (pagedjax/lora/manager.py)."""
-        return self._loras().remove_lora(lora_int_id)
-
-    def list_loras(self) -> set[int]:
-        return self._loras().list_loras()
-
-    def pin_lora(self, lora_int_id: int) -> bool:
-        return self._loras().pin_lora(lora_int_id)
-
-    def lora_requests_info(self) -> tuple[list[str], list[str]]:
-        """The adapters of the running requests and of the waiting ones, by name, sorted (vLLM's
-        lora_requests_info; the swapped count as waiting)."""
-        sched = self.scheduler
-
-        def names(groups) -> list[str]:
-            return sorted({g.lora_request.lora_name for g in groups if g.lora_request})
-
-        return names(sched.running), names([*sched.waiting, *sched.swapped])
+    # vLLM's add_lora, remove_lora, list_loras, pin_lora: those of lora/engine_lora.py
+    add_lora, remove_lora, list_loras, pin_lora = lora_methods()
 
     def has_unfinished_requests(self) -> bool:  # or outputs not yet returned by step()
         return self.scheduler.has_unfinished() or self.steps.has_outputs()
@@ -305,7 +266,6 @@ class LLMEngine:
         request table keeps its identity (the speculator's stop checker holds it)."""
         self.scheduler, self._rng, self.history = state.scheduler, state.rng, state.history
         self.scheduler.speculator = self.speculator
-        self.scheduler.lora = LoRAAdmission(self.lora_manager)
         self.block_manager = state.scheduler.bm
         self.requests.clear()
         self.requests.update(state.requests)
@@ -318,8 +278,6 @@ class LLMEngine:
     def snapshot(self):
         if jax.process_count() > 1:
             raise ValueError("snapshots cover single-process engines only")
-        if self.lora_manager is not None:  # adapters live in the runner's slots, not the pool
-            raise ValueError("snapshots cover engines without enable_lora only")
         self.steps.drain()
         return inspection.snapshot(self.state(), self.config, self.runner.kv_cache)
 
@@ -355,45 +313,3 @@ class LLMEngine:
         bm = self.block_manager.get_stats()
         num_overlapped = self.steps.num_overlapped
         return EngineStats.of(bm, self.scheduler, self.runner, self.profile, num_overlapped)
-
-
-def check_lora_runner(runner_factory) -> None:
-    """enable_lora needs a runner that holds the adapters' device slots: one that takes
-    ``lora_config`` and has ``load_lora_slot(slot, adapter)``, whose step reads each scheduled
-    sequence's ``lora_slot``. Refuse to start without one rather than ignore the adapters."""
-    if not callable(getattr(runner_factory, "load_lora_slot", None)):
-        raise ValueError(
-            "enable_lora=True: LoRA needs the runner's adapter slots (load_lora_slot), which "
-            f"{getattr(runner_factory, '__name__', runner_factory)!r} does not have"
-        )
-
-
-def lora_manager(config: EngineConfig, model_config, loader, runner) -> LoRAManager | None:
-    """The engine's LoRAManager (the adapters' host cache and the runner's device slots, which
-    the scheduler admits by); None without enable_lora."""
-    if not config.enable_lora:
-        return None
-    return LoRAManager(
-        max_loras=config.max_loras,
-        max_lora_rank=config.max_lora_rank,
-        max_cpu_loras=config.max_cpu_loras,
-        model_config=model_config,
-        loader=loader,
-        load_slot=runner.load_lora_slot,
-    )
-
-
-def lora_runner_kwargs(config: EngineConfig, runner_factory) -> dict:
-    """The runner's LoRAConfig (pagedjax.models.lora) as its ``lora_config`` keyword, after
-    check_lora_runner; nothing without enable_lora."""
-    if not config.enable_lora:
-        return {}
-    check_lora_runner(runner_factory)
-    from pagedjax.models.lora import LoRAConfig
-
-    lora = LoRAConfig(
-        max_loras=config.max_loras,
-        max_lora_rank=config.max_lora_rank,
-        max_cpu_loras=config.max_cpu_loras,
-    )
-    return {"lora_config": lora}

@@ -25,6 +25,19 @@ SAMPLING_EPS = 1e-5  # a temperature below this samples greedily (as vLLM)
 
 
 @dataclasses.dataclass
+class PreparedRequest:
+    """A request tokenized, copied and checked, not yet queued (``LLMEngine.prepare_request``):
+    its text (None: given as ids), prompt ids, own copy of the parameters, and its adapter
+    (a LoRARequest, or None), its priority (served lowest first under the priority policy)."""
+
+    text: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams | BeamSearchParams
+    adapter: object = None
+    priority: int = 0
+
+
+@dataclasses.dataclass
 class Request:
     request_id: str
     prompt: str | None  # the text, when the prompt came as one

@@ -73,7 +73,8 @@ class StepLoop:
     """``step()`` over its collaborators: the scheduler (with its block manager), the runner,
     the request table (``fail``, ``store_prompt_logprobs``, ``emit``), the step history and
     profile, and the output processor's ``check_stops`` (a step's sequences checked together).
-    ``enabled``: overlap host and device where it is safe."""
+    ``enabled``: overlap host and device where it is safe (never with speculative decoding, nor
+    with a runner that cannot dispatch ahead)."""
 
     def __init__(
         self,
@@ -85,18 +86,12 @@ class StepLoop:
         profile: StepProfile,
         vocab_size: int,
         check_stops: Callable,
-        speculating: bool = False,
         enabled: bool = False,
     ):
         self.scheduler, self.history = scheduler, history
         self.runner, self.requests, self.profile = runner, requests, profile
         self.vocab_size, self.check_stops = vocab_size, check_stops
-        self.enabled = (
-            enabled
-            and not speculating
-            and getattr(runner, "channel", None) is None
-            and hasattr(runner, "dispatch")
-        )
+        self.enabled = enabled and runner.dispatches_ahead
         self.pending: Dispatched | None = None  # counted ahead, its tokens not yet fetched
         self.num_overlapped = 0  # steps dispatched while the step before was still in flight
         self._touched: set[str] = set()  # requests whose outputs the next step() returns

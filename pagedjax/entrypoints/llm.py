@@ -52,7 +52,6 @@ class LLM:
         self.engine_args = EngineArgs.from_keywords(model, **kwargs)  # checked before loading
         self.engine = LLMEngine.from_engine_args(self.engine_args)
         config = self.engine.config
-        self._log_engine(config)
         if warmup:
             sched = config.scheduler  # groups of several sequences swap in any mode
             swap = self.engine.block_manager.num_host_blocks > 0
@@ -65,19 +64,6 @@ class LLM:
         self._driver_stats: EngineStats | None = None  # a follower's copy of the driver's
         self._stats_log = None if self.engine_args.disable_log_stats else StatsLog()
         self._request_counts = RequestCounts(config.scheduler.max_model_len)
-
-    def _log_engine(self, config: EngineConfig) -> None:
-        st, sched = self.engine.get_stats(), config.scheduler
-        logger.info(
-            "Engine ready: KV cache of %d blocks x %d tokens (%s), max_model_len=%d, "
-            "max_num_seqs=%d, max_num_batched_tokens=%d",
-            st.num_blocks_total,
-            config.cache.block_size,
-            st.kv_cache_dtype or config.dtype,
-            sched.max_model_len,
-            sched.max_num_seqs,
-            sched.token_budget,
-        )
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: SamplingParams with the model's generation config defaults (temperature,
@@ -224,9 +210,9 @@ class LLM:
                     raise ValueError(f"prompt {i}: {e}") from None
                 # Only the final outputs are read here (vLLM's LLM asks the same): the engine's
                 # own copy of the params, so no output is built at the steps in between.
-                prepared[-1][2].output_kind = RequestOutputKind.FINAL_ONLY
+                prepared[-1].params.output_kind = RequestOutputKind.FINAL_ONLY
             for request_id, request in zip(ids, prepared, strict=True):
-                self.engine.enqueue(request_id, *request)
+                self.engine.enqueue(request_id, request)
                 added.append(request_id)
             results: dict[str, RequestOutput] = {}
             with tqdm(total=len(ids), disable=not use_tqdm, desc="generating") as bar:

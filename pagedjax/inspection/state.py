@@ -309,6 +309,8 @@ class _Pickler(pickle.Pickler):
 def snapshot(state: EngineState, config, kv_cache) -> Snapshot:
     """Capture an engine's state between steps (see the module doc): its host-side ``state``,
     the ``config`` it was built with, and its ``kv_cache``'s blocks that hold data."""
+    if config.lora is not None:  # adapters live in the runner's slots, not the pool
+        raise ValueError("snapshots cover engines without enable_lora only")
     view = inspect(state)
     buf = io.BytesIO()
     pickled = (state.scheduler, state.requests, state.rng, state.history)

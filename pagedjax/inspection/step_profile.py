@@ -193,7 +193,7 @@ def model_read_bytes(runner) -> tuple[int, int]:
 
     from pagedjax.models.llama import kv_pool_bytes_per_block
 
-    params, kv_cache = getattr(runner, "params", None), getattr(runner, "kv_cache", None)
+    params, kv_cache = runner.params, runner.kv_cache
     if params is None or kv_cache is None:
         return 0, 0
     weights = sum(x.nbytes for x in jax.tree.leaves(params))

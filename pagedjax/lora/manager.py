@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Collection
 
+from pagedjax.lora.config import LoRAConfig
 from pagedjax.lora.request import LoRARequest
 
 NO_LORA = 0  # the base model's id and slot
@@ -43,27 +44,19 @@ def _default_loader(path: str, model_config, max_rank: int):
 
 
 class LoRAManager:
+    """``config``: the engine's limits (pagedjax/lora/config.py, checked there)."""
+
     def __init__(
         self,
+        config: LoRAConfig,
         *,
-        max_loras: int,
-        max_lora_rank: int,
-        max_cpu_loras: int | None = None,
         model_config=None,
         loader: Loader | None = None,
         load_slot: LoadSlot | None = None,
     ):
-        max_cpu_loras = max_loras if max_cpu_loras is None else max_cpu_loras
-        for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(max_cpu_loras, int) or max_cpu_loras < max_loras:
-            raise ValueError(
-                f"max_cpu_loras must be an integer >= max_loras={max_loras}, got {max_cpu_loras!r}"
-            )
-        self.max_loras = max_loras
-        self.max_lora_rank = max_lora_rank
-        self.max_cpu_loras = max_cpu_loras
+        self.max_loras = config.max_loras
+        self.max_lora_rank = config.max_lora_rank
+        self.max_cpu_loras = config.cpu_loras
         self.model_config = model_config
         self.loader = loader or _default_loader
         self.load_slot = load_slot
@@ -72,7 +65,7 @@ class LoRAManager:
             collections.OrderedDict()
         )
         self._pinned: set[int] = set()
-        self._slots: list[int] = [NO_LORA] * (max_loras + 1)  # slot -> lora_int_id (0: empty)
+        self._slots: list[int] = [NO_LORA] * (self.max_loras + 1)  # slot -> lora_int_id (0: empty)
         self._slot_lru: collections.OrderedDict[int, int] = collections.OrderedDict()  # id -> slot
         self._paths: dict[int, str] = {}  # every id ever added: the one adapter it names
         self.num_loads = 0  # adapters read through the loader

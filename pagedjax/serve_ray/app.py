@@ -24,8 +24,9 @@ def build(
     server_kwargs: dict | None = None,
     startup_kwargs: dict | None = None,
 ):
-    """The application: ``llm_kwargs`` go to each replica's ``LLM``, ``server_kwargs`` to
-    ``build_app`` (api_key, limits, ...), ``startup_kwargs`` to ``startup.prepare``."""
+    """The application: ``llm_kwargs`` are each replica's engine arguments (LLM's keywords),
+    ``server_kwargs`` its app's options (AppOptions: api_key, limits, ...), ``startup_kwargs``
+    what compiles before it answers (EngineOptions: warmup, warmup_all, background_compile)."""
     options = options or RayServeOptions()
     names = served_model_name or model
     engine = EngineReplica.options(**options.replica_deployment_options()).bind(

@@ -82,7 +82,7 @@ def serve_on_ray(args: argparse.Namespace, llm_kwargs: dict, server_kwargs: dict
         startup_kwargs={
             "warmup": args.warmup,
             "warmup_all": args.warmup_all,
-            "background": args.background_compile,
+            "background_compile": args.background_compile,
         },
     )
     return 0

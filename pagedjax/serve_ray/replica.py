@@ -17,16 +17,22 @@ from pagedjax.serve_ray import asgi
 
 
 def _load(model, served_model_name, llm_kwargs, server_kwargs, startup_kwargs):
-    from pagedjax import LLM
-    from pagedjax.entrypoints import startup
-    from pagedjax.entrypoints.api_server import build_app
+    """The replica's engine and app (entrypoints/launch.py, as ``pagedjax serve``'s):
+    ``llm_kwargs`` are LLM's keywords (as LLM's, no periodic stats line unless asked for),
+    ``server_kwargs`` the app's options (AppOptions), ``startup_kwargs`` what compiles before it
+    answers (EngineOptions' warmup, warmup_all, background_compile)."""
+    from pagedjax.engine.arg_utils import EngineArgs
+    from pagedjax.engine.hosting.startup import EngineOptions
+    from pagedjax.entrypoints.launch import launch_server
+    from pagedjax.entrypoints.log_setup import configure_default_logging
+    from pagedjax.entrypoints.openai.app_options import AppOptions
 
-    llm = LLM(model, **llm_kwargs)
-    start = startup.prepare(llm, **startup_kwargs)
-    app = build_app(llm.engine, served_model_name, **server_kwargs)
-    app.state.engine_loop.attach_startup(start)
-    app.state.offload.checker.start()  # its workers ready before big bodies come
-    return llm, app
+    configure_default_logging()
+    engine_args = EngineArgs.from_keywords(model, **{"disable_log_stats": True, **llm_kwargs})
+    app_options = AppOptions(**server_kwargs)
+    options = EngineOptions(engine_args, app_options.limits.max_queue, **startup_kwargs)
+    client, app = launch_server(options, served_model_name, app_options)
+    return client, app
 
 
 @serve.deployment(name="PagedJaxEngine")
@@ -39,7 +45,7 @@ class EngineReplica:
         server_kwargs: dict | None = None,
         startup_kwargs: dict | None = None,
     ):
-        self._llm, self._app = await asyncio.to_thread(
+        self._client, self._app = await asyncio.to_thread(
             _load,
             model,
             served_model_name,
@@ -71,7 +77,7 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict:
         """Ray Serve polls this for the request router (RunningReplica.routing_stats)."""
-        s = self._app.state.engine_loop.metrics.engine_stats
+        s = self._client.metrics.engine_stats
         if s is None:
             return {}
         return {
@@ -85,7 +91,7 @@ class EngineReplica:
         (operators, tests).
         ``routing`` is read by the request router: random, so that repeated calls reach every
         replica."""
-        metrics = self._app.state.engine_loop.metrics
+        metrics = self._client.metrics
         s = metrics.engine_stats
         return {
             "pid": os.getpid(),
@@ -99,10 +105,9 @@ class EngineReplica:
         }
 
     async def check_health(self) -> None:
-        if not self._app.state.engine_loop.is_running:
+        if not self._client.is_running:
             raise RuntimeError("the engine thread has stopped")
 
     async def __del__(self):
         await self._lifespan.stop()
-        if not self._app.state.engine_loop.is_running:
-            self._llm.close()
+        self._client.close()

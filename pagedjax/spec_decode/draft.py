@@ -31,7 +31,8 @@ draft's pool is allocated on top of the target's (size the target's pool to leav
 
 from __future__ import annotations
 
-import time
+import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,7 @@ import numpy as np
 from pagedjax import compilation
 from pagedjax.models.loader import load_model
 from pagedjax.worker.input_batch import ScheduledSeq
-from pagedjax.worker.runner import Runner, WarmupReport
+from pagedjax.worker.runner import Runner, RunnerConfig, WarmupReport
 from pagedjax.worker.sampler import (
     SamplingInput,
     SamplingRow,
@@ -48,6 +49,7 @@ from pagedjax.worker.sampler import (
     process_logits,
     row_keys,
 )
+from pagedjax.worker.warmup import Job, compile_jobs
 
 DRAFT_KEY = 3  # folded into a row's key for the draft's own draws
 
@@ -73,8 +75,10 @@ def _fill_history(row: SamplingRow, drafts: list[int]) -> None:
 
 
 class DraftModelRunner:
-    """The target's Runner with the draft model's beside it (see the module docstring); anything
-    not defined here is the target's."""
+    """The target's Runner with the draft model's beside it (see the module docstring): a
+    ModelRunner (worker/runner_protocol.py) whose steps are the target's, preceded by the
+    draft's proposals and mirror; its pool, weights, adapters and counts are the target's
+    (the draft's compiles counted too)."""
 
     def __init__(self, target: Runner, draft: Runner):
         if target.channel is not None or target.mesh is not None:
@@ -89,13 +93,21 @@ class DraftModelRunner:
             )
         self.target = target
         self.draft = draft
+        self.config, self.lora, self.channel = target.config, target.lora, None
         self.num_own_compilations = 0  # draft_sample programs
+        self.own_compile_seconds = 0.0
         target.verifies_draft_probs = True
 
-    def __getattr__(self, name):
-        if name in ("target", "draft"):
-            raise AttributeError(name)
-        return getattr(self.target, name)
+    @property
+    def params(self):
+        return self.target.params
+
+    @property
+    def kv_cache(self):
+        return self.target.kv_cache
+
+    # A step checks the proposals with their q: it waits for the draft's, never dispatched ahead.
+    dispatches_ahead = False
 
     @property
     def num_compilations(self) -> int:
@@ -104,7 +116,12 @@ class DraftModelRunner:
 
     @property
     def compile_seconds(self) -> float:
-        return self.target.compile_seconds + self.draft.compile_seconds
+        own = self.own_compile_seconds
+        return self.target.compile_seconds + self.draft.compile_seconds + own
+
+    @property
+    def shapes_built(self) -> list:
+        return self.target.shapes_built
 
     # ---- a step --------------------------------------------------------------------------
 
@@ -113,6 +130,15 @@ class DraftModelRunner:
         probs = self._propose(seqs) if max(len(s.token_ids) for s in seqs) > 1 else None
         self.draft.forward([ScheduledSeq(s.token_ids, s.start_pos, s.block_table) for s in seqs])
         return self.target.execute(seqs, num_top_logprobs, draft_probs=probs)
+
+    def dispatch(self, seqs: list[ScheduledSeq], num_top_logprobs: int = 0, prev_tokens=None):
+        """Runs the step at once (``dispatches_ahead`` is False: no step before's tokens)."""
+        if prev_tokens is not None:
+            raise ValueError("prev_tokens: a draft model's steps are not dispatched ahead")
+        return self.execute(seqs, num_top_logprobs)
+
+    def fetch(self, handle):
+        return handle  # execute's output already
 
     def _propose(self, seqs: list[ScheduledSeq]) -> np.ndarray:
         """Write each speculated sequence's drafts over its placeholders; returns q on the
@@ -178,41 +204,64 @@ class DraftModelRunner:
         self.draft.synchronize()
 
     def free_device_memory(self) -> None:
-        """Both pools, and the draft's parameters (the engine frees the target's)."""
+        """Both runners' pools and weights."""
         self.target.free_device_memory()
         self.draft.free_device_memory()
-        for leaf in jax.tree.leaves(self.draft.params):
-            leaf.delete()
-        self.draft.params = None
 
-    # ---- warm-up -------------------------------------------------------------------------
+    def follow(self):
+        raise RuntimeError("draft_model speculation runs in one process: nothing to follow")
 
-    def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, **kwargs) -> WarmupReport:
-        """Both runners' programs, then ``draft_sample`` for each decode sequence bucket."""
-        start = time.perf_counter()
-        target = self.target.warmup(max_num_seqs, max_num_batched_tokens, **kwargs)
-        draft = self.draft.warmup(max_num_seqs, max_num_batched_tokens, **kwargs)
-        programs = target.programs + draft.programs
-        shapes = self.draft.step_shapes(max_num_seqs, max_num_batched_tokens)
-        vocab, before = self.target.config.vocab_size, compilation.this_thread()[0]
+    # ---- compiling -----------------------------------------------------------------------
+
+    def warmup_jobs(
+        self, max_num_seqs: int, max_num_batched_tokens: int, *, swap: bool | None = None
+    ) -> list[Job]:
+        """Both runners' program sets, then ``draft_sample`` for each decode sequence bucket
+        (with and without penalties, with and without a constraint)."""
+        limits = (max_num_seqs, max_num_batched_tokens)
+        jobs = self.target.warmup_jobs(*limits, swap=swap)
+        jobs += [
+            (f"draft {name}", lower) for name, lower in self.draft.warmup_jobs(*limits, swap=swap)
+        ]
+        shapes = self.draft.batcher.step_shapes(*limits)
         for s in sorted({shape.num_seqs for shape in shapes if shape.max_query_len == 1}):
-            for penalties in (False, True):
-                for constrained in (False, True):
-                    row = SamplingRow(
-                        repetition_penalty=1.5 if penalties else 1.0,
-                        logit_bias=((0, 1.0),) if constrained else (),
-                    )
-                    t0 = time.perf_counter()
-                    logits = self.target.place(np.zeros((s, vocab), np.float32))
-                    sampling = SamplingInput.build(
-                        [row], s, vocab, history_width=self.target.max_model_len
-                    ).without_flags()
-                    sampling = self.target.place(sampling)
-                    draft_sample.lower(logits, sampling).compile()
-                    name = f"draft_sample s{s}" + " penalties" * penalties
-                    programs.append((name + " constrained" * constrained, time.perf_counter() - t0))
-        self.num_own_compilations += compilation.this_thread()[0] - before
-        return WarmupReport(programs, time.perf_counter() - start)
+            for penalties, constrained in itertools.product((False, True), (False, True)):
+                name = f"draft_sample s{s}" + " penalties" * penalties
+                lower = functools.partial(self._lower_sample, s, penalties, constrained)
+                jobs.append((name + " constrained" * constrained, lower))
+        return jobs
+
+    def startup_jobs(
+        self, max_num_seqs: int, max_num_batched_tokens: int, *, default=None
+    ) -> list[Job]:
+        """Every program: a draft model's server compiles its whole set before it answers."""
+        return self.warmup_jobs(max_num_seqs, max_num_batched_tokens)
+
+    def compile(self, jobs: list[Job], **kwargs) -> WarmupReport:
+        """Compile ``jobs`` (worker/warmup.py's ``compile_jobs``), counted as this runner's."""
+        report = compile_jobs(jobs, guard=self.target.calls.guard, **kwargs)
+        self.num_own_compilations += report.num_compiled
+        self.own_compile_seconds += report.compile_seconds
+        self.target.calls.warmed_up = self.draft.calls.warmed_up = True
+        return report
+
+    def warmup(
+        self, max_num_seqs: int, max_num_batched_tokens: int, *, swap=None, progress: bool = True
+    ) -> WarmupReport:
+        jobs = self.warmup_jobs(max_num_seqs, max_num_batched_tokens, swap=swap)
+        return self.compile(jobs, progress=progress)
+
+    def _lower_sample(self, num_seqs: int, penalties: bool, constrained: bool):
+        row = SamplingRow(
+            repetition_penalty=1.5 if penalties else 1.0,
+            logit_bias=((0, 1.0),) if constrained else (),
+        )
+        vocab = self.target.config.vocab_size
+        logits = self.target.place(np.zeros((num_seqs, vocab), np.float32))
+        sampling = SamplingInput.build(
+            [row], num_seqs, vocab, history_width=self.target.max_model_len
+        ).without_flags()
+        return draft_sample.lower(logits, self.target.place(sampling))
 
 
 def with_draft_model(config, runner):
@@ -229,13 +278,11 @@ def with_draft_model(config, runner):
             f"the draft model's context ({loaded.config.max_context_len} tokens) is shorter than "
             f"max_model_len={runner.max_model_len}"
         )
-    draft = Runner(
-        loaded.config,
-        loaded.params,
+    sizes = RunnerConfig(
         num_blocks=runner.num_blocks,
         block_size=runner.block_size,
         max_model_len=runner.max_model_len,
         num_host_blocks=runner.num_host_blocks,
-        backend=runner.backend,
     )
+    draft = Runner(loaded.config, loaded.params, sizes, backend=runner.backend)
     return DraftModelRunner(runner, draft)

@@ -145,6 +145,7 @@ class KVCache:
         self.block_size = block_size
         self.num_host_blocks = num_host_blocks
         self.dtype = dtype
+        self.sharding = sharding  # the pool's placement
         self.pages: tuple[jax.Array, ...] = init_kv_pool(
             config, num_blocks, block_size, dtype, sharding
         )

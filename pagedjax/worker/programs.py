@@ -10,44 +10,48 @@ empty tree) without LoRA, which lowers the program of an engine without adapters
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pagedjax import compilation
+from pagedjax import compilation, pallas_kernels
+from pagedjax.models.config import ModelConfig
+from pagedjax.models.linear import WeightLayout
 from pagedjax.models.llama import forward as model_forward
-from pagedjax.models.llama import head_logits
+from pagedjax.models.llama import forward_hidden, head_logits
 from pagedjax.models.lora_slots import LoRABatch
 from pagedjax.worker import prompt_logprobs, step_program
 
 
-def _model_step(
-    params,
-    kv_pool,
-    step_input,
-    config,
-    backend,
-    mesh,
-    linear=None,
-    lora_slots=None,
-    return_hidden=False,
-):
-    # linear: the WeightLayout the parameters were processed for (models/linear.py)
+class ModelStatics(NamedTuple):
+    """The model as the programs run it, one static argument (hashable configuration only):
+    its config, the attention backend (an object, or a name), the tensor-parallel mesh (None:
+    one device) and the layout the weights were processed for (models/linear.py; None: as
+    loaded)."""
+
+    config: ModelConfig
+    backend: pallas_kernels.AttentionBackend | str | None = None
+    mesh: jax.sharding.Mesh | None = None
+    linear: WeightLayout | None = None
+
+
+def _model_step(params, kv_pool, step_input, model: ModelStatics, lora_slots=None):
     lora = None if lora_slots is None else LoRABatch(lora_slots, step_input.lora_slot)
-    model = (config, backend, mesh, linear, lora, return_hidden)
-    return model_forward(params, kv_pool, step_input, *model)
+    return model_forward(params, kv_pool, step_input, *model, lora)
 
 
-def _step_and_sample(
-    params, kv_pool, packed, prev_tokens, config, backend, mesh, packed_w, layout, lora_slots=None
-):
+def _step_and_sample(params, kv_pool, packed, prev_tokens, model: ModelStatics, layout, slots=None):
     # packed: i32[...], the step's inputs (step_program.pack_inputs); prev_tokens: i32[W], the
-    # step before's tokens on the device (placeholders -1 - r read row r)
+    # step before's tokens on the device (placeholders -1 - r read row r); slots: the LoRA
+    # adapters' device slots (None: no LoRA)
     step_input, logit_rows, sampling = step_program.unpack_inputs(packed, layout)
     filled = step_program.fill_tokens(step_input.token_ids, prev_tokens)
     step_input = step_input.replace(token_ids=filled)
-    model = (config, backend, mesh, packed_w, lora_slots, True)
-    logits, kv_pool, hidden = _model_step(params, kv_pool, step_input, *model)
+    lora = None if slots is None else LoRABatch(slots, step_input.lora_slot)
+    logits, kv_pool, hidden = forward_hidden(params, kv_pool, step_input, *model, lora)
     outs = step_program.after_model(logits, logit_rows, prev_tokens, sampling)
+    mesh = model.mesh
     if mesh is not None:  # replicated, as the score program's inputs are placed
         hidden = jax.lax.with_sharding_constraint(hidden, NamedSharding(mesh, PartitionSpec()))
     outs["hidden"] = hidden  # [num_tokens, hidden]: prompt logprobs score rows of it
@@ -61,15 +65,14 @@ def _score_rows(params, hidden, rows, targets, config, mesh, linear):
     return prompt_logprobs.score(logits, targets)
 
 
-# (params, pool, packed inputs, prev tokens, config, backend, mesh, weight layout, StepLayout,
-# LoRA slots or None) -> (outputs, pool), the pool donated.
-step = jax.jit(_step_and_sample, static_argnums=(4, 5, 6, 7, 8), donate_argnums=(1,))
+# (params, pool, packed inputs, prev tokens, ModelStatics, StepLayout, LoRA slots or None)
+# -> (outputs, pool), the pool donated.
+step = jax.jit(_step_and_sample, static_argnums=(4, 5), donate_argnums=(1,))
 # (logits rows, packed sampling, its layout, W) -> (packed output, tokens i32[W]).
 sample = jax.jit(step_program.sample_program, static_argnums=(2, 3))
 # (params, hidden, rows, targets, config, mesh, weight layout) -> PromptLogprobsOutput.
 score = jax.jit(_score_rows, static_argnums=(4, 5, 6))
-# (params, pool, StepInput, config, backend, mesh, weight layout, LoRA slots or None)
-# -> (logits, pool).
-forward = jax.jit(_model_step, static_argnums=(3, 4, 5, 6), donate_argnums=(1,))
+# (params, pool, StepInput, ModelStatics, LoRA slots or None) -> (logits, pool).
+forward = jax.jit(_model_step, static_argnums=(3,), donate_argnums=(1,))
 
 compilation.track_compile_seconds()

@@ -20,9 +20,10 @@ sequence (its last token and its proposals) and samples them with the verify pro
 steps are the plain engine's.
 
 Padding and buckets are input_batch's; the pool, its host mirror and block moves kv_cache's; the
-jitted programs programs'; their lowering for warm-up warmup_jobs'.
+jitted programs programs'; compiling and warm-up runner_compile's (the program set:
+warmup_jobs'). What the engine needs of a runner is worker/runner_protocol.py's ``ModelRunner``.
 
-With a ``lora_config`` the runner holds LoRA adapters' device slots (worker/lora.py).
+With a LoRA config the runner holds the adapters' device slots (``Runner.lora``, worker/lora.py).
 
 Every device operation goes through ``DeviceCalls`` (worker/device_calls.py): in a multi-process
 run (``pagedjax.distributed``) the driver broadcasts it with its host arrays and the followers
@@ -37,18 +38,19 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from pagedjax import compilation, executables, pallas_kernels
+from pagedjax import compilation, pallas_kernels
 from pagedjax.distributed import Channel
 from pagedjax.inspection.step_profile import StepProfile
+from pagedjax.lora.config import LoRAConfig
 from pagedjax.models.config import ModelConfig
 from pagedjax.models.linear import process_weights_after_loading
 from pagedjax.models.quant import compute_dtype
 from pagedjax.models.sharding import pool_sharding, shard_params
 from pagedjax.models.step_input import StepInput
 from pagedjax.pallas_kernels.layer_matmul import CpuLinearMethods
-from pagedjax.spec_decode.rejection import verify_step
-from pagedjax.worker import programs, prompt_logprobs, sampler, step_program, warmup_jobs
+from pagedjax.worker import programs, prompt_logprobs, sampler, step_program
 from pagedjax.worker.device_calls import DeviceCalls
+from pagedjax.worker.forward import ModelForward
 from pagedjax.worker.input_batch import (
     InputBatcher,
     ScheduledSeq,
@@ -57,13 +59,24 @@ from pagedjax.worker.input_batch import (
     padded_ids,
 )
 from pagedjax.worker.kv_cache import KVCache, pool_dtype
-from pagedjax.worker.lora import LoRASlotsHolder
+from pagedjax.worker.lora import RunnerLoRA
 from pagedjax.worker.persistent_batch import PersistentBatch
+from pagedjax.worker.runner_compile import RunnerCompiler
+from pagedjax.worker.runner_config import RunnerConfig
 from pagedjax.worker.sampler import SamplingInput, SamplingRow
 from pagedjax.worker.step_handle import StepHandle, StepOutput
-from pagedjax.worker.warmup import Job, WarmupReport, compile_jobs
+from pagedjax.worker.step_ops import StepOps
+from pagedjax.worker.warmup import Job, WarmupReport
 
-__all__ = ["Runner", "ScheduledSeq", "StepHandle", "StepOutput", "StepShape", "WarmupReport"]
+__all__ = [
+    "Runner",
+    "RunnerConfig",
+    "ScheduledSeq",
+    "StepHandle",
+    "StepOutput",
+    "StepShape",
+    "WarmupReport",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -78,94 +91,102 @@ def placed(params, mesh: Mesh | None):
     return shard_params(params, mesh), NamedSharding(mesh, PartitionSpec()), pool_sharding(mesh)
 
 
-class Runner(LoRASlotsHolder):
-    """Owns the parameters, the device KV pool and the jitted step."""
+def on_device(config: ModelConfig, params, sizes: RunnerConfig, mesh: Mesh | None, dtype):
+    """(the weights in the layout the step reads, chosen once (models/linear.py), their weight
+    layout, the placement of host inputs, the KV pool). With a mesh (tensor parallelism),
+    weights and pool are split by heads across devices and host arrays are replicated to every
+    device of the mesh."""
+    params, inputs, pool = placed(params, mesh)
+    params, linear = process_weights_after_loading(
+        params, config, mesh, platform=CpuLinearMethods()
+    )
+    kv_cache = KVCache(
+        config,
+        num_blocks=sizes.num_blocks,
+        block_size=sizes.block_size,
+        num_host_blocks=sizes.num_host_blocks,
+        dtype=pool_dtype(sizes.kv_cache_dtype, dtype),
+        sharding=pool,
+    )
+    return params, linear, inputs, kv_cache
+
+
+class Runner:
+    """Owns the parameters, the device KV pool and the jitted step. ``sizes``: the pool and the
+    engine's limits (worker/runner_config.py). ``backend``: the attention backend or its name
+    (None: the PAGEDJAX_ATTENTION_BACKEND setting, else the platform's); ``mesh``: tensor
+    parallelism; ``channel``: a multi-process run's."""
+
+    # A draft model's runner (spec_decode/draft.py) sets this: its steps verify with q rows.
+    verifies_draft_probs = False
 
     def __init__(
         self,
         config: ModelConfig,
         params,
+        sizes: RunnerConfig,
         *,
-        num_blocks: int,
-        block_size: int,
-        max_model_len: int,
-        num_host_blocks: int = 0,
         backend: str | pallas_kernels.AttentionBackend | None = None,
         mesh: Mesh | None = None,
         channel: Channel | None = None,
         profile: StepProfile | None = None,
-        num_speculative_tokens: int = 0,
-        kv_cache_dtype: str = "auto",
-        max_num_seqs: int = 256,
-        lora_config=None,
     ):
-        """``num_speculative_tokens``: proposals a sequence may verify per step (each step then
-        returns logits for 1 + that many rows per sequence and samples with ``verify_step``).
-        ``kv_cache_dtype``: the pool's ("auto": the compute dtype; "int8" / "fp8": 8-bit pages
-        with scales, worker/kv_cache.py). ``max_num_seqs``: the engine's, which sets the width of
-        every step's device tokens (worker/step_program.py). ``lora_config``: worker/lora.py."""
         compilation.enable_persistent_cache()
-        self.config = config
-        self.params = params
-        # The attention backend, chosen once: by name (None: the PAGEDJAX_ATTENTION_BACKEND
-        # setting, else the platform's), passed to the model as the object.
-        self.backend = pallas_kernels.select_backend(
+        self.config, self.sizes, self.mesh = config, sizes, mesh
+        block_size, max_num_seqs = sizes.block_size, sizes.max_num_seqs
+        self.backend = pallas_kernels.select_backend(  # chosen once, passed to the model
             backend, block_size=block_size, head_dim=config.head_dim
         )
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.num_speculative_tokens = num_speculative_tokens
+        self.block_size, self.num_blocks = block_size, sizes.num_blocks
+        self.num_host_blocks, self.max_model_len = sizes.num_host_blocks, sizes.max_model_len
+        self.num_speculative_tokens = sizes.num_speculative_tokens
         self.batcher = InputBatcher(
             block_size,
-            max_model_len,
-            1 + num_speculative_tokens,
+            sizes.max_model_len,
+            1 + sizes.num_speculative_tokens,
             follows_context=self.backend.follows_context,
             max_num_seqs=max_num_seqs,
         )
         self.batcher.query_buckets = not self.backend.follows_rows
         self.max_blocks_per_seq = self.batcher.max_blocks_per_seq
         self.dtype = compute_dtype(params)  # linear kernels may be 8-bit (models/quant.py)
-        # With a mesh (tensor parallelism), weights and pool are split by heads across devices
-        # and host arrays are replicated to every device of the mesh.
-        self.mesh = mesh
-        params, self._inputs, pool = placed(params, mesh)
-        # The weights in the layout the step reads, chosen once (models/linear.py): one array
-        # per layer, or stacked under the scan (on a CPU in the native kernels' layouts).
-        params, self.linear = process_weights_after_loading(
-            params, config, mesh, platform=CpuLinearMethods()
+        self.params, self.linear, self._inputs, self.kv_cache = on_device(
+            config, params, sizes, mesh, self.dtype
         )
-        self.params = params
-        self.kv_cache = KVCache(
-            config,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            num_host_blocks=num_host_blocks,
-            dtype=pool_dtype(kv_cache_dtype, self.dtype),
-            sharding=pool,
-        )
-        self.num_host_blocks = num_host_blocks
-        self.init_lora(lora_config, pool)
-        self.max_model_len = max_model_len
-        # Every step's device tokens are i32[W] (worker/step_program.py); one placed zeros array
-        # stands for the tokens of no step.
-        self.fill_width = step_program.fill_width(max_num_seqs)
-        # Block-table rows kept across steps (worker/persistent_batch.py): room for two full
-        # steps, so that sequences missing from one step keep theirs.
-        self.table_rows = PersistentBatch(2 * self.fill_width, self.max_blocks_per_seq)
-        self._zeros = None
-        self.num_programs = 0  # programs the steps dispatched
-        self.num_transfers = 0  # host arrays the steps sent to the device
+        self.statics = programs.ModelStatics(config, self.backend, mesh, self.linear)
         self.channel = channel  # set in a multi-process run
         self.calls = DeviceCalls(self.device_op, channel)  # every device operation's door
+        self.lora = None if sizes.lora is None else self._lora(sizes.lora)
+        # Every step's device tokens are i32[W] (worker/step_program.py); one placed zeros array
+        # stands for the tokens of no step. Block-table rows are kept across steps
+        # (worker/persistent_batch.py): room for two full steps.
+        self.fill_width = step_program.fill_width(max_num_seqs)
+        self.table_rows = PersistentBatch(2 * self.fill_width, self.max_blocks_per_seq)
+        # the step's device operation, counting its programs and transfers
+        self.step_ops = StepOps(self, self._inputs)
         self.profile = profile or StepProfile()
         # The profile's attention work: the native CPU kernel reads each row's own keys only.
         self._attention_rows_only = self.backend.reads_rows_only
+        self.compiler = RunnerCompiler(self)
+        self.model_forward = ModelForward(self)
+
+    def _lora(self, lora: LoRAConfig) -> RunnerLoRA:
+        self.batcher.lora = True  # each step carries its rows' slots
+        where = self.kv_cache.sharding  # placed as the pool is
+        return RunnerLoRA(lora, self.config, self.dtype, self.mesh, where, self.device)
+
+    @property
+    def dispatches_ahead(self) -> bool:
+        """Whether ``dispatch`` takes the step before's device tokens (not in a multi-process
+        run: followers replay from host arrays)."""
+        return self.channel is None
+
+    @property
+    def shapes_built(self) -> list[StepShape]:
+        return self.batcher.shapes_built
 
     def build_step_input(self, seqs: list[ScheduledSeq]) -> StepInput:
         return self.batcher.build(seqs)
-
-    # A draft model's runner (spec_decode/draft.py) sets this: its steps verify with q rows.
-    verifies_draft_probs = False
 
     def execute(
         self, seqs: list[ScheduledSeq], num_top_logprobs: int = 0, draft_probs=None
@@ -213,7 +234,7 @@ class Runner(LoRASlotsHolder):
         with prof.phase("device", kind):
             args = (packed, layout, sampling, drafts, draft_probs, score_chunks)
             args += () if prev_tokens is None else (prev_tokens,)
-            out, tokens, scored = self._call("run_step", *args)
+            out, tokens, scored = self.device("run_step", *args)
             if isinstance(out, jax.Array):
                 out.copy_to_host_async()  # the one array fetch reads, on its way already
         return StepHandle(out, tokens, scored, seqs, len(rows), num_top_logprobs, kind)
@@ -245,120 +266,26 @@ class Runner(LoRASlotsHolder):
             rows, size, vocab, history_width=self.max_model_len, constrained=constrained
         )
 
-    def _run_step(
-        self,
-        packed: np.ndarray,
-        layout: step_program.StepLayout,
-        sampling: SamplingInput | None,
-        drafts: np.ndarray | None = None,
-        draft_probs: np.ndarray | None = None,
-        score_chunks: list[tuple[np.ndarray, np.ndarray]] = (),
-        prev_tokens: jax.Array | None = None,
-    ):
-        """One step's programs: the step program (fill, model, and the sampling of a plain
-        greedy batch or, its input packed in ``packed``, of a sampled decode step); else the
-        sampler program (``sampling``) unless the batch is plain greedy; the verify program in a
-        step that verifies; the score program for each chunk of prompt rows (``score_chunks``,
-        worker/prompt_logprobs.py). Returns (output, tokens i32[W] or None, the chunks' scores,
-        on the device)."""
-        if prev_tokens is None:
-            prev_tokens = self._no_tokens()
-        outs, self.kv_cache.pages = self._launch(
-            programs.step, *self._step_operands(packed, prev_tokens, layout)
-        )
-        model = (self.config, self.mesh, self.linear)
-        scored = [
-            self._launch(programs.score, self.params, outs["hidden"], *self._put(chunk), *model)
-            for chunk in score_chunks
-        ]
-        if drafts is not None:
-            # Speculation: rows with a proposal verify it (VerifyOutput: SamplerOutput +
-            # accepted); the logits rows are the sampler's already.
-            rows = np.arange(layout.num_logits, dtype=np.int32)
-            args = (outs["logits"], *self._put((rows, sampling, drafts)))
-            if draft_probs is not None:
-                args += (self._put(draft_probs),)
-            return self._launch(verify_step, *args), None, scored
-        # A plain greedy batch (None: nothing built for it) or a sampled decode step (its
-        # sampling input in the layout) is sampled in the step program.
-        if sampling is None:
-            return outs["packed"], outs["tokens"], scored
-        packed_sampling, sampling_layout = step_program.pack_sampling(sampling)
-        args = (outs["logits"], self._put(packed_sampling), sampling_layout, self.fill_width)
-        return *self._launch(programs.sample, *args), scored
-
-    def _host(self, packed: np.ndarray) -> np.ndarray:
-        """A step's packed inputs, handed to the step program as a host array (counted: one
-        transfer): jit's own transfer costs a fraction of a ``device_put`` before the call, and
-        the program is lowered for a host array (worker/warmup_jobs.py), so it is the same one."""
-        self.num_transfers += 1
-        return packed
-
-    def _put(self, tree):
-        """Host arrays to the device (counted: ``num_transfers``, one per array)."""
-        self.num_transfers += len(jax.tree.leaves(tree))
-        return jax.device_put(tree, self._inputs)
-
-    def _launch(self, program, *args):
-        self.num_programs += 1  # programs dispatched (``num_programs``)
-        return program(*args)
-
-    def _no_tokens(self) -> jax.Array:
-        """i32[W] zeros on the device: the step before's tokens when there are none to fill."""
-        if self._zeros is None:
-            self._zeros = self._put(np.zeros(self.fill_width, np.int32))
-        return self._zeros
-
-    # ---- warm-up ---------------------------------------------------------------------------
+    # ---- compiling and warm-up (worker/runner_compile.py) ---------------------------------
 
     def step_shapes(self, max_num_seqs: int, max_num_batched_tokens: int) -> list[StepShape]:
-        return self.batcher.step_shapes(max_num_seqs, max_num_batched_tokens)
+        return self.compiler.step_shapes(max_num_seqs, max_num_batched_tokens)
 
-    def warmup(
-        self,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        *,
-        swap: bool | None = None,
-        progress: bool = True,
-    ) -> WarmupReport:
-        """Compile every program a workload within these limits can need (``warmup_jobs``: the
-        program set's bound) on a thread pool (XLA compiles outside the GIL); returns the
-        seconds each program took (compiled, or loaded from the persistent cache)."""
-        limits = (max_num_seqs, max_num_batched_tokens)
-        jobs = self.warmup_jobs(*limits, swap=swap)
-        logger.info("warm-up: the engine's whole program set, %d programs", len(jobs))
-        executables.warn_if_unsafe(len(jobs))
-        return self.compile(jobs, progress=progress)
+    def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, **kwargs) -> WarmupReport:
+        """Compile the whole program set for these limits (``swap``, ``progress``)."""
+        return self.compiler.warmup(max_num_seqs, max_num_batched_tokens, **kwargs)
+
+    def warmup_jobs(self, max_num_seqs: int, max_num_batched_tokens: int, **kwargs) -> list[Job]:
+        return self.compiler.warmup_jobs(max_num_seqs, max_num_batched_tokens, **kwargs)
+
+    def startup_jobs(self, max_num_seqs: int, max_num_batched_tokens: int, **kwargs) -> list[Job]:
+        return self.compiler.startup_jobs(max_num_seqs, max_num_batched_tokens, **kwargs)
 
     def program_bound(self, max_num_seqs: int, max_num_batched_tokens: int, swap=None) -> int:
-        """The most programs this runner's steps can compile within these limits (the warm-up's
-        job count; worker/warmup_jobs.py lists them)."""
-        return len(self.warmup_jobs(max_num_seqs, max_num_batched_tokens, swap=swap))
+        return self.compiler.program_bound(max_num_seqs, max_num_batched_tokens, swap)
 
     def compile(self, jobs: list[Job], **kwargs) -> WarmupReport:
-        """Compile ``jobs`` (worker/warmup.py's ``compile_jobs``, which takes ``kwargs``) and
-        count what they compiled as this runner's; safe on a thread beside the engine's."""
-        report = compile_jobs(jobs, guard=self.calls.guard, **kwargs)
-        self.calls.count(report.num_compiled, report.compile_seconds)
-        self.calls.warmed_up = True
-        return report
-
-    def startup_jobs(self, *limits, default=warmup_jobs.DEFAULT_SAMPLING) -> list[Job]:
-        """The programs a server compiles before it answers within ``limits`` (max_num_seqs,
-        max_num_batched_tokens) for requests that sample as ``default`` (worker/warmup_jobs.py)."""
-        return warmup_jobs.startup_jobs(self, *limits, default)
-
-    def warmup_jobs(
-        self,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        *,
-        swap: bool | None = None,
-    ) -> list[Job]:
-        """Every program a workload within these limits can need (worker/warmup_jobs.py), as
-        (name, lowering thunk); the async placeholders' fill is in the step program."""
-        return warmup_jobs.warmup_jobs(self, max_num_seqs, max_num_batched_tokens, swap)
+        return self.compiler.compile(jobs, **kwargs)
 
     def place(self, tree):
         """Host arrays to the device, placed as every program's inputs are (not counted)."""
@@ -368,67 +295,26 @@ class Runner(LoRASlotsHolder):
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src -> block dst in every layer."""
-        self._call("copy", *padded_ids(pairs))
+        self.device("copy", *padded_ids(pairs))
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Device block -> host block, for every layer."""
         if not self.num_host_blocks:
             raise ValueError("no host swap space: set swap_space_gib > 0 to swap")
-        self._call("swap_out", *padded_ids(pairs))
+        self.device("swap_out", *padded_ids(pairs))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Host block -> device block, for every layer."""
-        self._call("swap_in", *padded_ids(pairs))
+        self.device("swap_in", *padded_ids(pairs))
 
     def forward_logits(self, seqs: list[ScheduledSeq], all_positions: bool = False) -> np.ndarray:
-        """Logits for the last token of each sequence, or for every scheduled token (testing and
-        scoring); writes the tokens' K/V into the pool like a normal step."""
-        step_input = self.build_step_input(seqs)
-        lengths = np.asarray([len(s.token_ids) for s in seqs])
-        rows = np.arange(lengths.sum()) if all_positions else np.cumsum(lengths) - 1
-        step_input = step_input.replace(logits_indices=rows.astype(np.int32))
-        return np.asarray(self._call("run_forward", step_input))
+        """The model step alone (worker/forward.py): logits of each sequence's last token, or
+        of every scheduled token."""
+        return self.model_forward.logits(seqs, all_positions)
 
     def forward(self, seqs: list[ScheduledSeq]) -> jax.Array:
-        """The model step alone, with execute's (bucketed, warmed-up) program: writes the tokens'
-        K/V and returns, on the device, the logits of each sequence's last token (row i: seq i)."""
-        return self._call("run_forward", self.build_step_input(seqs), True)
-
-    def _step_operands(self, packed, prev_tokens, layout) -> tuple:
-        """``programs.step``'s operands: this step's packed inputs and previous tokens, the
-        runner's weights, pool and static settings."""
-        return (
-            self.params,
-            self.kv_cache.pages,
-            self._host(packed),
-            prev_tokens,
-            self.config,
-            self.backend,
-            self.mesh,
-            self.linear,
-            layout,
-            self.lora_slots,
-        )
-
-    def _run_forward(self, step_input: StepInput, bucketed: bool = False) -> jax.Array:
-        if bucketed:  # the step program (warmed up), its logits rows all read
-            rows = np.arange(len(step_input.logits_indices), dtype=np.int32)
-            packed, layout = step_program.pack_inputs(step_input, rows)
-            outs, self.kv_cache.pages = programs.step(
-                *self._step_operands(packed, self._no_tokens(), layout)
-            )
-            return outs["logits"]
-        logits, self.kv_cache.pages = programs.forward(
-            self.params,
-            self.kv_cache.pages,
-            jax.device_put(step_input, self._inputs),
-            self.config,
-            self.backend,
-            self.mesh,
-            self.linear,
-            self.lora_slots,
-        )
-        return logits
+        """The model step alone, with the steps' own program: the last tokens' logits."""
+        return self.model_forward.bucketed(seqs)
 
     # ---- multi-process ---------------------------------------------------------------------
 
@@ -436,16 +322,17 @@ class Runner(LoRASlotsHolder):
         """The function behind device operation ``op`` (None for another message), run here
         alone: no follower sees it, no compile is counted, no observer called."""
         ops = {
-            "run_step": self._run_step,
-            "run_forward": self._run_forward,
+            "run_step": self.step_ops.run_step,
+            "run_forward": self.model_forward.run,
             "copy": self.kv_cache.copy,
             "swap_out": self.kv_cache.swap_out,
             "swap_in": self.kv_cache.swap_in,
-            "load_lora": self._load_lora,
+            "load_lora": None if self.lora is None else self.lora.write,
         }
         return ops.get(op)
 
-    def _call(self, op: str, *args):
+    def device(self, op: str, *args):
+        """Run device operation ``op`` through the door (worker/device_calls.py)."""
         if not self.kv_cache.pages:
             raise RuntimeError("the engine is closed")
         return self.calls.run(op, *args)
@@ -468,4 +355,8 @@ class Runner(LoRASlotsHolder):
         jax.block_until_ready(self.kv_cache.pages)
 
     def free_device_memory(self) -> None:
+        """The pool and the parameters: the runner is unusable afterwards."""
         self.kv_cache.free()
+        for leaf in jax.tree.leaves(self.params):
+            leaf.delete()
+        self.params = None

@@ -33,6 +33,7 @@ import numpy as np
 from pagedjax.spec_decode.rejection import verify_step
 from pagedjax.worker import programs, prompt_logprobs, sampler, step_program
 from pagedjax.worker.input_batch import StepShape, moves_bucket
+from pagedjax.worker.lora import slots_of
 from pagedjax.worker.sampler import SamplingInput, Variant
 from pagedjax.worker.warmup import Job, common_shapes
 
@@ -73,7 +74,7 @@ def startup_jobs(
     async placeholders itself), the step program of each common decode shape that samples
     ``default`` rows itself, and the sampler of such a request for each of their sequence
     buckets (a prefill step's); with a plain greedy ``default`` (None), the model steps alone."""
-    shapes = runner.step_shapes(max_num_seqs, max_num_batched_tokens)
+    shapes = runner.batcher.step_shapes(max_num_seqs, max_num_batched_tokens)
     common = common_shapes(runner.batcher, shapes)
     jobs = [(f"model {s}", lambda s=s: lower_step(runner, s)) for s in common]
     jobs += lora_jobs(runner)
@@ -95,7 +96,7 @@ def warmup_jobs(
     rarest (score programs) last. ``swap`` None: the swap programs if the runner has host
     blocks."""
     jobs = lora_jobs(runner)
-    shapes = runner.step_shapes(max_num_seqs, max_num_batched_tokens)
+    shapes = runner.batcher.step_shapes(max_num_seqs, max_num_batched_tokens)
     for shape in shapes:
         jobs.append((f"model {shape}", lambda shape=shape: lower_step(runner, shape)))
     for shape in shapes:
@@ -141,7 +142,7 @@ def program_kinds(names: list[str]) -> collections.Counter:
 
 def lora_jobs(runner) -> list[Job]:
     """The LoRA slot write (an engine serving adapters: changing them compiles nothing)."""
-    return [] if runner.lora_slots is None else [("lora slot write", runner.lower_slot_write)]
+    return [] if runner.lora is None else [("lora slot write", runner.lora.lower_write)]
 
 
 def _step_name(shape: StepShape, variant: Variant) -> str:
@@ -163,12 +164,9 @@ def lower_step(runner, shape: StepShape, variant: Variant | None = None):
         runner.kv_cache.pages,
         packed,  # a host array, as the steps pass it (Runner._host)
         runner.place(np.zeros(runner.fill_width, np.int32)),
-        runner.config,
-        runner.backend,
-        runner.mesh,
-        runner.linear,
+        runner.statics,
         layout,
-        runner.lora_slots,
+        slots_of(runner.lora),
     )
 
 

@@ -20,10 +20,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from pagedjax.models.llama import forward  # noqa: E402
 from pagedjax.models.loader import load_model  # noqa: E402
-from pagedjax.models.lora import LoRABatch, LoRAConfig, init_slots, load_adapter, set_slot  # noqa: E402
+from pagedjax.models.lora import LoRABatch, init_slots, load_adapter, set_slot  # noqa: E402
 from pagedjax.models.sharding import make_mesh, replicate_kv_heads, sharded_config  # noqa: E402
 
-from pagedjax.worker.runner import Runner, ScheduledSeq  # noqa: E402
+from pagedjax.worker.runner import Runner, RunnerConfig, ScheduledSeq  # noqa: E402
 
 _forward = jax.jit(forward, static_argnums=(3, 4, 5, 6))
 
@@ -33,9 +33,10 @@ def run(base: str, adapter_dirs: list[str], prompts, slots_per_prompt, tp: int) 
     mesh = make_mesh(tp) if tp > 1 else None
     config = sharded_config(loaded.config, tp)
     params = replicate_kv_heads(loaded.params, loaded.config, tp)
-    runner = Runner(config, params, num_blocks=64, block_size=8, max_model_len=64, mesh=mesh)
-    lora_config = LoRAConfig(max_loras=len(adapter_dirs), max_lora_rank=16)
-    slots = init_slots(config, lora_config, runner.dtype, mesh)
+    runner = Runner(
+        config, params, RunnerConfig(num_blocks=64, block_size=8, max_model_len=64), mesh=mesh
+    )
+    slots = init_slots(config, len(adapter_dirs), 16, runner.dtype, mesh)
     specs_before = jax.tree.map(lambda x: str(x.sharding), slots)
     for i, d in enumerate(adapter_dirs, start=1):
         slots = set_slot(slots, i, load_adapter(d, loaded.config, 16))

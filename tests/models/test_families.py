@@ -25,7 +25,7 @@ from pagedjax.models.step_input import StepInput
 
 from pagedjax import LLM, SamplingParams
 from pagedjax.core.window import live_blocks
-from pagedjax.worker.runner import Runner, ScheduledSeq
+from pagedjax.worker.runner import Runner, RunnerConfig, ScheduledSeq
 
 BLOCK = 8
 # 3 < window < 13; 23 and 40 run past the window (and 40 past Phi-3's original 32-token
@@ -154,7 +154,11 @@ def _tables(n: int, total_len: int) -> list[list[int]]:
 def test_prefill_and_decode_logits(name, built):
     path, hf, prompts = built(name)
     loaded = load_model(str(path), use_cache=False)
-    runner = Runner(loaded.config, loaded.params, num_blocks=64, block_size=BLOCK, max_model_len=64)
+    runner = Runner(
+        loaded.config,
+        loaded.params,
+        RunnerConfig(num_blocks=64, block_size=BLOCK, max_model_len=64),
+    )
     tables = _tables(len(prompts), max(PROMPT_LENS) + DECODE_STEPS)
     # Prefill: all prompts packed into one ragged step; logits at every position.
     logits = runner.forward_logits(

@@ -22,7 +22,7 @@ from pagedjax.models.llama import forward, param_shapes
 from pagedjax.models.sharding import param_shardings
 from pagedjax.models.step_input import StepInput
 
-from pagedjax.worker.runner import Runner, ScheduledSeq
+from pagedjax.worker.runner import Runner, RunnerConfig, ScheduledSeq
 
 BLOCK = 8
 PROMPT_LENS = [3, 13, 23]  # past Gemma 2's window of 8
@@ -43,7 +43,7 @@ def random_params(config: ModelConfig, seed: int = 0) -> dict:
 def run_logits(config, params, loop: str, monkeypatch) -> np.ndarray:
     """Prefill logits at every position of three packed prompts, then two decode steps."""
     monkeypatch.setenv(layer_loop.ENV_LAYER_LOOP, loop)
-    runner = Runner(config, params, num_blocks=32, block_size=BLOCK, max_model_len=64)
+    runner = Runner(config, params, RunnerConfig(num_blocks=32, block_size=BLOCK, max_model_len=64))
     assert layer_loop.is_per_layer(runner.params) == (loop == "unrolled")
     rng = np.random.default_rng(1)
     seqs = [rng.integers(3, config.vocab_size, n).tolist() for n in PROMPT_LENS]
@@ -210,7 +210,8 @@ def test_layers_traced_once_compile_to_the_program_traced_layer_by_layer(tmp_pat
 
     c = tiny_config("gemma2", tmp_path, num_hidden_layers=4)
     monkeypatch.setenv(layer_loop.ENV_LAYER_LOOP, "unrolled")
-    runner = Runner(c, random_params(c), num_blocks=32, block_size=BLOCK, max_model_len=64)
+    sizes = RunnerConfig(num_blocks=32, block_size=BLOCK, max_model_len=64)
+    runner = Runner(c, random_params(c), sizes)
     shapes = runner.step_shapes(4, 64)
     shapes = [next(s for s in shapes if s.max_query_len == 1), shapes[-1]]  # decode, prefill
     once = [_instructions(lower_step(runner, s).compile().as_text()) for s in shapes]

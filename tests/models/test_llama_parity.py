@@ -9,7 +9,7 @@ from hf_models import TINY_CONFIGS, make_tiny_model
 from pagedjax.models.loader import load_model
 
 from pagedjax import LLM, SamplingParams
-from pagedjax.worker.runner import Runner, ScheduledSeq
+from pagedjax.worker.runner import Runner, RunnerConfig, ScheduledSeq
 
 BLOCK = 8
 PROMPT_LENS = [1, 5, 8, 16, 23]  # 8 and 16 end exactly on a block boundary
@@ -40,7 +40,11 @@ def test_prefill_and_decode_logits(tiny):
     name, path, hf, prompts = tiny
     loaded = load_model(str(path))
     steps = 6
-    runner = Runner(loaded.config, loaded.params, num_blocks=64, block_size=BLOCK, max_model_len=64)
+    runner = Runner(
+        loaded.config,
+        loaded.params,
+        RunnerConfig(num_blocks=64, block_size=BLOCK, max_model_len=64),
+    )
     tables = _tables(prompts, max(PROMPT_LENS) + steps)
     # Prefill: all prompts packed into one ragged step; logits at every position.
     logits = runner.forward_logits(

@@ -30,7 +30,6 @@ from pagedjax.models.llama import forward, param_shapes
 from pagedjax.models.loader import load_model
 from pagedjax.models.lora import (
     LoRABatch,
-    LoRAConfig,
     init_slots,
     load_adapter,
     set_slot,
@@ -40,7 +39,8 @@ from peft_adapters import save_random_adapter
 from worker_report import run_reporting_worker
 
 from pagedjax import compilation
-from pagedjax.worker.runner import Runner, ScheduledSeq
+from pagedjax.lora import LoRAConfig
+from pagedjax.worker.runner import Runner, RunnerConfig, ScheduledSeq
 
 BLOCK = 8
 RTOL = 1e-4
@@ -123,12 +123,10 @@ class LoRARunner:
         """``params``: these instead of the checkpoint's (in its config)."""
         loaded = load_model(str(base_dir), dtype, use_cache=False, quantization=quantization)
         params = loaded.params if params is None else params
-        self.runner = Runner(
-            loaded.config, params, num_blocks=64, block_size=BLOCK, max_model_len=64
-        )
+        sizes = RunnerConfig(num_blocks=64, block_size=BLOCK, max_model_len=64)
+        self.runner = Runner(loaded.config, params, sizes)
         self.config = loaded.config
-        lora_config = LoRAConfig(max_loras=len(adapter_dirs), max_lora_rank=MAX_RANK)
-        self.slots = init_slots(self.config, lora_config, self.runner.dtype)
+        self.slots = init_slots(self.config, len(adapter_dirs), MAX_RANK, self.runner.dtype)
         self.adapters = [load_adapter(str(d), self.config, MAX_RANK) for d in adapter_dirs]
         for slot, adapter in enumerate(self.adapters, start=1):
             self.slots = set_slot(self.slots, slot, adapter)
@@ -315,12 +313,12 @@ def test_bad_adapters_are_refused_naming_the_value(family, tmp_path):
     with pytest.raises(ValueError, match="'mlp.down_proj'"):
         load(dirs[1], moe)
     assert load(dirs[0], moe).target_modules == {"q_proj", "v_proj"}
-    slots = init_slots(config, LoRAConfig(max_loras=2, max_lora_rank=4), jnp.float32)
+    slots = init_slots(config, 2, 4, jnp.float32)
     with pytest.raises(ValueError, match="slot must be in \\[1, 2\\], got 3"):
         set_slot(slots, 3, None)
     with pytest.raises(ValueError, match="rank 8 exceeds max_lora_rank 4"):
         set_slot(slots, 1, load(dirs[1]))
-    with pytest.raises(ValueError, match="max_loras must be at least 1, got 0"):
+    with pytest.raises(ValueError, match="max_loras must be an integer >= 1, got 0"):
         LoRAConfig(max_loras=0)
 
 
@@ -467,7 +465,7 @@ def test_lora_ops_only_with_an_adapter_batch(loop, family):
         i32((8,)), i32((8,)), i32((8,)), i32((2, 2)), i32((2,)), i32((3,)), i32((2,)),
         max_query_len=4,
     )  # fmt: skip
-    slots = jax.eval_shape(lambda: init_slots(c, LoRAConfig(max_loras=2), jnp.float32))
+    slots = jax.eval_shape(lambda: init_slots(c, 2, 16, jnp.float32))
 
     def dots(*args, **kwargs) -> int:
         def fn(params, pool, step, lora=None):

@@ -14,7 +14,7 @@ from hf_models import make_tiny_model
 from pagedjax.models import quant
 
 from pagedjax.bench.quality import compare, teacher_forced_logits
-from pagedjax.worker.runner import Runner
+from pagedjax.worker.runner import Runner, RunnerConfig
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,9 @@ def moe_dir(tmp_path_factory):
 
 
 def _logits(loaded, params, tokens):
-    runner = Runner(loaded.config, params, num_blocks=32, block_size=8, max_model_len=128)
+    runner = Runner(
+        loaded.config, params, RunnerConfig(num_blocks=32, block_size=8, max_model_len=128)
+    )
     return teacher_forced_logits(runner, tokens)
 
 

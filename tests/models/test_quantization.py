@@ -17,7 +17,7 @@ from pagedjax.models.llama import param_shapes
 from pagedjax import LLM, SamplingParams
 from pagedjax.bench.quality import compare, teacher_forced_logits
 from pagedjax.config import QUANTIZATIONS, EngineConfig
-from pagedjax.worker.runner import Runner
+from pagedjax.worker.runner import Runner, RunnerConfig
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,9 @@ def test_quantized_params_come_from_the_orbax_cache(tmp_path, tiny_dir, monkeypa
 
 def _runner(loaded, params=None):
     params = loaded.params if params is None else params
-    return Runner(loaded.config, params, num_blocks=32, block_size=8, max_model_len=128)
+    return Runner(
+        loaded.config, params, RunnerConfig(num_blocks=32, block_size=8, max_model_len=128)
+    )
 
 
 @pytest.mark.parametrize("method", QUANTIZATIONS)

@@ -40,7 +40,7 @@ def step_hlo(layers: int, max_query_len: int, unroll: bool = False) -> str:
     params = param_shapes(c)
     if unroll:  # one tree per layer (models/layer_loop.py): the layers unrolled
         params = split_layers(params, c)
-    args = (params, (pool, pool), step, c, "reference", None)
+    args = (params, (pool, pool), step, programs.ModelStatics(c, "reference"))
     return programs.forward.lower(*args).compile().as_text()
 
 

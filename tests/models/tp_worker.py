@@ -37,14 +37,7 @@ def step_hlo(llm: LLM) -> str:
     r = llm.runner
     seqs = [ScheduledSeq([5, 6, 7], 0, [1], [SamplingRow()])]
     step_input = r.build_step_input(seqs)
-    lowered = programs.forward.lower(
-        r.params,
-        r.kv_cache.pages,
-        jax.device_put(step_input, r._inputs),
-        r.config,
-        r.backend,
-        r.mesh,
-    )
+    lowered = programs.forward.lower(r.params, r.kv_cache.pages, r.place(step_input), r.statics)
     return lowered.compile().as_text()
 
 

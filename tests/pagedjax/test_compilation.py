@@ -20,7 +20,7 @@ from pagedjax.models.config import ModelConfig
 from pagedjax.models.llama import param_shapes
 
 from pagedjax import LLM, BeamSearchParams, SamplingParams, compilation
-from pagedjax.worker.runner import Runner, ScheduledSeq, StepShape
+from pagedjax.worker.runner import Runner, RunnerConfig, ScheduledSeq, StepShape
 from pagedjax.worker.sampler import SamplingRow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +29,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def _runner(max_model_len: int, block_size: int) -> Runner:
     config = ModelConfig("LlamaForCausalLM", 64, 32, 64, 2, 2, 1, 16)
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), param_shapes(config))
-    return Runner(config, params, num_blocks=8, block_size=block_size, max_model_len=max_model_len)
+    return Runner(
+        config,
+        params,
+        RunnerConfig(num_blocks=8, block_size=block_size, max_model_len=max_model_len),
+    )
 
 
 def _shape(step) -> StepShape:

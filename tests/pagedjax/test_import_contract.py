@@ -133,7 +133,8 @@ def test_the_checks_can_fail():
 
 
 # Which packages each layer may not import (DESIGN.md: entrypoints -> engine -> {core, worker} ->
-# models -> pallas_kernels; inspection beside worker, read by the engine). models/ and
+# models -> pallas_kernels; inspection beside worker, read by the engine; the OpenAI server
+# through the engine's client). models/ and
 # pallas_kernels/ live at the repository's top level and install as pagedjax.models and
 # pagedjax.pallas_kernels. Imports under ``if TYPE_CHECKING:`` name types for annotations only and
 # are not arrows here (the cycle check above still counts them).
@@ -143,6 +144,8 @@ FORBIDDEN = {
     "pagedjax.inspection": ("pagedjax.engine", "pagedjax.entrypoints", "pagedjax.worker"),
     "pagedjax.models": ("pagedjax.engine", "pagedjax.worker", "pagedjax.entrypoints"),
     "pagedjax.pallas_kernels": ("pagedjax",),
+    # The HTTP server codes against engine/client.py's EngineClient: never an engine or its host
+    "pagedjax.entrypoints.openai": ("pagedjax.engine.hosting", "pagedjax.engine.llm_engine"),
 }
 
 

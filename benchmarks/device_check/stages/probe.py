@@ -76,18 +76,17 @@ def run(ctx: Context, budget: Budget, data: dict):
 def build_runner(config, params, loop: str, p: dict):
     from pagedjax.models.layer_loop import ENV_LAYER_LOOP
 
-    from pagedjax.worker.runner import Runner
+    from pagedjax.worker.runner import Runner, RunnerConfig
 
     blocks = max(p["rows"]) * -(-p["context"] // BLOCK) + 2
     with env(ENV_LAYER_LOOP, loop):
-        return Runner(
-            config,
-            params,
+        sizes = RunnerConfig(
             num_blocks=blocks,
             block_size=BLOCK,
             max_model_len=p["context"] + BLOCK,
             max_num_seqs=max(p["rows"]),
         )
+        return Runner(config, params, sizes)
 
 
 @contextlib.contextmanager

@@ -1,2 +1,3 @@
-"""The OpenAI-compatible server: request bodies (protocol), the engine thread (engine_loop),
-the app and its routes (serving), logprob fields (logprobs)."""
+"""The OpenAI-compatible server over an EngineClient (engine/client.py): request bodies
+(protocol), the app and its routes (serving, routes), its options (app_options), logprob fields
+(logprobs). The engine it serves is hosted by pagedjax/engine/hosting/."""

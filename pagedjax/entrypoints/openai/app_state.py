@@ -1,4 +1,4 @@
-"""What the route handlers share, kept on ``app.state``: the engine loop, the serving object,
+"""What the route handlers share, kept on ``app.state``: the engine client, the serving object,
 the limits, the served names and LoRA adapters (serving_models), the API key and the options
 that open routes. ``install`` puts them there once (build_app); the helpers here read them from
 ``request.app.state``.
@@ -11,15 +11,11 @@ import time
 
 from fastapi import FastAPI, Request
 
+from pagedjax.engine.client import EngineClient
 from pagedjax.entrypoints.openai import guided
-from pagedjax.entrypoints.openai.engine_loop import EngineLoop
+from pagedjax.entrypoints.openai.app_options import AppOptions
 from pagedjax.entrypoints.openai.offload import INLINE_BODY_BYTES, Offload
-from pagedjax.entrypoints.openai.protocol import (
-    APIError,
-    ServerLimits,
-    parse_json,
-    parse_request,
-)
+from pagedjax.entrypoints.openai.protocol import APIError, parse_json, parse_request
 from pagedjax.entrypoints.openai.request_body import read_body_within
 from pagedjax.entrypoints.openai.request_params import structured_outputs
 from pagedjax.entrypoints.openai.serving_engine import OpenAIServing
@@ -30,31 +26,27 @@ from pagedjax.entrypoints.openai.tools import ToolConfig
 def install(
     app: FastAPI,
     *,
-    engine_loop: EngineLoop,
+    engine_client: EngineClient,
     serving: OpenAIServing,
     offload: Offload,
     tokenizer,
     model_names: list[str],
-    limits: ServerLimits,
-    api_key: str | None,
-    public_metrics: bool,
-    public_docs: bool,
-    tool_config: ToolConfig,
+    options: AppOptions,
     models: ServedModels | None = None,
 ) -> None:
     """Everything a handler needs, on ``app.state`` (one app, one set)."""
     state = app.state
-    state.engine_loop = engine_loop
+    state.engine_client = engine_client
     state.serving = serving
     state.offload = offload
     state.tokenizer = tokenizer  # the handlers' own: tokenizers aren't shareable across threads
     state.model_names = model_names  # the base model's names
     state.models = models or ServedModels(model_names)  # and the LoRA adapters'
-    state.limits = limits
-    state.api_key = api_key
-    state.public_metrics = public_metrics
-    state.public_docs = public_docs
-    state.tool_config = tool_config
+    state.limits = options.limits
+    state.api_key = options.api_key
+    state.public_metrics = options.public_metrics
+    state.public_docs = options.public_docs
+    state.tool_config = options.tool_config or ToolConfig()
     state.created = int(time.time())
 
 

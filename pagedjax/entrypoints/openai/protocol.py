@@ -12,6 +12,7 @@ from typing import Annotated, Any
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pagedjax.engine.client import DEFAULT_MAX_QUEUE
 from pagedjax.entrypoints.chat_template import ChatOptions
 
 MAX_JSON_DEPTH = 32  # a chat body with content parts needs 5
@@ -62,7 +63,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 class ServerLimits:
     """Per-request bounds the engine's own config does not already imply."""
 
-    max_queue: int = 256  # requests waiting for admission before new ones get 503
+    max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting for admission before new ones get 503
     max_body_bytes: int = 1 << 20
     body_timeout_s: float = 30.0  # the whole body must arrive within this
     max_stop_strings: int = 64  # stop strings per request (and stop_token_ids)

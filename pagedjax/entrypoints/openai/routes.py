@@ -63,7 +63,7 @@ ROUTERS = (health_router, models_router, tokenize_router, generate_router)
 @health_router.get("/ping")  # vLLM's (SageMaker's health check)
 @health_router.post("/ping", include_in_schema=False)
 async def health(request: Request):
-    if not request.app.state.engine_loop.is_running:
+    if not request.app.state.engine_client.is_running:
         return error_response(503, "the engine thread is not running", "server_error")
     return PlainTextResponse("ok")
 
@@ -72,7 +72,7 @@ async def health(request: Request):
 async def metrics(request: Request):
     if not request.app.state.public_metrics:
         check_key(request)
-    return Response(request.app.state.engine_loop.metrics.render(), media_type=CONTENT_TYPE)
+    return Response(request.app.state.engine_client.metrics.render(), media_type=CONTENT_TYPE)
 
 
 def _check_docs_key(request: Request) -> None:
@@ -197,7 +197,7 @@ async def load_lora_adapter(request: Request):
         ) from None
     lora = state.models.reserve(body.lora_name, path)
     try:
-        await asyncio.wrap_future(state.engine_loop.command("add_lora", lora))
+        await asyncio.wrap_future(state.engine_client.command("add_lora", lora))
     except ValueError as e:
         state.models.release(lora)
         raise bad_request(
@@ -218,7 +218,7 @@ async def unload_lora_adapter(request: Request):
     state = request.app.state
     body = parse_body(UnloadLoRAAdapterRequest, await read_json(request))
     lora = state.models.unregister(body.lora_name)
-    await asyncio.wrap_future(state.engine_loop.command("remove_lora", lora.lora_int_id))
+    await asyncio.wrap_future(state.engine_client.command("remove_lora", lora.lora_int_id))
     return PlainTextResponse(f"Success: LoRA adapter {lora.lora_name!r} removed successfully.")
 
 
@@ -297,7 +297,7 @@ async def completions(request: Request):
 def _check_priority(serving, priority: int) -> None:
     """vLLM's ``priority``: any integer under --scheduling-policy priority, else only 0."""
     try:
-        check_priority(priority, serving.engine.config.scheduler.policy)
+        check_priority(priority, serving.client.config.scheduler.policy)
     except ValueError as e:
         raise bad_request(str(e), "priority") from None
 

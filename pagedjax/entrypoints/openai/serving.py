@@ -3,10 +3,10 @@
 and the API docs.
 
 A request is validated whole (protocol), every prompt passes the engine's admission check, and
-only then is anything submitted to the engine thread (engine_loop). build_app puts the shared
-objects on ``app.state`` (app_state) and includes the routers (routes), whose module-level
-handlers read them from there. Generation and streaming are in serving_engine; metrics in
-metrics. Handlers reach the engine only through the engine loop.
+only then is anything submitted to the engine. build_app puts the shared objects on
+``app.state`` (app_state) and includes the routers (routes), whose module-level handlers read
+them from there. Generation and streaming are in serving_engine; metrics in metrics. Handlers
+reach the engine only through its EngineClient (engine/client.py).
 """
 
 from __future__ import annotations
@@ -16,137 +16,74 @@ import copy
 import dataclasses
 import logging
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedjax.engine.client import EngineClient
 from pagedjax.entrypoints.openai import app_state
-from pagedjax.entrypoints.openai.engine_client import RemoteEngine
-from pagedjax.entrypoints.openai.engine_loop import EngineLoop
+from pagedjax.entrypoints.openai.app_options import (
+    AppOptions,
+    Cors,
+    check_api_key,
+    load_chat_template,
+)
 from pagedjax.entrypoints.openai.offload import Offload
-from pagedjax.entrypoints.openai.protocol import APIError, ServerLimits, error_response
+from pagedjax.entrypoints.openai.protocol import APIError, error_response
 from pagedjax.entrypoints.openai.routes import ROUTERS, lora_router
 from pagedjax.entrypoints.openai.routes_responses import responses_router
 from pagedjax.entrypoints.openai.serving_engine import OpenAIServing
 from pagedjax.entrypoints.openai.serving_models import ServedModels
-from pagedjax.entrypoints.openai.tools import ToolConfig
 from pagedjax.lora.updates import LoRAUpdates
+
+__all__ = ["AppOptions", "Cors", "build_app", "check_api_key", "load_chat_template"]
 
 logger = logging.getLogger("pagedjax.api_server")
 
 
-@dataclasses.dataclass(frozen=True)
-class Cors:
-    """Cross-origin requests from browsers (vLLM's --allowed-origins and friends): the origins
-    allowed, the methods and headers, and whether credentials may be sent."""
-
-    allow_origins: tuple[str, ...]
-    allow_methods: tuple[str, ...] = ("*",)
-    allow_headers: tuple[str, ...] = ("*",)
-    allow_credentials: bool = False
-
-    def __post_init__(self):
-        for name in ("allow_origins", "allow_methods", "allow_headers"):
-            value = getattr(self, name)
-            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
-                raise ValueError(f"{name} must be a list of strings, got {value!r}")
-            object.__setattr__(self, name, tuple(value))
-
-
-def load_chat_template(value: str | None) -> str | None:
-    """--chat-template: a file's text, or the template itself (vLLM's): ValueError for a path
-    that is no file."""
-    if value is None:
-        return None
-    path = Path(value)
-    try:
-        if path.is_file():
-            return path.read_text()
-    except OSError as e:
-        raise ValueError(f"--chat-template: cannot read {value!r}: {e}") from None
-    if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(f"--chat-template: {value!r} is neither a file nor a jinja template")
-
-
-def check_api_key(api_key: str | None) -> None:
-    """An empty key would turn authentication off without saying so: refuse it."""
-    if api_key is not None and not api_key.strip():
-        raise ValueError("--api-key is empty; pass a key, or leave the option out to serve openly")
-
-
 def build_app(
-    engine,
-    served_model_name: str | list[str],
-    api_key: str | None = None,
-    limits: ServerLimits | None = None,
-    *,
-    public_metrics: bool = False,
-    public_docs: bool = False,
-    tool_config: ToolConfig | None = None,
-    lora_modules: list[tuple[str, str]] | None = None,
-    lora_updates: LoRAUpdates | None = None,
-    chat_template: str | None = None,
-    cors: Cors | None = None,
+    client: EngineClient, served_model_name: str | list[str], options: AppOptions | None = None
 ) -> FastAPI:
-    """The FastAPI app over ``engine``; the engine thread starts and stops with the app.
+    """The FastAPI app over ``client`` (an EngineClient, engine/client.py: the engine on a
+    thread of this process or in a process of its own); the engine steps while the app runs.
 
     ``served_model_name`` is the model id, or several aliases: requests may name any of them,
-    /v1/models lists them all, responses carry the first. With ``api_key`` every route but
-    /health and /ping needs it, /metrics and the API docs too unless ``public_metrics`` /
-    ``public_docs`` open them. ``tool_config``: whether tool_choice "auto" is served, with
-    which parser. With an engine of enable_lora, ``lora_modules`` ((name, path) pairs) are
-    LoRA adapters that requests name as their ``model``; where ``lora_updates`` allows it
-    (default: vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING), /v1/load_lora_adapter and
-    /v1/unload_lora_adapter change them at run time (serving_models). ``chat_template``
-    (jinja) replaces the tokenizer's. ``cors``: the browser origins that may call the server
-    (none unless given).
+    /v1/models lists them all, responses carry the first. ``options``: what the app serves and
+    how (app_options.py: the API key, limits, tools, LoRA adapters, chat template, CORS).
     """
-    check_api_key(api_key)
+    o = options or AppOptions()
     model_names = (
         [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     )
     if not model_names or not all(isinstance(n, str) and n for n in model_names):
         raise ValueError(f"served model names must be non-empty strings, got {model_names!r}")
-    limits = limits or ServerLimits()
-    updates = lora_updates or LoRAUpdates.from_options()  # default: vLLM's environment variable
-    models = ServedModels.for_engine(engine, model_names, lora_modules, updates)  # before the loop
-    if isinstance(engine, RemoteEngine):  # an engine in another process: its loop's stand-in
-        engine_loop = engine.engine_loop
-    else:
-        engine_loop = EngineLoop(engine, max_queue=limits.max_queue)
-    if models.enable_lora:
-        engine_loop.metrics.max_loras = engine.config.max_loras
-    engine_loop.metrics.model_name = model_names[0]  # the vllm: series' model_name label
+    updates = o.lora_updates or LoRAUpdates.from_options()  # default: vLLM's environment variable
+    models = ServedModels.for_engine(client, model_names, o.lora_modules, updates)
+    client.metrics.model_name = model_names[0]  # the vllm: series' model_name label
     # the handlers' own tokenizer: tokenizers aren't shareable across threads
-    tokenizer = copy.deepcopy(engine.tokenizer)
-    if chat_template is not None:
+    tokenizer = copy.deepcopy(client.tokenizer)
+    if o.chat_template is not None:
         if tokenizer is None:
             raise ValueError("--chat-template needs a tokenizer; this model has none")
-        tokenizer.chat_template = chat_template
+        tokenizer.chat_template = o.chat_template
     offload = Offload(tokenizer)  # tokenizing, grammars and big responses, off the event loop
-    serving = OpenAIServing(engine, engine_loop, tokenizer, model_names[0], offload)
+    serving = OpenAIServing(client, tokenizer, model_names[0], offload)
     app = FastAPI(
         title="pagedjax", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     app_state.install(
         app,
-        engine_loop=engine_loop,
+        engine_client=client,
         serving=serving,
         offload=offload,
         tokenizer=tokenizer,
         model_names=model_names,
-        limits=limits,
-        api_key=api_key,
-        public_metrics=public_metrics,
-        public_docs=public_docs,
-        tool_config=tool_config or ToolConfig(),
+        options=o,
         models=models,
     )
-    if cors is not None:
-        app.add_middleware(CORSMiddleware, **dataclasses.asdict(cors))
+    if o.cors is not None:
+        app.add_middleware(CORSMiddleware, **dataclasses.asdict(o.cors))
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
@@ -171,12 +108,12 @@ def _include_lora_updates(app: FastAPI, models: ServedModels) -> None:
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI):
-    """The engine thread runs while the app does; the offload threads close after it."""
-    app.state.engine_loop.start()
+    """The engine steps while the app runs; the offload threads close after it."""
+    app.state.engine_client.start()
     try:
         yield
     finally:
-        await asyncio.to_thread(app.state.engine_loop.stop)
+        await asyncio.to_thread(app.state.engine_client.stop)
         app.state.offload.close()
 
 

@@ -18,9 +18,9 @@ import uuid
 from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
+from pagedjax.engine.client import EngineClient, QueueFull
 from pagedjax.engine.input_processor import truncated
 from pagedjax.entrypoints.chat_template import ChatOptions
-from pagedjax.entrypoints.openai.engine_loop import EngineLoop, QueueFull
 from pagedjax.entrypoints.openai.offload import Offload
 from pagedjax.entrypoints.openai.output_collector import Job as _Job
 from pagedjax.entrypoints.openai.output_collector import Wakeups as _Wakeups
@@ -53,21 +53,21 @@ _POLL_S = 0.25  # how often a waiting handler checks that its client is still th
 
 
 class OpenAIServing:
-    """The engine as the endpoints see it: through the engine loop, with tokenizing, grammar
-    compilation and response building on the offload pool (never on the event loop)."""
+    """The engine as the endpoints see it: through its client (engine/client.py), with
+    tokenizing, grammar compilation and response building on the offload pool (never on the
+    event loop)."""
 
-    def __init__(self, engine, engine_loop: EngineLoop, tokenizer, model_name: str, offload):
-        self.engine = engine
-        self.engine_loop = engine_loop
+    def __init__(self, client: EngineClient, tokenizer, model_name: str, offload):
+        self.client = client
         self.offload: Offload = offload
         self.tokenizer = tokenizer  # the handlers' own copy; encoding uses offload.tokenizer
-        self.responses = Responses(tokenizer, engine.eos_token_ids, model_name)
-        self.max_model_len = engine.config.scheduler.max_model_len
+        self.responses = Responses(tokenizer, client.eos_token_ids, model_name)
+        self.max_model_len = client.max_model_len
         # a text of c characters is at least c / k tokens (None: no such bound)
         self.chars_per_token = max_chars_per_token(tokenizer)
-        self.vocab = engine.model_config.vocab_size
+        self.vocab = client.model_config.vocab_size
         # the model's sampling defaults (its generation config), for fields a request leaves unset
-        self.defaults: dict = engine.default_sampling_params
+        self.defaults: dict = client.default_sampling_params
         self._counter = itertools.count()
         self._wakeups: _Wakeups | None = None  # for the event loop the handlers run on
 
@@ -167,7 +167,7 @@ class OpenAIServing:
     def _admit(self, prompts: list[list[int]], params: SamplingParams, param: str) -> None:
         for ids in prompts:
             try:
-                self.engine.check_request(ids, params)
+                self.client.check_request(ids, params)
             except ValueError as e:
                 code = "context_length_exceeded" if len(ids) >= self.max_model_len else None
                 field = str(e).split(":", 1)[0]
@@ -212,15 +212,14 @@ class OpenAIServing:
         tokenizer's index); a 400 names what is wrong with it."""
         if constraint is None:
             return
-        compiler = self.engine.input_processor.grammars
         try:
-            await self.offload.run_grammar(compiler.compile, constraint)
+            await self.offload.run_grammar(self.client.compile_grammar, constraint)
         except ValueError as e:
             raise bad_request(str(e), param) from None
 
     def check_engine_thread(self) -> None:
         """A request waiting on a dead engine thread would wait forever: fail it instead."""
-        if not self.engine_loop.is_running:
+        if not self.client.is_running:
             raise APIError(500, "the engine thread has stopped", "server_error", "engine_error")
 
     async def start(
@@ -240,14 +239,14 @@ class OpenAIServing:
         job.request_ids = [f"{base}-{i}" for i in range(len(prompts))]
         requests = [(rid, ids, job.sink) for rid, ids in zip(job.request_ids, prompts, strict=True)]
         try:
-            for fut in self.engine_loop.submit(requests, params, lora, priority):
+            for fut in self.client.submit(requests, params, lora, priority):
                 fut = asyncio.wrap_future(fut)
                 while not (await asyncio.wait({fut}, timeout=_POLL_S))[0]:
                     self.check_engine_thread()
                 fut.result()
         except BaseException as e:
             for rid in job.request_ids:
-                self.engine_loop.abort(rid)
+                self.client.abort(rid)
             if isinstance(e, QueueFull):
                 raise APIError(503, f"server busy: {e}", "server_error", "queue_full") from None
             if isinstance(e, ValueError):
@@ -289,7 +288,7 @@ class OpenAIServing:
     def abort_unfinished(self, job: _Job) -> None:
         for rid in job.request_ids:
             if rid not in job.finished:
-                self.engine_loop.abort(rid)
+                self.client.abort(rid)
 
     async def run(
         self,

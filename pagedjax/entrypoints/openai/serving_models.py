@@ -54,12 +54,13 @@ class ServedModels:
 
     @classmethod
     def for_engine(
-        cls, engine, base_names: list[str], lora_modules=None, updates: LoRAUpdates | None = None
+        cls, client, base_names: list[str], lora_modules=None, updates: LoRAUpdates | None = None
     ) -> ServedModels:
-        """The server's models: LoRA is on when the engine has it; ``lora_modules`` ((name, path)
-        pairs, --lora-modules) are loaded now, a bad one raising ValueError naming it;
-        ``updates``: whether adapters load at run time, and from where."""
-        models = cls(base_names, getattr(engine, "lora_manager", None) is not None, updates)
+        """The server's models: LoRA is on when the engine serves adapters (``client``, an
+        EngineClient); ``lora_modules`` ((name, path) pairs, --lora-modules) are loaded now, a
+        bad one raising ValueError naming it; ``updates``: whether adapters load at run time,
+        and from where."""
+        models = cls(base_names, client.lora_enabled, updates)
         if lora_modules and not models.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
         for name, path in lora_modules or ():
@@ -68,7 +69,7 @@ class ServedModels:
             except APIError as e:
                 raise ValueError(f"--lora-modules {name}={path}: {e.message}") from None
             try:
-                engine.add_lora(lora)
+                client.add_lora(lora)
             except ValueError as e:
                 raise ValueError(f"--lora-modules {name}={path}: {e}") from None
             models.register(lora)

@@ -20,6 +20,7 @@ from server_helpers import free_port, live_server, save_byte_tokenizer
 
 from pagedjax import LLM
 from pagedjax.bench import serve_metrics, serve_peers, serve_workload
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import build_app
 from pagedjax.entrypoints.cli import main
 
@@ -178,7 +179,7 @@ def tiny_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def server(tiny_dir):
     llm = LLM(tiny_dir, block_size=8, num_blocks=256, max_model_len=128, seed=0)
-    with live_server(build_app(llm.engine, MODEL)) as base:
+    with live_server(build_app(EngineLoop(llm.engine), MODEL)) as base:
         yield base
     llm.close()
 

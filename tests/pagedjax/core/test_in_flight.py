@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from pagedjax.config import SchedulerConfig
 from pagedjax.core.block_manager import BlockManager
 from pagedjax.core.in_flight import placeholder
 from pagedjax.core.scheduler import Scheduler
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def _scheduler(num_blocks: int = 32) -> Scheduler:
     bm = BlockManager(num_blocks, BS, num_host_blocks=0, watermark=0.0)
-    return Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    return Scheduler(bm, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64))
 
 
 def _add(sched: Scheduler, name: str, n: int) -> Sequence:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 from import_checks import assert_imports_no_jax
 
+from pagedjax.config import SchedulerConfig
 from pagedjax.core.block_manager import BlockManager
 from pagedjax.core.request_queue import PriorityQueue, check_priority, new_queue
 from pagedjax.core.scheduler import Scheduler
@@ -26,13 +27,10 @@ def group(name: str, prompt_len: int, arrival: float, priority: int = 0) -> Sequ
 
 def make(policy: str, num_blocks=64, budget=64, max_seqs=8, mode="recompute", host=64):
     bm = BlockManager(num_blocks, BS, num_host_blocks=host, watermark=0.0)
-    sched = Scheduler(
-        bm,
-        max_num_seqs=max_seqs,
-        max_num_batched_tokens=budget,
-        preemption_mode=mode,
-        policy=policy,
+    config = SchedulerConfig(
+        max_num_seqs=max_seqs, max_num_batched_tokens=budget, preemption_mode=mode, policy=policy
     )
+    sched = Scheduler(bm, config)
     return bm, sched
 
 

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 from import_checks import assert_imports_no_jax
 
+from pagedjax.config import SchedulerConfig
 from pagedjax.core.block_manager import BlockManager
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -24,10 +25,12 @@ def make(num_blocks=64, budget=64, max_seqs=8, mode="recompute", host=64, chunke
     bm = BlockManager(num_blocks, BS, num_host_blocks=host, watermark=0.0)
     return bm, Scheduler(
         bm,
-        max_num_seqs=max_seqs,
-        max_num_batched_tokens=budget,
-        enable_chunked_prefill=chunked,
-        preemption_mode=mode,
+        SchedulerConfig(
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=budget,
+            enable_chunked_prefill=chunked,
+            preemption_mode=mode,
+        ),
     )
 
 
@@ -157,7 +160,10 @@ def test_abort_frees_blocks_wherever_the_request_is():
 def test_bad_preemption_mode_is_named():
     bm = BlockManager(8, BS)
     with pytest.raises(ValueError, match="'sometimes'"):
-        Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=8, preemption_mode="sometimes")
+        Scheduler(
+            bm,
+            SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, preemption_mode="sometimes"),
+        )
 
 
 def test_scheduler_imports_no_jax():
@@ -182,7 +188,7 @@ def test_abort_ends_unfinished_sequences_with_abort_and_keeps_finished_ones():
 
 def make_longrope(switch: int, budget: int = 64):
     bm = BlockManager(64, BS, watermark=0.0, enable_prefix_caching=True, rope_switch_len=switch)
-    return bm, Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=budget)
+    return bm, Scheduler(bm, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget))
 
 
 def test_longrope_sequence_is_re_prefilled_once_as_it_crosses_the_switch():
@@ -245,4 +251,6 @@ def test_longrope_budget_within_the_switch_is_refused():
     with pytest.raises(ValueError, match=r"max_num_batched_tokens=8 .* 12 tokens"):
         make_longrope(switch=12, budget=8)
     bm = BlockManager(64, BS, watermark=0.0, rope_switch_len=12)
-    Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=8, max_model_len=12)  # never crosses
+    Scheduler(
+        bm, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8, max_model_len=12)
+    )  # never crosses

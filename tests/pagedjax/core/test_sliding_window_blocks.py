@@ -9,6 +9,7 @@ import types
 import numpy as np
 import pytest
 
+from pagedjax.config import SchedulerConfig
 from pagedjax.core.block_manager import BlockManager
 from pagedjax.core.block_swap import NULL_BLOCK
 from pagedjax.core.scheduler import Scheduler
@@ -96,7 +97,9 @@ def test_long_sequences_run_in_a_pool_smaller_than_one_sequence(mode):
     live_blocks(8, chunk, 4) blocks."""
     window, bs = 8, 4
     bm = BlockManager(10, bs, num_host_blocks=16, watermark=0.0, sliding_window=window)
-    sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=16, preemption_mode=mode)
+    sched = Scheduler(
+        bm, SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16, preemption_mode=mode)
+    )
     assert bm.max_chunk_tokens == 16  # the budget; the pool alone allows 9 * 4 - 8 - 4 + 2 = 26
     rng = np.random.default_rng(0)
     groups = []

@@ -13,6 +13,7 @@ from hf_models import make_tiny_model
 from server_helpers import live_server, raw
 
 from pagedjax import LLM, SamplingParams
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints import cli
 from pagedjax.entrypoints.api_server import build_app
 from pagedjax.generation_config import default_sampling_params
@@ -97,7 +98,7 @@ def test_a_servers_requests_get_them_for_fields_left_unset(greedy_by_default):
     prompt = [5, 6, 7, 8]
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     want = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
-    with live_server(build_app(llm.engine, "m")) as base:
+    with live_server(build_app(EngineLoop(llm.engine), "m")) as base:
         body = {"model": "m", "prompt": prompt, "max_tokens": None, "ignore_eos": True}
         body["logprobs"] = 0
         status, out = raw(base, "POST", "/v1/completions", body, key=None)

@@ -18,6 +18,8 @@ from server_helpers import live_server, metrics, raw, wait_idle
 
 from pagedjax import LLM, SamplingParams
 from pagedjax.entrypoints.api_server import EngineLoop, QueueFull, ServerLimits, build_app
+from pagedjax.entrypoints.openai.app_options import AppOptions
+from pagedjax.lora.engine_lora import EngineLoRA
 
 KEY = "test-key"
 MODEL = "tiny"
@@ -59,7 +61,11 @@ def server(tmp_path_factory):
         for n in (10, 30)
     }
     limits = ServerLimits(max_queue=64, max_body_bytes=32 * 1024)
-    app = build_app(llm.engine, [MODEL, ALIAS], api_key=KEY, limits=limits)
+    app = build_app(
+        EngineLoop(llm.engine, limits.max_queue),
+        [MODEL, ALIAS],
+        AppOptions(api_key=KEY, limits=limits),
+    )
     with live_server(app) as base:
         yield types.SimpleNamespace(base=base, refs=refs, chat_ref=chat_ref, long_refs=long_refs)
 
@@ -319,6 +325,9 @@ def test_bad_requests_get_their_errors_while_others_stream(server, client):
 
 def test_a_full_waiting_queue_refuses():
     class _Engine:  # one request already waits
+        lora = EngineLoRA()  # off
+        runner = None  # its compile counts are read only when /metrics is
+
         def get_stats(self):
             return idle_stats(num_requests_waiting=1)
 

@@ -22,7 +22,9 @@ from server_helpers import (
 )
 
 from pagedjax import SamplingParams
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import build_app
+from pagedjax.entrypoints.openai.app_options import AppOptions
 
 KEY = "scoring-key"
 MODEL = "tiny-bytes"
@@ -37,7 +39,7 @@ def server(tmp_path_factory):
     ref = llm.generate(ids, SamplingParams(max_tokens=1, prompt_logprobs=K), use_tqdm=False)[0]
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     gen_ref = llm.generate(ids, greedy, use_tqdm=False)[0].outputs[0].text
-    app = build_app(llm.engine, MODEL, api_key=KEY)
+    app = build_app(EngineLoop(llm.engine), MODEL, AppOptions(api_key=KEY))
     with live_server(app) as base:
         yield types.SimpleNamespace(
             base=base,

@@ -39,8 +39,10 @@ from server_helpers import (
 )
 
 from pagedjax import LLM, SamplingParams
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.engine.request import Request
 from pagedjax.entrypoints.api_server import ServerLimits, build_app
+from pagedjax.entrypoints.openai.app_options import AppOptions
 
 NO_EOS_TOKENS = 30
 
@@ -56,7 +58,9 @@ def server(tmp_path_factory):
     messages = [{"role": "user", "content": PROMPTS[2]}]
     chat_lp_ref = llm.chat(messages, lp_params, use_tqdm=False)[0]
     limits = ServerLimits(max_queue=MAX_QUEUE, body_timeout_s=BODY_TIMEOUT_S)
-    app = build_app(llm.engine, MODEL, api_key=KEY, limits=limits)
+    app = build_app(
+        EngineLoop(llm.engine, limits.max_queue), MODEL, AppOptions(api_key=KEY, limits=limits)
+    )
     with live_server(app) as base:
         yield types.SimpleNamespace(
             base=base, engine=llm.engine, refs=refs, chat_lp_ref=chat_lp_ref, path=path
@@ -280,7 +284,7 @@ def test_empty_api_key_refuses_to_start(server, capsys):
     from pagedjax.entrypoints.cli import main
 
     with pytest.raises(ValueError, match="api-key"):
-        build_app(server.engine, MODEL, api_key="")
+        build_app(EngineLoop(server.engine), MODEL, AppOptions(api_key=""))
     start = time.monotonic()
     assert main(["serve", "--model", str(server.path), "--api-key", ""]) == 2
     assert "--api-key is empty" in capsys.readouterr().err

@@ -6,7 +6,9 @@ from __future__ import annotations
 from fake_model import fake_engine
 from fastapi.testclient import TestClient
 
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import build_app
+from pagedjax.entrypoints.openai.app_options import AppOptions
 
 
 def _auth(key: str) -> dict:
@@ -14,9 +16,15 @@ def _auth(key: str) -> dict:
 
 
 def test_two_apps_answer_with_their_own_names_keys_and_engine_loops():
-    app_a = build_app(fake_engine(max_model_len=64), ["a", "a2"], api_key="key-a")
-    app_b = build_app(fake_engine(max_model_len=48), "b", api_key="key-b", public_metrics=True)
-    assert app_a.state.engine_loop is not app_b.state.engine_loop
+    app_a = build_app(
+        EngineLoop(fake_engine(max_model_len=64)), ["a", "a2"], AppOptions(api_key="key-a")
+    )
+    app_b = build_app(
+        EngineLoop(fake_engine(max_model_len=48)),
+        "b",
+        AppOptions(api_key="key-b", public_metrics=True),
+    )
+    assert app_a.state.engine_client is not app_b.state.engine_client
     with TestClient(app_a) as a, TestClient(app_b) as b:
         assert a.get("/health").text == "ok" and b.get("/health").text == "ok"
         cards_a = a.get("/v1/models", headers=_auth("key-a")).json()["data"]
@@ -33,4 +41,4 @@ def test_two_apps_answer_with_their_own_names_keys_and_engine_loops():
         wrong_model = b.post("/v1/completions", json=body, headers=_auth("key-b"))
         assert wrong_model.status_code == 404
     # each lifespan stopped its own engine thread
-    assert not app_a.state.engine_loop.is_running and not app_b.state.engine_loop.is_running
+    assert not app_a.state.engine_client.is_running and not app_b.state.engine_client.is_running

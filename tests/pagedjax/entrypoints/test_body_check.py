@@ -15,7 +15,9 @@ import types
 import pytest
 from server_helpers import assert_openai_error, byte_llm, live_server, raw
 
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import build_app
+from pagedjax.entrypoints.openai.app_options import AppOptions
 from pagedjax.entrypoints.openai.offload import INLINE_BODY_BYTES
 
 KEY = "body-check-key"
@@ -25,7 +27,7 @@ MODEL = "tiny-body-check"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     llm = byte_llm(tmp_path_factory, "body_check_llama", max_model_len=96)
-    app = build_app(llm.engine, MODEL, api_key=KEY)
+    app = build_app(EngineLoop(llm.engine), MODEL, AppOptions(api_key=KEY))
     with live_server(app) as base:
         yield types.SimpleNamespace(base=base, checker=app.state.offload.checker)
     assert app.state.offload.checker.worker_pids() == []  # closed with the app

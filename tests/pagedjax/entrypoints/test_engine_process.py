@@ -31,9 +31,11 @@ from server_helpers import (
 )
 
 from pagedjax import LLM, EngineArgs, LoRARequest, SamplingParams
+from pagedjax.engine.hosting.engine_client import EngineProcess
+from pagedjax.engine.hosting.engine_loop import EngineLoop
+from pagedjax.engine.hosting.startup import EngineOptions
 from pagedjax.entrypoints.api_server import build_app
-from pagedjax.entrypoints.openai.engine_client import EngineProcess, RemoteEngine
-from pagedjax.entrypoints.openai.engine_process import EngineOptions
+from pagedjax.entrypoints.openai.app_options import AppOptions
 from pagedjax.lora.updates import LoRAUpdates
 
 ENGINE_ARGS = dict(block_size=8, num_blocks=200, seed=0, max_model_len=96, max_num_seqs=8)
@@ -54,8 +56,8 @@ def process_server(model_dir):
     options = EngineOptions(args, max_queue=8, background_compile=False)
     process = EngineProcess(options)
     try:
-        info = process.wait_ready()
-        app = build_app(RemoteEngine(info, process), MODEL, api_key=KEY)
+        assert process.wait_ready()
+        app = build_app(process, MODEL, AppOptions(api_key=KEY))
         with live_server(app) as base:
             yield base, process
     finally:
@@ -67,7 +69,7 @@ def process_server(model_dir):
 def thread_server(model_dir):
     """The same model served with the engine on a thread of the server's process."""
     llm = LLM(str(model_dir), **ENGINE_ARGS)
-    with live_server(build_app(llm.engine, MODEL, api_key=KEY)) as base:
+    with live_server(build_app(EngineLoop(llm.engine), MODEL, AppOptions(api_key=KEY))) as base:
         yield base
 
 
@@ -202,13 +204,10 @@ def test_lora_adapters_load_and_unload_through_named_commands(tmp_path):
     engine_args = EngineArgs(model=str(base), **args)
     process = EngineProcess(EngineOptions(engine_args, max_queue=8, background_compile=False))
     try:
-        info = process.wait_ready()
+        assert process.wait_ready()
         updates = LoRAUpdates(enabled=True)
         app = build_app(
-            RemoteEngine(info, process),
-            "base",
-            lora_modules=[("one", paths[0])],
-            lora_updates=updates,
+            process, "base", AppOptions(lora_modules=[("one", paths[0])], lora_updates=updates)
         )
         with live_server(app) as url:
             load = {"lora_name": "two", "lora_path": paths[1]}

@@ -12,7 +12,9 @@ import pytest
 from server_helpers import KEY, MODEL, byte_llm, live_server, wait_idle
 
 from pagedjax import SamplingParams
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import build_app
+from pagedjax.entrypoints.openai.app_options import AppOptions
 
 NUM_TOKENS = 20
 BODY = {"model": MODEL, "prompt": "caf\u00e9 ", "max_tokens": NUM_TOKENS, "temperature": 0}
@@ -29,7 +31,7 @@ def served(tmp_path_factory):
     processor = llm.engine.request_table.output_processor
     make = processor.make_output
     processor.make_output = lambda req: built.append(req.request_id) or make(req)
-    with live_server(build_app(llm.engine, MODEL, api_key=KEY)) as base:
+    with live_server(build_app(EngineLoop(llm.engine), MODEL, AppOptions(api_key=KEY))) as base:
         yield base, built, ref.outputs[0].text
 
 

@@ -9,12 +9,16 @@ from fake_model import fake_engine
 from ingress_cases import SERVER_KWARGS, check_all
 from server_helpers import live_server
 
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import build_app
+from pagedjax.entrypoints.openai.app_options import AppOptions
 from pagedjax.serve_ray.prefix_key import block_hashes, prompt_text
 
 
 def test_the_plain_server_answers_every_case():
-    with live_server(build_app(fake_engine(), "fake", **SERVER_KWARGS)) as base:
+    with live_server(
+        build_app(EngineLoop(fake_engine()), "fake", AppOptions(**SERVER_KWARGS))
+    ) as base:
         check_all(base, "fake")
 
 

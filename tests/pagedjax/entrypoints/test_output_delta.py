@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from pagedjax.entrypoints.openai.output_delta import OutputDecoder, OutputDelta, OutputEncoder
+from pagedjax.engine.hosting.output_delta import OutputDecoder, OutputDelta, OutputEncoder
 from pagedjax.outputs import CompletionOutput, Logprob, RequestOutput
 
 

@@ -14,7 +14,9 @@ import pytest
 from server_helpers import KEY, assert_openai_error, live_server, make_byte_model, raw
 
 from pagedjax import LLM, SamplingParams
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import build_app
+from pagedjax.entrypoints.openai.app_options import AppOptions
 
 MODEL = "tiny-bytes"
 LONG = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
@@ -41,7 +43,7 @@ def served(model_dir):
     )
     outs = llm.generate(["batch", "user", "other"], SHORT, use_tqdm=False, priority=[5, -2, 0])
     refs = {p: llm.generate([p], LONG, use_tqdm=False)[0].outputs[0].text for p in ("bg", "hi")}
-    app = build_app(llm.engine, MODEL, api_key=KEY)
+    app = build_app(EngineLoop(llm.engine), MODEL, AppOptions(api_key=KEY))
     with live_server(app) as base:
         yield types.SimpleNamespace(base=base, offline=outs, refs=refs, llm=llm)
 
@@ -60,7 +62,7 @@ def test_an_fcfs_engine_refuses_a_priority_offline_and_over_http(model_dir):
     with pytest.raises(ValueError, match="priority=3 needs the priority scheduling policy"):
         llm.generate(["a"], SHORT, use_tqdm=False, priority=[3])
     assert llm.generate(["a"], SHORT, use_tqdm=False, priority=[0])[0].outputs[0].token_ids
-    with live_server(build_app(llm.engine, MODEL, api_key=KEY)) as base:
+    with live_server(build_app(EngineLoop(llm.engine), MODEL, AppOptions(api_key=KEY))) as base:
         body = {"model": MODEL, "prompt": "a", "max_tokens": 2, "priority": 3}
         status, reply = raw(base, "POST", "/v1/completions", body)
         assert_openai_error(status, reply, 400, param="priority", contains="priority=3")

@@ -18,7 +18,9 @@ import pytest
 from server_helpers import KEY, assert_openai_error, live_server, make_byte_model, raw
 
 from pagedjax import LLM
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import build_app
+from pagedjax.entrypoints.openai.app_options import AppOptions
 from pagedjax.entrypoints.openai.tools import ToolConfig
 
 MODEL = "tiny-bytes"
@@ -52,7 +54,9 @@ def base(tmp_path_factory):
     make_byte_model(path)
     llm = LLM(str(path), block_size=8, num_blocks=300, max_model_len=256, seed=0)
     tools = ToolConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
-    with live_server(build_app(llm.engine, MODEL, api_key=KEY, tool_config=tools)) as url:
+    with live_server(
+        build_app(EngineLoop(llm.engine), MODEL, AppOptions(api_key=KEY, tool_config=tools))
+    ) as url:
         yield url
 
 

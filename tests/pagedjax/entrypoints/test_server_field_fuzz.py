@@ -20,7 +20,9 @@ from hypothesis import strategies as st
 from server_helpers import byte_llm, live_server, raw, wait_idle
 from test_server_fuzz import fuzz_settings
 
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import ServerLimits, build_app
+from pagedjax.entrypoints.openai.app_options import AppOptions
 
 KEY = "field-fuzz-key"
 MODEL = "tiny-field-fuzz"
@@ -33,7 +35,9 @@ def server(tmp_path_factory):
         tmp_path_factory, "field_fuzz_llama", num_blocks=160, max_model_len=64, max_num_seqs=8
     )
     limits = ServerLimits(max_queue=8, max_body_bytes=256 * 1024, body_timeout_s=10)
-    app = build_app(llm.engine, MODEL, api_key=KEY, limits=limits)
+    app = build_app(
+        EngineLoop(llm.engine, limits.max_queue), MODEL, AppOptions(api_key=KEY, limits=limits)
+    )
     with live_server(app) as base:
         yield types.SimpleNamespace(base=base)
 

@@ -29,7 +29,9 @@ from server_helpers import (
 )
 
 from pagedjax import SamplingParams
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import ServerLimits, build_app
+from pagedjax.entrypoints.openai.app_options import AppOptions
 
 KEY = "fuzz-key"
 MODEL = "tiny-fuzz"
@@ -47,7 +49,9 @@ def server(tmp_path_factory):
     greedy = SamplingParams(max_tokens=GOOD_TOKENS, temperature=0, ignore_eos=True)
     refs = [o.outputs[0].text for o in llm.generate(GOOD_PROMPTS, greedy, use_tqdm=False)]
     limits = ServerLimits(max_queue=8, max_body_bytes=64 * 1024, body_timeout_s=10)
-    app = build_app(llm.engine, MODEL, api_key=KEY, limits=limits)
+    app = build_app(
+        EngineLoop(llm.engine, limits.max_queue), MODEL, AppOptions(api_key=KEY, limits=limits)
+    )
     with live_server(app) as base:
         yield types.SimpleNamespace(base=base, refs=refs)
 

@@ -23,7 +23,9 @@ from server_helpers import (
     wait_idle,
 )
 
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import ServerLimits, build_app
+from pagedjax.entrypoints.openai.app_options import AppOptions
 from pagedjax.entrypoints.openai.logprobs import TokenStrings
 from pagedjax.entrypoints.openai.serving_engine import OpenAIServing
 from pagedjax.structured_output.grammar import GrammarCompiler
@@ -40,7 +42,9 @@ GEN_TOKENS = 16
 def server(tmp_path_factory):
     llm = byte_llm(tmp_path_factory, "limits_llama", max_model_len=MAX_MODEL_LEN)
     limits = ServerLimits(max_response_logprobs=MAX_RESPONSE_LOGPROBS)
-    app = build_app(llm.engine, MODEL, api_key=KEY, limits=limits)
+    app = build_app(
+        EngineLoop(llm.engine, limits.max_queue), MODEL, AppOptions(api_key=KEY, limits=limits)
+    )
     with live_server(app) as base:
         yield types.SimpleNamespace(base=base, serving=app.state.serving, engine=llm.engine)
 

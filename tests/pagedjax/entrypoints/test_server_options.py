@@ -9,8 +9,10 @@ from fastapi.testclient import TestClient
 from server_helpers import CHAT_TEMPLATE, save_byte_tokenizer
 from transformers import AutoTokenizer
 
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints import cli
 from pagedjax.entrypoints.api_server import Cors, build_app, load_chat_template
+from pagedjax.entrypoints.openai.app_options import AppOptions
 
 PLAIN = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -37,8 +39,13 @@ def _rendered(app) -> str:
 
 
 def test_chat_template_replaces_the_tokenizers(tokenizer, tmp_path):
-    assert _rendered(build_app(_engine_with(tokenizer), "m")) == "<user>Hi>"
-    assert _rendered(build_app(_engine_with(tokenizer), "m", chat_template=PLAIN)) == "user: Hi\n"
+    assert _rendered(build_app(EngineLoop(_engine_with(tokenizer)), "m")) == "<user>Hi>"
+    assert (
+        _rendered(
+            build_app(EngineLoop(_engine_with(tokenizer)), "m", AppOptions(chat_template=PLAIN))
+        )
+        == "user: Hi\n"
+    )
     assert tokenizer.chat_template == CHAT_TEMPLATE  # the engine's own is untouched
     file = tmp_path / "template.jinja"
     file.write_text(PLAIN)
@@ -50,11 +57,15 @@ def test_chat_template_replaces_the_tokenizers(tokenizer, tmp_path):
 
 def test_cross_origin_requests_only_from_allowed_origins(tokenizer):
     preflight = {"Origin": "http://ui.local", "Access-Control-Request-Method": "POST"}
-    with TestClient(build_app(_engine_with(tokenizer), "m", api_key="k")) as client:
+    with TestClient(
+        build_app(EngineLoop(_engine_with(tokenizer)), "m", AppOptions(api_key="k"))
+    ) as client:
         r = client.options("/v1/completions", headers=preflight)
         assert "access-control-allow-origin" not in r.headers  # none by default
     cors = Cors(["http://ui.local"])
-    with TestClient(build_app(_engine_with(tokenizer), "m", api_key="k", cors=cors)) as client:
+    with TestClient(
+        build_app(EngineLoop(_engine_with(tokenizer)), "m", AppOptions(api_key="k", cors=cors))
+    ) as client:
         r = client.options("/v1/completions", headers=preflight)  # no key in a preflight
         assert r.status_code == 200
         assert r.headers["access-control-allow-origin"] == "http://ui.local"

@@ -20,7 +20,9 @@ from server_helpers import (
 )
 
 from pagedjax import LLM, BeamSearchParams, SamplingParams
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import build_app
+from pagedjax.entrypoints.openai.app_options import AppOptions
 
 MODEL = "tiny-bytes"
 # An end-of-turn mark "|" after each message, an opened assistant turn only when asked, and a
@@ -60,7 +62,7 @@ def server(tmp_path_factory):
             [tok("Hello")["input_ids"]], BeamSearchParams(beam_width=3, max_tokens=5)
         )[0],
     }
-    app = build_app(llm.engine, MODEL, api_key=KEY)
+    app = build_app(EngineLoop(llm.engine), MODEL, AppOptions(api_key=KEY))
     with live_server(app) as base:
         yield types.SimpleNamespace(base=base, tok=tok, refs=refs)
 

@@ -23,10 +23,11 @@ from pagedjax.models.llama import param_shapes
 from server_helpers import free_port, live_server, raw
 
 from pagedjax import LLM, SamplingParams, compilation
-from pagedjax.entrypoints import startup
+from pagedjax.engine.hosting import startup
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import build_app
 from pagedjax.worker.input_batch import StepShape
-from pagedjax.worker.runner import Runner
+from pagedjax.worker.runner import Runner, RunnerConfig
 from pagedjax.worker.sampler import Filters, Variant
 from pagedjax.worker.warmup import BackgroundCompile, compile_jobs
 from pagedjax.worker.warmup_jobs import own_program_variant, plain_traffic
@@ -38,7 +39,11 @@ DEFAULT_LIMITS = (256, 8192)
 def _runner(max_model_len: int = 8192, block_size: int = 16) -> Runner:
     config = ModelConfig("LlamaForCausalLM", 64, 32, 64, 2, 2, 1, 16)
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), param_shapes(config))
-    return Runner(config, params, num_blocks=8, block_size=block_size, max_model_len=max_model_len)
+    return Runner(
+        config,
+        params,
+        RunnerConfig(num_blocks=8, block_size=block_size, max_model_len=max_model_len),
+    )
 
 
 def _names(jobs) -> list[str]:
@@ -127,7 +132,7 @@ def test_a_request_needing_an_uncompiled_program_is_served_while_the_background_
     runner = llm.runner
     programs_before, counted_before = compilation.programs_compiled(), runner.num_compilations
     caplog.set_level(logging.INFO, logger="pagedjax.worker.runner")
-    start = startup.prepare(llm)
+    start = startup.prepare(llm.engine)
     assert start.report.num_compiled > 0 and start.background is not None
     assert runner.num_compilations - counted_before == start.report.num_compiled
     release = threading.Event()
@@ -138,8 +143,9 @@ def test_a_request_needing_an_uncompiled_program_is_served_while_the_background_
 
     jobs = [("blocked", blocked), *start.background.jobs[:4]]
     start.background = BackgroundCompile(runner.compile, jobs)
-    app = build_app(llm.engine, "tiny")
-    app.state.engine_loop.attach_startup(start)
+    client = EngineLoop(llm.engine)
+    client.attach_startup(start)
+    app = build_app(client, "tiny")
     body = {
         "model": "tiny",
         "prompt": "w5 w6 w7 w5 w6",
@@ -308,8 +314,6 @@ def test_what_the_background_compile_made_is_frozen_once_it_finishes():
 def test_metrics_count_a_background_compile_at_once_while_the_engine_is_idle(tiny):
     """/metrics reads the programs compiled when scraped: a background compile adds to them on
     its own thread while the idle engine thread publishes no new stats snapshot."""
-    from pagedjax.entrypoints.openai.engine_loop import EngineLoop
-
     llm = LLM(tiny, block_size=8, max_model_len=64, num_blocks=16, max_num_seqs=2, seed=0)
     loop = EngineLoop(llm.engine, max_queue=4)  # not started: it publishes only once, here
 

@@ -14,7 +14,9 @@ from server_helpers import KEY, MODEL, byte_llm, live_server, wait_idle
 from test_final_only import BODY, NUM_TOKENS, post, stream_text
 
 from pagedjax import SamplingParams
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import build_app
+from pagedjax.entrypoints.openai.app_options import AppOptions
 from pagedjax.entrypoints.openai.protocol import APIError
 from pagedjax.entrypoints.openai.responses import StreamEvents
 from pagedjax.entrypoints.openai.serving_engine import OpenAIServing, _Job, _Wakeups
@@ -26,7 +28,7 @@ def served(tmp_path_factory):
     llm = byte_llm(tmp_path_factory, "collector")
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
     ref = llm.generate([BODY["prompt"]], params)[0].outputs[0]
-    with live_server(build_app(llm.engine, MODEL, api_key=KEY)) as base:
+    with live_server(build_app(EngineLoop(llm.engine), MODEL, AppOptions(api_key=KEY))) as base:
         yield base, ref
 
 

@@ -21,7 +21,9 @@ import pytest
 from server_helpers import KEY, assert_openai_error, live_server, make_byte_model, raw
 
 from pagedjax import LLM
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import build_app
+from pagedjax.entrypoints.openai.app_options import AppOptions
 
 MODEL = "tiny-bytes"
 MAX_TOKENS = 120
@@ -140,7 +142,7 @@ def base(tmp_path_factory):
     path = tmp_path_factory.mktemp("so_clients")
     make_byte_model(path)
     llm = LLM(str(path), block_size=8, num_blocks=300, max_model_len=256, seed=0)
-    with live_server(build_app(llm.engine, MODEL, api_key=KEY)) as url:
+    with live_server(build_app(EngineLoop(llm.engine), MODEL, AppOptions(api_key=KEY))) as url:
         yield url
 
 

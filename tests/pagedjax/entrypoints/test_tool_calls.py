@@ -17,7 +17,9 @@ from pydantic import Field
 from server_helpers import assert_openai_error, live_server, make_byte_model, raw
 
 from pagedjax import LLM
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import build_app
+from pagedjax.entrypoints.openai.app_options import AppOptions
 from pagedjax.entrypoints.openai.protocol import APIError, ChatRequest, parse_request
 from pagedjax.entrypoints.openai.tools import ToolConfig, tool_mode
 
@@ -66,7 +68,7 @@ def server(tmp_path_factory):
     make_byte_model(path, CHAT_TEMPLATE)
     llm = LLM(str(path), block_size=8, num_blocks=200, max_model_len=256, seed=0)
     config = ToolConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
-    app = build_app(llm.engine, MODEL, api_key=KEY, tool_config=config)
+    app = build_app(EngineLoop(llm.engine), MODEL, AppOptions(api_key=KEY, tool_config=config))
     with live_server(app) as base:
         yield types.SimpleNamespace(base=base, tokenizer=llm.tokenizer)
 

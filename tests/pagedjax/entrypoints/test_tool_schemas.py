@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 from server_helpers import live_server, make_byte_model
 
 from pagedjax import LLM
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import build_app
 from pagedjax.entrypoints.openai.protocol import APIError, ChatRequest, parse_request
 from pagedjax.entrypoints.openai.tool_parsers.base import ParsedCall
@@ -157,7 +158,7 @@ def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("tool_schemas")
     make_byte_model(path)
     llm = LLM(str(path), block_size=8, num_blocks=300, max_model_len=512, seed=0)
-    app = build_app(llm.engine, MODEL)
+    app = build_app(EngineLoop(llm.engine), MODEL)
     with live_server(app) as base:
         yield types.SimpleNamespace(base=base, llm=llm)
 

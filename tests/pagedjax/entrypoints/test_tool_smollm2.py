@@ -14,7 +14,9 @@ import pytest
 from server_helpers import live_server
 
 from pagedjax import LLM
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import build_app
+from pagedjax.entrypoints.openai.app_options import AppOptions
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +78,7 @@ async def _one(client, i: int, stream: bool):
 
 def test_100_named_calls_parse_and_validate():
     llm = LLM(max_model_len=512, num_blocks=512, max_num_seqs=16, seed=0)
-    app = build_app(llm.engine, MODEL, api_key=KEY)
+    app = build_app(EngineLoop(llm.engine), MODEL, AppOptions(api_key=KEY))
 
     async def run(base):
         client = openai.AsyncOpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=600)
@@ -145,7 +147,7 @@ def test_a_langchain_named_choice_is_answered_with_its_call():
     does): the model cannot ramble in an extra one until max_tokens, and every answer is a
     tool call with exactly its arguments."""
     llm = LLM(max_model_len=512, num_blocks=256, max_num_seqs=8, seed=0)
-    app = build_app(llm.engine, MODEL, api_key=KEY)
+    app = build_app(EngineLoop(llm.engine), MODEL, AppOptions(api_key=KEY))
     with live_server(app) as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=600)
         for i, city in enumerate(CITIES[:6]):

@@ -13,7 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import KEY, live_server, make_byte_model, raw, sse_events
 
 from pagedjax import LLM
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import build_app
+from pagedjax.entrypoints.openai.app_options import AppOptions
 from pagedjax.entrypoints.openai.vllm_metrics import VLLM_METRIC_NAMES, one_two_five
 
 MODEL = "tiny-bytes"
@@ -99,7 +101,7 @@ def served(tmp_path_factory):
     path = tmp_path_factory.mktemp("metrics_bytes")
     make_byte_model(path)
     llm = LLM(str(path), block_size=8, num_blocks=200, max_model_len=96, seed=0)
-    app = build_app(llm.engine, [MODEL, "alias"], api_key=KEY)
+    app = build_app(EngineLoop(llm.engine), [MODEL, "alias"], AppOptions(api_key=KEY))
     with live_server(app) as base:
         prompts = ["Hello there", "abc", "a longer prompt here"]
         for p in prompts:

@@ -35,7 +35,7 @@ def main() -> None:
     outs = llm.generate(prompts, params, lora_request=requests, use_tqdm=False)
     slots_specs = {
         f"{kind}/{name}": str(x.sharding.spec)
-        for kind, tree in (("a", llm.runner.lora_slots.a), ("b", llm.runner.lora_slots.b))
+        for kind, tree in (("a", llm.runner.lora.slots.a), ("b", llm.runner.lora.slots.b))
         for name, x in tree.items()
     }
     tokens = [o.outputs[0].token_ids for o in outs]

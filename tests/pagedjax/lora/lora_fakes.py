@@ -12,15 +12,19 @@ from pagedjax.models.loader import LoadedModel
 from pagedjax import LoRARequest
 from pagedjax.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.lora import LoRAConfig
 
 
 class FakeLoRARunner(FakeRunner):
     """The fake runner with adapter slots: records what each slot was loaded with, and the
     ``lora_slot`` of every sequence a step ran (where the step loop passes one)."""
 
-    def __init__(self, *, lora_config=None, **kwargs):
-        super().__init__(**kwargs)
-        self.lora_config = lora_config
+    def __init__(self, config, params, sizes, **kwargs):
+        super().__init__(config, params, sizes, **kwargs)
+        self.lora_config = sizes.lora
+        # the device slots' stand-in: writing one records it (load_lora_slot, which tests
+        # override)
+        self.lora = None if sizes.lora is None else SimpleNamespace(load=self.load_lora_slot)
         self.slot_loads: list[tuple[int, str]] = []
         self.seen_slots: list[int | None] = []
 
@@ -43,12 +47,12 @@ def fake_loader(path: str, model_config, max_rank: int):
     return SimpleNamespace(rank=rank, path=path)
 
 
-def lora_engine(runner=FakeLoRARunner, loader=fake_loader, **lora) -> LLMEngine:
+def lora_engine(runner=FakeLoRARunner, loader=fake_loader, enable_lora=True, **lora) -> LLMEngine:
     config = EngineConfig(
         model="fake",
         cache=CacheConfig(8, 64, None, 0.001, True),
         scheduler=SchedulerConfig(8, 64),
-        **({"enable_lora": True, "max_loras": 2, "max_lora_rank": 8} | lora),
+        lora=LoRAConfig(**({"max_loras": 2, "max_lora_rank": 8} | lora)) if enable_lora else None,
     )
     loaded = LoadedModel(config=FAKE_CONFIG, params={}, source="fake", tokenizer_dir=None)
     return LLMEngine(config, loaded, runner_factory=runner, lora_loader=loader)

@@ -19,7 +19,9 @@ from pagedjax.models.lora import load_adapter
 from safetensors.numpy import load_file, save_file
 
 from pagedjax import LLM, LoRARequest
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import build_app
+from pagedjax.entrypoints.openai.app_options import AppOptions
 from pagedjax.lora.updates import LoRAUpdates
 
 CONFIG, WEIGHTS, BIN = "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"
@@ -123,10 +125,16 @@ def test_broken_adapters_offline_at_start_and_at_run_time(tiny):
     assert llm.list_loras() == set()
     with pytest.raises(ValueError, match=f"--lora-modules bad={broken['truncated']}.*Safetensor"):
         build_app(
-            llm.engine, "base", lora_modules=[("ok", good.lora_path), ("bad", broken["truncated"])]
+            EngineLoop(llm.engine),
+            "base",
+            AppOptions(lora_modules=[("ok", good.lora_path), ("bad", broken["truncated"])]),
         )
     updates = LoRAUpdates(enabled=True)
-    app = build_app(llm.engine, "base", lora_modules=[("ok", good.lora_path)], lora_updates=updates)
+    app = build_app(
+        EngineLoop(llm.engine),
+        "base",
+        AppOptions(lora_modules=[("ok", good.lora_path)], lora_updates=updates),
+    )
     messages = {n: m for n, _, m in BROKEN}
     with TestClient(app) as client:
         for name, path in broken.items():

@@ -12,7 +12,9 @@ from lora_fakes import adapter, lora_engine
 
 from pagedjax import LoRARequest, SamplingParams
 from pagedjax.config import EngineConfig
+from pagedjax.engine.arg_utils import EngineArgs
 from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.lora import LoRAConfig
 
 
 def run(engine: LLMEngine) -> dict:
@@ -32,9 +34,28 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     "field,value",
     [("max_loras", 0), ("max_lora_rank", 0), ("max_cpu_loras", 1), ("enable_lora", 1)],
 )
-def test_lora_options_are_validated_naming_the_field(field, value):
+@pytest.mark.parametrize("enable_lora", [True, False])
+def test_lora_options_are_validated_naming_the_field(field, value, enable_lora):
+    """The limits are one LoRAConfig, checked once (pagedjax/lora/config.py), whether or not
+    LoRA is on; EngineArgs (LLM's keywords, the flags) refuses a bad one naming it."""
+    options = {"enable_lora": enable_lora, "max_loras": 2} | {field: value}
     with pytest.raises(ValueError, match=field):
-        EngineConfig(model="fake", **({"enable_lora": True, "max_loras": 2} | {field: value}))
+        EngineArgs(model="fake", **options)
+    if field != "enable_lora":
+        with pytest.raises(ValueError, match=field):
+            LoRAConfig(**({"max_loras": 2} | {field: value}))
+
+
+def test_the_engine_config_holds_one_lora_config():
+    config = EngineArgs(
+        model="fake", max_model_len=64, enable_lora=True, max_loras=3
+    ).create_engine_config()
+    assert config.lora == LoRAConfig(max_loras=3, max_lora_rank=16, max_cpu_loras=None)
+    assert (
+        EngineArgs(model="fake", max_model_len=64, max_loras=3).create_engine_config().lora is None
+    )
+    with pytest.raises(ValueError, match="lora must be None or a LoRAConfig"):
+        EngineConfig(model="fake", lora={"max_loras": 2})
 
 
 def test_enable_lora_refuses_a_runner_without_adapter_slots():
@@ -118,7 +139,7 @@ def test_the_runner_gets_each_sequences_adapter_slot():
     run(engine)
     loaded = dict(engine.runner.slot_loads)
     assert set(engine.runner.seen_slots) == {0, *loaded}
-    assert loaded[engine.lora_manager.slot_of(1)] == adapter(1).lora_path
+    assert loaded[engine.lora.manager.slot_of(1)] == adapter(1).lora_path
 
 
 def test_generate_takes_one_lora_request_or_one_per_prompt():

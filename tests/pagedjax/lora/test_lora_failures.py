@@ -10,7 +10,7 @@ import pytest
 from lora_fakes import FakeLoRARunner, adapter, fake_loader, lora_engine
 
 from pagedjax import SamplingParams
-from pagedjax.lora.manager import LoRAManager
+from pagedjax.lora import LoRAConfig, LoRAManager
 
 
 class SafetensorError(Exception):
@@ -80,7 +80,7 @@ def test_every_loader_failure_is_a_value_error_naming_adapter_path_and_cause():
     def loader(path, model_config, max_rank):
         raise OSError(5, "Input/output error")
 
-    manager = LoRAManager(max_loras=1, max_lora_rank=8, loader=loader)
+    manager = LoRAManager(LoRAConfig(max_loras=1, max_lora_rank=8), loader=loader)
     with pytest.raises(ValueError, match=r"'adapter1' at '/adapters/1/rank4'.*OSError.*Input/out"):
         manager.add_lora(adapter(1))
     with pytest.raises(ValueError, match="'adapter1'.*OSError"):
@@ -104,7 +104,7 @@ def test_a_failed_slot_write_frees_the_slot_and_the_request_fails_alone():
     assert outs["bad"].outputs[0].finish_reason == "abort" and "not finite" in outs["bad"].error
     assert outs["base"].error is None
     # The slot that held adapter 1 was given up, not leaked: adapter 1 gets it back.
-    assert engine.lora_manager.slot_of(1) is None
+    assert engine.lora.manager.slot_of(1) is None
     engine.add_request("one again", [3, 4, 5], LONG, lora_request=adapter(1))
     assert run(engine)["one again"].error is None
-    assert engine.lora_manager.slot_of(1) == 1
+    assert engine.lora.manager.slot_of(1) == 1

@@ -17,7 +17,7 @@ from lora_peft import build
 from pagedjax.models import lora as model_lora
 from pagedjax.models import lora_slots
 from pagedjax.models.loader import load_model
-from pagedjax.models.lora import LoRAConfig, init_slots, load_adapter
+from pagedjax.models.lora import init_slots, load_adapter
 from pagedjax.models.lora_slots import check_adapter_fits, lora_delta
 from safetensors.numpy import load_file, save_file
 
@@ -97,10 +97,10 @@ def test_non_finite_adapters_are_refused_at_load_naming_the_tensor(tiny):
     big = model_lora.LoRAAdapter(
         "big", adapter.rank, adapter.scaling, {"q_proj": (wa, wb * 1e5)}, adapter.head_dim
     )
-    slots16 = init_slots(config, LoRAConfig(max_loras=1), jnp.float16)
+    slots16 = init_slots(config, 1, 16, jnp.float16)
     with pytest.raises(ValueError, match="'big': q_proj lora_B x scaling 2 is not finite.*float16"):
         check_adapter_fits(slots16, big)
-    check_adapter_fits(init_slots(config, LoRAConfig(max_loras=1), jnp.float32), big)
+    check_adapter_fits(init_slots(config, 1, 16, jnp.float32), big)
 
 
 def test_a_nan_and_an_inf_adapter_in_slots_leave_every_other_request_alone(tiny, monkeypatch):
@@ -129,6 +129,6 @@ def test_a_nan_and_an_inf_adapter_in_slots_leave_every_other_request_alone(tiny,
     want = {i: hf_greedy(models[slots[i]], [batch[i]], MAX_TOKENS)[0] for i in good}
     assert {i: outs[i].outputs[0].token_ids for i in good} == want
     # The bad adapters still hold their slots; later requests of the others are untouched.
-    assert llm.engine.lora_manager.slot_of(3) and llm.engine.lora_manager.slot_of(4)
+    assert llm.engine.lora.manager.slot_of(3) and llm.engine.lora.manager.slot_of(4)
     later = llm.generate([batch[i] for i in good], GREEDY, lora_request=[adapters[i] for i in good])
     assert [o.outputs[0].token_ids for o in later] == [want[i] for i in good]

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from pagedjax import LoRARequest
-from pagedjax.lora import LoRAManager
+from pagedjax.lora import LoRAConfig, LoRAManager
 
 
 class FakeLoader:
@@ -31,9 +31,7 @@ def req(i: int, rank: int = 8) -> LoRARequest:
 def manager(max_loras=2, max_cpu_loras=None, max_lora_rank=16):
     slots = []
     m = LoRAManager(
-        max_loras=max_loras,
-        max_lora_rank=max_lora_rank,
-        max_cpu_loras=max_cpu_loras,
+        LoRAConfig(max_loras, max_lora_rank, max_cpu_loras),
         loader=FakeLoader(),
         load_slot=lambda slot, adapter: slots.append((slot, adapter.path)),
     )
@@ -154,3 +152,5 @@ def test_config_limits_are_checked():
         manager(max_loras=3, max_cpu_loras=2)
     with pytest.raises(ValueError, match="max_loras"):
         manager(max_loras=0)
+    with pytest.raises(ValueError, match="max_lora_rank must be an integer >= 1, got True"):
+        LoRAConfig(max_lora_rank=True)

@@ -13,7 +13,7 @@ from hf_models import make_tiny_model
 from pagedjax.models.config import ModelConfig
 
 from pagedjax import LoRARequest
-from pagedjax.lora import LoRAManager
+from pagedjax.lora import LoRAConfig, LoRAManager
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +32,8 @@ def base_and_adapters(tmp_path_factory):
 def test_peft_adapters_load_through_the_default_loader(base_and_adapters):
     config, dirs, root = base_and_adapters
     slots = []
-    m = LoRAManager(
-        max_loras=1, max_lora_rank=16, model_config=config, load_slot=lambda s, a: slots.append(a)
-    )
+    limits = LoRAConfig(max_loras=1, max_lora_rank=16)
+    m = LoRAManager(limits, model_config=config, load_slot=lambda s, a: slots.append(a))
     assert m.add_lora(LoRARequest("r8", 1, dirs[8]))
     assert m.activate(LoRARequest("r8", 1, dirs[8]), set()) == 1
     assert slots[0].rank == 8 and slots[0].target_modules

@@ -15,15 +15,21 @@ from fastapi.testclient import TestClient
 from lora_fakes import FakeLoRARunner, adapter_dir, fake_loader, lora_engine
 from server_helpers import live_server, metrics, raw
 
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints import cli
 from pagedjax.entrypoints.api_server import build_app
+from pagedjax.entrypoints.openai.app_options import AppOptions
 from pagedjax.lora.updates import RUNTIME_UPDATES_ENV, LoRAUpdates
 
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 
 
 def app(updates: LoRAUpdates | None = None, **engine):
-    return build_app(lora_engine(**({"max_loras": 2} | engine)), "base", lora_updates=updates)
+    return build_app(
+        EngineLoop(lora_engine(**({"max_loras": 2} | engine))),
+        "base",
+        AppOptions(lora_updates=updates),
+    )
 
 
 def test_the_load_and_unload_routes_exist_only_when_asked_for(tmp_path, monkeypatch):
@@ -139,7 +145,9 @@ def test_adapters_are_read_off_the_engine_thread_while_requests_run(tmp_path):
     naming an adapter that left the host cache run on the reader thread."""
     loader = GatedLoader()
     engine = lora_engine(runner=SlowRunner, loader=loader, max_loras=1, max_cpu_loras=1)
-    server = build_app(engine, "base", lora_updates=LoRAUpdates(enabled=True))
+    server = build_app(
+        EngineLoop(engine), "base", AppOptions(lora_updates=LoRAUpdates(enabled=True))
+    )
     gated = adapter_dir(tmp_path, "gated/rank4")
     other = adapter_dir(tmp_path, "other/rank4")
     results = {}

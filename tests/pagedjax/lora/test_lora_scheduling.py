@@ -9,11 +9,12 @@ from types import SimpleNamespace
 import pytest
 
 from pagedjax import LoRARequest
+from pagedjax.config import SchedulerConfig
 from pagedjax.core.block_manager import BlockManager
 from pagedjax.core.lora_admission import LoRAAdmission
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from pagedjax.lora import LoRAManager
+from pagedjax.lora import LoRAConfig, LoRAManager
 
 BS = 4
 _ids = itertools.count()
@@ -31,16 +32,14 @@ def group(name, prompt, adapter: int, arrival: float) -> SequenceGroup:
 def make(max_loras=2, num_blocks=128, budget=64, max_seqs=8, max_skips=16):
     slots: dict[int, str] = {}  # what each device slot holds, as load_slot wrote it
     manager = LoRAManager(
-        max_loras=max_loras,
-        max_lora_rank=8,
+        LoRAConfig(max_loras=max_loras, max_lora_rank=8),
         loader=lambda path, mc, rank: SimpleNamespace(rank=4, path=path),
         load_slot=lambda slot, adapter: slots.__setitem__(slot, adapter.path),
     )
     bm = BlockManager(num_blocks, BS, watermark=0.0, enable_prefix_caching=True)
     sched = Scheduler(
         bm,
-        max_num_seqs=max_seqs,
-        max_num_batched_tokens=budget,
+        SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget),
         lora=LoRAAdmission(manager, max_skips=max_skips),
     )
     return sched, manager, slots

@@ -15,8 +15,10 @@ from fastapi.testclient import TestClient
 from lora_fakes import FakeLoRARunner, adapter_dir, lora_engine
 from server_helpers import assert_openai_error, live_server, metrics, raw
 
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints import cli
 from pagedjax.entrypoints.api_server import build_app
+from pagedjax.entrypoints.openai.app_options import AppOptions
 from pagedjax.lora.updates import LoRAUpdates
 
 ONE = "/adapters/1/rank4"
@@ -46,7 +48,9 @@ def app_with_adapters(runner=FakeLoRARunner, updates=True, **kwargs):
     engine = lora_engine(runner=runner, max_loras=2, **kwargs)
     got = spy(engine)
     app = build_app(
-        engine, "base", lora_modules=[("one", ONE)], lora_updates=LoRAUpdates(enabled=updates)
+        EngineLoop(engine),
+        "base",
+        AppOptions(lora_modules=[("one", ONE)], lora_updates=LoRAUpdates(enabled=updates)),
     )
     return app, engine, got
 
@@ -119,15 +123,15 @@ def test_load_and_unload_endpoints_and_their_errors(two, tmp_path):
 
 
 def test_without_enable_lora_there_are_no_adapters():
-    app = build_app(fake_engine(), "base")
+    app = build_app(EngineLoop(fake_engine()), "base")
     with TestClient(app) as client:
         body = {"lora_name": "one", "lora_path": ONE}
         assert client.post("/v1/load_lora_adapter", json=body).status_code == 404
         assert [c["id"] for c in client.get("/v1/models").json()["data"]] == ["base"]
     with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
-        build_app(fake_engine(), "base", lora_modules=[("one", ONE)])
+        build_app(EngineLoop(fake_engine()), "base", AppOptions(lora_modules=[("one", ONE)]))
     with pytest.raises(ValueError, match="/nowhere"):
-        build_app(lora_engine(), "base", lora_modules=[("one", "/nowhere")])
+        build_app(EngineLoop(lora_engine()), "base", AppOptions(lora_modules=[("one", "/nowhere")]))
 
 
 def test_loading_and_unloading_while_requests_run_loses_nothing(two):

@@ -15,7 +15,9 @@ from lora_peft import build
 from server_helpers import live_server, metrics, raw
 
 from pagedjax import LLM, SamplingParams
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import build_app
+from pagedjax.entrypoints.openai.app_options import AppOptions
 from pagedjax.lora.updates import LoRAUpdates
 
 MAX_TOKENS = 24
@@ -53,7 +55,11 @@ def complete(client, name: str, prompt: list[int], max_tokens: int = MAX_TOKENS)
 def test_the_openai_client_gets_each_adapters_text(model):
     base, paths, texts = model
     llm = LLM(base, **OPTIONS)
-    app = build_app(llm.engine, "base", lora_modules=[("one", paths[0]), ("two", paths[1])])
+    app = build_app(
+        EngineLoop(llm.engine),
+        "base",
+        AppOptions(lora_modules=[("one", paths[0]), ("two", paths[1])]),
+    )
     with live_server(app) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         for name in ("one", "base", "two", "one"):
@@ -78,7 +84,11 @@ def test_loading_and_unloading_while_requests_run_loses_nothing(model):
 
     llm.runner.fetch = slow_fetch
     updates = LoRAUpdates(enabled=True)
-    app = build_app(llm.engine, "base", lora_modules=[("one", paths[0])], lora_updates=updates)
+    app = build_app(
+        EngineLoop(llm.engine),
+        "base",
+        AppOptions(lora_modules=[("one", paths[0])], lora_updates=updates),
+    )
     results = {}
     with live_server(app) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)

@@ -17,6 +17,7 @@ from hf_models import tiny_llama_dir
 from ingress_cases import SERVER_KWARGS, check_all
 from server_helpers import free_port, live_server
 
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.serve_ray.options import AutoscalingOptions, RayServeOptions, builder_arguments
 from pagedjax.serve_ray.prefix_key import BLOCK_CHARS, block_hashes, prompt_text
 
@@ -161,7 +162,7 @@ def test_greedy_tokens_match_the_plain_server(two, model_dir):
     from pagedjax.entrypoints.api_server import build_app
 
     llm = LLM(model_dir, **LLM_KWARGS)
-    with live_server(build_app(llm.engine, "tiny")) as base:
+    with live_server(build_app(EngineLoop(llm.engine), "tiny")) as base:
         plain = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
         for prompt in PROMPTS:
             kw = {"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0}

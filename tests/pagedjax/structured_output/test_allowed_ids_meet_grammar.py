@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 from server_helpers import make_byte_model
 
 from pagedjax import LLM, SamplingParams
+from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import build_app
 from pagedjax.sampling_params import StructuredOutputsParams
 
@@ -34,7 +35,7 @@ def test_disjoint_from_the_first_step_is_refused_up_front(llm):
     assert not llm.engine.has_unfinished_requests()
     (out,) = llm.generate(["hi"], params("[a-c]+", [X, B]), use_tqdm=False)  # one in common
     assert set(out.outputs[0].token_ids) <= {B, *llm.engine.model_config.eos_token_ids}
-    with TestClient(build_app(llm.engine, "m")) as client:
+    with TestClient(build_app(EngineLoop(llm.engine), "m")) as client:
         body = {"model": "m", "prompt": "hi", "max_tokens": 4, "allowed_token_ids": [X]}
         body["structured_outputs"] = {"regex": "[a-c]+"}
         r = client.post("/v1/completions", json=body)

@@ -67,7 +67,8 @@ def _step_program_args(variant: sampler.Variant | None):
     # One array per layer, as on a GPU (the scan over stacked layers is a loop of fixed length).
     stacked = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), param_shapes(config))
     params, weights = process_weights_after_loading(stacked, config, layer_loop="unrolled")
-    args = (params, (pool, pool), packed, prev, config, "reference", None, weights)
+    model = programs.ModelStatics(config, "reference", None, weights)
+    args = (params, (pool, pool), packed, prev, model)
     return (*args, layout)
 
 

@@ -44,8 +44,7 @@ def job_names(model, backend: str, *, max_num_seqs=256, spec=0, swap=True, lora=
         num_blocks=num_blocks,
         max_blocks_per_seq=batcher.max_blocks_per_seq,
         kv_cache=types.SimpleNamespace(lower_block_op=None),
-        lora_slots=object() if lora else None,
-        lower_slot_write=None,
+        lora=types.SimpleNamespace(lower_write=None) if lora else None,
     )
     return [name for name, _ in warmup_jobs(runner, max_num_seqs, budget, swap)]
 

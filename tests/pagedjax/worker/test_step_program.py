@@ -36,7 +36,8 @@ def _step_program_hlo(max_query_len: int) -> tuple[str, int]:
     packed, layout = step_program.pack_inputs(step, np.zeros(len(step.logits_indices), np.int32))
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     params = param_shapes(c)
-    args = (params, (pool, pool), i32(packed.shape), i32((16,)), c, "reference", None, False)
+    model = programs.ModelStatics(c, "reference")
+    args = (params, (pool, pool), i32(packed.shape), i32((16,)), model)
     hlo = programs.step.lower(*args, layout).compile().as_text()
     return hlo, len(jax.tree.leaves(params))
 
@@ -142,11 +143,11 @@ def test_a_greedy_decode_step_is_one_program_and_one_transfer(tiny, monkeypatch)
     for _ in range(3):  # the prompts, then decode steps
         engine.step()
     puts = _CountTransfers(monkeypatch)
-    programs, transfers, steps = runner.num_programs, runner.num_transfers, 6
+    programs, transfers, steps = runner.step_ops.num_programs, runner.step_ops.num_transfers, 6
     for _ in range(steps):
         engine.step()
-    assert runner.num_programs - programs == steps, "a greedy decode step is one program"
-    assert runner.num_transfers - transfers == steps, "its inputs are one transfer"
+    assert runner.step_ops.num_programs - programs == steps, "a greedy decode step is one program"
+    assert runner.step_ops.num_transfers - transfers == steps, "its inputs are one transfer"
     assert puts.calls == steps, "a transfer outside the runner's count"
     assert engine.steps.num_overlapped >= steps  # each filled from the step before's tokens
     # A sampled decode step (with top logprobs) is one program and one transfer too: its
@@ -156,10 +157,11 @@ def test_a_greedy_decode_step_is_one_program_and_one_transfer(tiny, monkeypatch)
     for _ in range(2):  # its prompt (a mixed step), then decode steps
         engine.step()
     puts = _CountTransfers(monkeypatch)
-    programs, transfers = runner.num_programs, runner.num_transfers
+    programs, transfers = runner.step_ops.num_programs, runner.step_ops.num_transfers
     for _ in range(3):
         engine.step()
-    assert (runner.num_programs - programs, runner.num_transfers - transfers) == (3, 3)
+    ops = runner.step_ops
+    assert (ops.num_programs - programs, ops.num_transfers - transfers) == (3, 3)
     assert puts.calls == 3, "a transfer outside the runner's count"
     while engine.has_unfinished_requests():
         engine.step()
@@ -167,10 +169,11 @@ def test_a_greedy_decode_step_is_one_program_and_one_transfer(tiny, monkeypatch)
     engine.add_request("p", [9, 10, 11], SamplingParams(max_tokens=6, frequency_penalty=0.5))
     for _ in range(2):
         engine.step()
-    programs, transfers = runner.num_programs, runner.num_transfers
+    programs, transfers = runner.step_ops.num_programs, runner.step_ops.num_transfers
     for _ in range(3):
         engine.step()
-    assert (runner.num_programs - programs, runner.num_transfers - transfers) == (6, 6)
+    ops = runner.step_ops
+    assert (ops.num_programs - programs, ops.num_transfers - transfers) == (6, 6)
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -206,12 +209,12 @@ def test_a_sampled_decode_step_samples_as_the_sampler_program_does(tiny, monkeyp
     prompts = [ScheduledSeq([3 + i, 4, 5, 6, 7], 0, tables[i], []) for i in range(4)]
     runner.execute(prompts)
     decode = [ScheduledSeq([8 + i], 5, tables[i], [rows[i]], seq_id=i) for i in range(4)]
-    programs = runner.num_programs
+    programs = runner.step_ops.num_programs
     one = runner.execute(decode, num_top_logprobs=3).sampled
-    assert runner.num_programs - programs == 1
+    assert runner.step_ops.num_programs - programs == 1
     monkeypatch.setattr(sampler, "needs_own_program", lambda row: True)  # the sampler program
     two = runner.execute(decode, num_top_logprobs=3).sampled
-    assert runner.num_programs - programs == 3
+    assert runner.step_ops.num_programs - programs == 3
     for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two), strict=True):
         np.testing.assert_array_equal(a, b)
     assert one.top_token_ids.shape == (4, 3)

@@ -1,15 +1,20 @@
-"""A server's start: the programs compiled before it answers, the rest in the background, and
-what that cost.
+"""A server's start: the serving engine launched, the programs compiled before it answers, the
+rest in the background, and what that cost.
 
-``prepare(llm)`` compiles the bucket policy's common programs (``Runner.startup_jobs``,
-worker/warmup.py) and returns a ``Startup`` that holds the rest. The engine loop calls
-``ready()`` once the engine thread runs, just before the server answers ``/health``: it logs the
-seconds since the process started and starts the background compile. The counts are exported as
-Prometheus gauges (``Startup`` is a collector the engine loop registers).
+``start_engine(options)`` is the one way a serving engine starts (``pagedjax serve`` in-thread,
+the engine process, Ray Serve replicas): the engine of the options' EngineArgs, its programs
+compiled (``prepare``), its in-thread host (engine_loop.EngineLoop) with the start attached, the
+periodic stats line; in a follower process of a multi-process run, the follower's part instead.
+``prepare(engine)`` compiles the bucket policy's common programs (the runner's
+``startup_jobs``, worker/warmup.py) and returns a ``Startup`` that holds the rest. The engine
+loop calls ``ready()`` once the engine thread runs, just before the server answers ``/health``:
+it logs the seconds since the process started and starts the background compile. The counts are
+exported as Prometheus gauges (``Startup`` is a collector the engine loop registers).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import math
@@ -20,7 +25,10 @@ import time
 from prometheus_client.core import GaugeMetricFamily
 
 from pagedjax import executables
+from pagedjax.engine.hosting.engine_loop import EngineLoop
+from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.request import row_fields
+from pagedjax.engine.stats_log import start_stats_log
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.worker.sampler import SamplingInput, SamplingRow, Variant, plain_greedy
 from pagedjax.worker.warmup import BackgroundCompile, Job, WarmupReport
@@ -140,19 +148,55 @@ class Startup:
             yield GaugeMetricFamily(f"pagedjax_{name}", help_, value=value)
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """How a serving engine starts: its arguments (an EngineArgs: LLM's keywords), how many
+    requests may wait (the server's ``max_queue``), which programs compile before it answers
+    (``prepare``'s ``warmup``, ``warmup_all``, ``background_compile``), and an engine process's
+    log level. Pickled to an engine process."""
+
+    engine_args: object
+    max_queue: int
+    warmup: bool = True
+    warmup_all: bool = False
+    background_compile: bool = True
+    log_level: str = "info"
+
+
+def start_engine(options: EngineOptions, after_pass=None) -> EngineLoop | None:
+    """The serving engine of ``options``: loaded, its programs compiled as the options say, on
+    its in-thread host (``after_pass``: EngineLoop's) with the start attached (the background
+    compile begins with the loop), the periodic stats line logged unless
+    ``disable_log_stats``. None in a follower process of a multi-process run, once it has
+    replayed the driver's steps to the end (process 0 alone serves)."""
+    engine = LLMEngine.from_engine_args(options.engine_args)
+    compiles = (options.warmup, options.warmup_all, options.background_compile)
+    start = prepare(engine, *compiles)
+    if not engine.is_driver:
+        engine.follow()
+        engine.close()
+        return None
+    loop = EngineLoop(engine, options.max_queue, after_pass=after_pass)
+    loop.attach_startup(start)
+    if not options.engine_args.disable_log_stats:
+        start_stats_log(lambda: loop.metrics.engine_stats)
+    return loop
+
+
 def prepare(
-    llm, *, warmup: bool = True, warmup_all: bool = False, background: bool = True
+    engine: LLMEngine, warmup: bool = True, warmup_all: bool = False, background: bool = True
 ) -> Startup:
     """Compile what the server needs before it answers: nothing (``warmup=False``: everything
     compiles on first use), every program (``warmup_all``), or the bucket policy's common ones
-    with the rest left to a background compile (``background``) or to first use."""
+    (the runner's ``startup_jobs``; a draft model's runner lists all) with the rest left to a
+    background compile (``background``) or to first use."""
     if not warmup:
         return Startup(WarmupReport([], 0.0))
-    engine, runner = llm.engine, llm.runner
+    runner = engine.runner
     sched = engine.config.scheduler
     limits = (sched.max_num_seqs, sched.token_budget)
     swap = engine.block_manager.num_host_blocks > 0
-    if warmup_all or not hasattr(runner, "startup_jobs"):  # a draft model's: everything
+    if warmup_all:
         return Startup(runner.warmup(*limits, swap=swap))
     default = default_variant(engine)
     every = runner.warmup_jobs(*limits, swap=swap)
@@ -164,9 +208,9 @@ def prepare(
         return Startup(report, bound=len(every))
     done = {name for name, _ in first}
     rest = _rarest_last(every, done, default)
-    nearest = NearTraffic(runner.batcher.shapes_built, default)
+    nearest = NearTraffic(runner.shapes_built, default)
     background = BackgroundCompile(
-        runner.compile, rest, freeze_compiled_objects, prefer=nearest, guard=runner.calls.guard
+        runner.compile, rest, freeze_compiled_objects, prefer=nearest, guard=executables.guard()
     )
     return Startup(report, background, bound=len(every))
 

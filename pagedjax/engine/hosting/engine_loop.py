@@ -1,6 +1,8 @@
-"""The engine thread: it applies queued commands (add, abort), runs ``engine.step()`` and hands
-each RequestOutput to the sink of the HTTP request waiting for it. Handlers never touch the
-engine's state; they talk to it through ``submit`` and ``abort``.
+"""The engine on a thread of the server's process: ``EngineLoop``, an EngineClient
+(engine/client.py) over an LLMEngine. The engine thread applies queued commands (add, abort),
+runs ``engine.step()`` and hands each RequestOutput to the sink of the HTTP request waiting for
+it. Handlers never touch the engine's state; they talk to it through ``submit`` and ``abort``,
+and read what it serves (tokenizer, configs, limits) and check requests through the client.
 
 A request that fails inside the engine comes back as its own finished output with ``error`` set;
 if ``step()`` itself raises, every request in flight gets the exception and the thread goes on
@@ -12,7 +14,7 @@ between steps: ``command("add_lora", ...)`` (/v1/load_lora_adapter) and a reques
 adapter that is not in the host cache (``submit``). A request whose adapter must be re-read when
 it is admitted, after it left the host cache, reads it there (the scheduler's, on this thread).
 
-A server's start (pagedjax/entrypoints/startup.py) rides on the loop: ``start`` marks the moment
+A server's start (engine/hosting/startup.py) rides on the loop: ``start`` marks the moment
 the server answers and starts the background compile of the programs not yet compiled, which
 runs beside the engine thread (a step that needs one of them compiles it itself); ``stop`` ends
 the background compile before the engine thread.
@@ -26,6 +28,7 @@ import queue
 import threading
 import time
 
+from pagedjax.engine.client import DEFAULT_MAX_QUEUE, EngineClient, QueueFull, check_command
 from pagedjax.entrypoints.openai.metrics import ServerMetrics
 from pagedjax.outputs import RequestOutput
 
@@ -36,13 +39,12 @@ logger = logging.getLogger("pagedjax.api_server")
 _KEEP_ALIVE_S = 10.0
 
 
-# What ``command`` may run on the engine, by name: a name and its arguments pickle, so the same
-# command reaches an engine in another process (engine_process.py).
-ENGINE_COMMANDS = frozenset({"add_lora", "remove_lora"})
-
-
-class QueueFull(Exception):
-    pass
+def run_command(engine, name: str, args: tuple):
+    """The engine's command ``name`` (one of engine/client.py's ENGINE_COMMANDS) on ``args``,
+    here and now (the engine thread, or before it starts)."""
+    lora = engine.lora
+    commands = {"add_lora": lora.add_lora, "remove_lora": lora.remove_lora}
+    return commands[name](*args)
 
 
 # ---- the thread -----------------------------------------------------------------------------
@@ -62,24 +64,23 @@ class _Tracked:
         self.max_tokens = getattr(params, "max_tokens", 0)
 
 
-class EngineLoop:
-    """Owns the engine on one thread; everything else reaches it through ``submit``/``abort``."""
+class EngineLoop(EngineClient):
+    """Owns the engine on one thread; everything else reaches it through ``submit``/``abort``.
+    ``max_queue``: requests that may wait before an add fails with QueueFull. ``after_pass``:
+    called on the engine thread after each pass of the loop (outputs handed to the sinks, stats
+    published): an engine process sends what the pass produced in one message."""
 
-    def __init__(self, engine, max_queue: int, after_pass=None):
+    def __init__(self, engine, max_queue: int = DEFAULT_MAX_QUEUE, after_pass=None):
         self.engine = engine
         self.max_queue = max_queue
-        # called on the engine thread after each pass of the loop (outputs handed to the sinks,
-        # stats published): an engine process sends what the pass produced in one message
         self._after_pass = after_pass
-        config = getattr(engine, "config", None)
-        if config is not None:
-            cache = config.cache
-            self.metrics = ServerMetrics(config.scheduler.max_model_len, cache.block_size, cache)
-        else:  # an engine stand-in without a config (tests)
-            self.metrics = ServerMetrics()
-        runner = getattr(engine, "runner", None)
-        if runner is not None:  # its counts also grow on a background compile's thread
-            self.metrics.compile_counts = lambda: (runner.num_compilations, runner.compile_seconds)
+        config = engine.config
+        cache = config.cache
+        self.metrics = ServerMetrics(config.scheduler.max_model_len, cache.block_size, cache)
+        runner = engine.runner  # its counts also grow on a background compile's thread
+        self.metrics.compile_counts = lambda: (runner.num_compilations, runner.compile_seconds)
+        if engine.lora.enabled:
+            self.metrics.max_loras = config.lora.max_loras
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._thread: threading.Thread | None = None
@@ -87,6 +88,36 @@ class EngineLoop:
         self._lora_reader: concurrent.futures.ThreadPoolExecutor | None = None
         self.startup = None  # a server's start (startup.Startup), when ``attach_startup`` ran
         self._publish()
+
+    # ---- what it serves, and request checks (EngineClient) ------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    @property
+    def config(self):
+        return self.engine.config
+
+    @property
+    def eos_token_ids(self):
+        return self.engine.eos_token_ids
+
+    @property
+    def default_sampling_params(self) -> dict:
+        return self.engine.default_sampling_params
+
+    def check_request(self, prompt_token_ids: list[int], params) -> None:
+        self.engine.check_request(prompt_token_ids, params)
+
+    def compile_grammar(self, constraint):
+        return self.engine.input_processor.grammars.compile(constraint)
+
+    # ---- life ---------------------------------------------------------------------------------
 
     def attach_startup(self, startup) -> None:
         """Report ``startup`` (its figures join /metrics) and start its background compile when
@@ -114,6 +145,16 @@ class EngineLoop:
         if self._lora_reader is not None:
             self._lora_reader.shutdown(wait=False, cancel_futures=True)
 
+    def close(self) -> None:
+        """Free the engine (in a multi-process run this stops the followers), unless a step
+        outlived the shutdown."""
+        if self.is_running:
+            logger.warning("the engine thread is still stepping; leaving the engine open")
+        else:
+            self.engine.close()
+
+    # ---- requests -----------------------------------------------------------------------------
+
     def submit(self, requests: list[tuple], params, lora_request=None, priority: int = 0) -> list:
         """Queue the adds of ``requests`` ((request id, prompt ids, sink) each, all with
         ``params`` and ``priority``, under the LoRA adapter ``lora_request`` if given) as one
@@ -123,16 +164,15 @@ class EngineLoop:
         ValueError (bad request), QueueFull, or whatever else add_request raised."""
         futs = [concurrent.futures.Future() for _ in requests]
         cmd = ("add", requests, params, futs, lora_request, None, priority)
-        manager = self._lora_manager()
-        if lora_request is None or manager is None or manager.is_cached(lora_request.lora_int_id):
+        if not self.engine.lora.needs_read(lora_request):
             self._commands.put(cmd)
         else:  # read the adapter first, off the engine thread; install it with the adds
-            self._reader().submit(self._read_then_add, manager, cmd)
+            self._reader().submit(self._read_then_add, cmd)
         return futs
 
-    def _read_then_add(self, manager, cmd) -> None:
+    def _read_then_add(self, cmd) -> None:
         try:
-            adapter = manager.read(cmd[4])
+            adapter = self.engine.lora.read(cmd[4])
         except Exception as e:  # this request's adapter: it fails alone
             for fut in cmd[3]:
                 if fut.set_running_or_notify_cancel():
@@ -142,40 +182,39 @@ class EngineLoop:
 
     def call(self, fn):
         """Run ``fn(engine)`` on the engine thread, between steps (e.g. loading a LoRA adapter);
-        the returned future holds its result or exception."""
+        the returned future holds its result or exception. Before the loop starts (a server's
+        start-up: --lora-modules) nothing steps: it runs here and now."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("call", fn, fut))
+        if self._thread is None:
+            _settle_call(fut, fn, self.engine)
+        else:
+            self._commands.put(("call", fn, fut))
         return fut
 
     def command(self, name: str, *args):
-        """Run the engine's method ``name`` (one of ENGINE_COMMANDS) on ``args`` between steps,
-        as ``call`` does; the returned future holds its result or exception."""
-        if name not in ENGINE_COMMANDS:
-            raise ValueError(f"unknown engine command {name!r}; known: {sorted(ENGINE_COMMANDS)}")
-        manager = self._lora_manager()
-        if name == "add_lora" and manager is not None:
-            return self._add_lora(manager, *args)
-        return self.call(lambda engine: getattr(engine, name)(*args))
+        """Run the engine's command ``name`` (one of ENGINE_COMMANDS) on ``args`` between
+        steps, as ``call`` does; the returned future holds its result or exception."""
+        check_command(name)
+        lora = self.engine.lora
+        if name == "add_lora" and lora.enabled and self._thread is not None:
+            return self._add_lora(lora, *args)
+        return self.call(lambda engine: run_command(engine, name, args))
 
-    def _add_lora(self, manager, lora):
+    def _add_lora(self, lora, request):
         """Read and check the adapter on the reader thread, then install it between steps."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def read() -> None:
             try:
-                adapter = manager.read(lora)
+                adapter = lora.read(request)
             except Exception as e:
                 fut.set_exception(e)
                 return
-            installed = self.call(lambda engine: manager.install(lora, adapter))
+            installed = self.call(lambda engine: lora.install(request, adapter))
             installed.add_done_callback(lambda done: _settle(fut, done))
 
         self._reader().submit(read)
         return fut
-
-    def _lora_manager(self):
-        manager = getattr(self.engine, "lora_manager", None)
-        return manager if callable(getattr(manager, "read", None)) else None
 
     def _reader(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._lora_reader is None:
@@ -232,16 +271,12 @@ class EngineLoop:
             return
         if cmd[0] == "call":
             _, fn, fut = cmd
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(self.engine))
-                except Exception as e:
-                    fut.set_exception(e)
+            _settle_call(fut, fn, self.engine)
             return
         _, requests, params, futs, lora, adapter, priority = cmd
         if adapter is not None:  # read on the reader thread for these requests
             try:
-                self.engine.lora_manager.install(lora, adapter)
+                self.engine.lora.install(lora, adapter)
             except Exception as e:
                 for fut in futs:
                     if fut.set_running_or_notify_cancel():
@@ -326,8 +361,8 @@ class EngineLoop:
 
     def _publish(self) -> None:
         self.metrics.publish(self.engine.get_stats())
-        if getattr(self.engine, "lora_manager", None) is not None:
-            self.metrics.publish_lora(self.engine.lora_requests_info())
+        if self.engine.lora.enabled:
+            self.metrics.publish_lora(self.engine.lora.requests_info(self.engine.scheduler))
         if self._after_pass is not None:
             self._after_pass()
 
@@ -338,3 +373,12 @@ def _settle(fut: concurrent.futures.Future, done: concurrent.futures.Future) -> 
         fut.set_exception(done.exception())
     else:
         fut.set_result(done.result())
+
+
+def _settle_call(fut: concurrent.futures.Future, fn, engine) -> None:
+    """``fut`` takes ``fn(engine)``'s result or exception."""
+    if fut.set_running_or_notify_cancel():
+        try:
+            fut.set_result(fn(engine))
+        except Exception as e:
+            fut.set_exception(e)

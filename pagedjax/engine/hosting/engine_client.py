@@ -1,9 +1,9 @@
 """The API server's side of an engine in another process (vLLM V1's AsyncLLM over its
-EngineCoreClient): ``EngineProcess`` starts the engine process (engine_process.py) and stands
-where the in-thread server's EngineLoop stands — ``start``, ``stop``, ``is_running``, ``submit``,
-``abort``, ``command``, ``metrics`` — and ``RemoteEngine`` stands for the engine itself where the
-server reads it before anything runs: its tokenizer, configs, admission check and grammar
-compiler, with no model and no device in this process.
+EngineCoreClient): ``EngineProcess`` starts the engine process (engine_process.py) and is an
+EngineClient (engine/client.py), as the in-thread EngineLoop is: ``start``, ``stop``,
+``is_running``, ``submit``, ``abort``, ``command``, ``metrics``, and, from the ServingInfo the
+engine sent when it was ready, what it serves (tokenizer, configs, limits), its admission check
+and a grammar compiler, with no model and no device in this process.
 
 A reader thread takes the engine's messages (a pass of the loop at a time) and hands each output
 to its request's sink, as the engine thread does in-thread. An engine process that dies makes
@@ -20,10 +20,11 @@ import logging
 import multiprocessing
 import threading
 
+from pagedjax.engine.client import EngineClient, check_command
+from pagedjax.engine.hosting.engine_process import ServingInfo, engine_main
+from pagedjax.engine.hosting.output_delta import OutputDecoder
+from pagedjax.engine.hosting.startup import EngineOptions
 from pagedjax.engine.input_processor import InputProcessor
-from pagedjax.entrypoints.openai.engine_loop import ENGINE_COMMANDS
-from pagedjax.entrypoints.openai.engine_process import EngineOptions, ServingInfo, engine_main
-from pagedjax.entrypoints.openai.output_delta import OutputDecoder
 from pagedjax.outputs import token_texts
 
 logger = logging.getLogger("pagedjax.api_server")
@@ -31,8 +32,9 @@ logger = logging.getLogger("pagedjax.api_server")
 _STOP_S = 60.0  # how long stop() waits for the engine process to finish its requests and exit
 
 
-class EngineProcess:
-    """The engine process and the pipes to it; the handlers' engine loop."""
+class EngineProcess(EngineClient):
+    """The engine process and the pipes to it; the handlers' engine client once ``wait_ready``
+    has returned True."""
 
     def __init__(self, options: EngineOptions):
         ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold jax
@@ -57,11 +59,13 @@ class EngineProcess:
         self._started = False
         self._alive = True  # until the engine process is seen gone
         self._token_text = None  # a token's text, for prompt logprobs (once the engine is ready)
+        self.info: ServingInfo | None = None  # what the engine serves (once it is ready)
+        self._input_processor: InputProcessor | None = None  # its admission check, here
 
-    def wait_ready(self) -> ServingInfo | None:
-        """Block until the engine has loaded and compiled what it needs before answering; its
-        ServingInfo, or None for a follower of a multi-process run (which serves nothing).
-        RuntimeError if the engine process failed to start."""
+    def wait_ready(self) -> bool:
+        """Block until the engine has loaded and compiled what it needs before answering; False
+        for a follower of a multi-process run (which serves nothing: ``join`` it). RuntimeError
+        if the engine process failed to start."""
         try:
             kind, payload = self._from_engine.recv()
         except (EOFError, OSError):
@@ -71,17 +75,55 @@ class EngineProcess:
             ) from None
         if kind == "failed":
             raise RuntimeError(f"the engine process could not start: {payload}")
-        if kind == "ready" and payload.tokenizer is not None:
-            self._token_text = token_texts(copy.deepcopy(payload.tokenizer))
+        if kind == "ready":
+            self.info = payload
+            self._input_processor = InputProcessor(payload.capacity, payload.tokenizer)
+            if payload.tokenizer is not None:
+                self._token_text = token_texts(copy.deepcopy(payload.tokenizer))
         self._reader = threading.Thread(target=self._read, name="pagedjax-engine-out", daemon=True)
         self._reader.start()
-        return payload if kind == "ready" else None
+        return kind == "ready"
 
-    # -- the engine loop's interface --
+    def join(self) -> None:
+        """Wait for the engine process to end (a follower's, which serves nothing here)."""
+        self.process.join()
+
+    # -- what it serves, and request checks (EngineClient) --
+
+    @property
+    def tokenizer(self):
+        return self.info.tokenizer
+
+    @property
+    def model_config(self):
+        return self.info.model_config
+
+    @property
+    def config(self):
+        return self.info.config
+
+    @property
+    def eos_token_ids(self):
+        return self.info.eos_token_ids
+
+    @property
+    def default_sampling_params(self) -> dict:
+        return self.info.default_sampling_params
+
+    def check_request(self, prompt_token_ids: list[int], params) -> None:
+        """The engine's admission check, on the same limits (LLMEngine.check_request)."""
+        self._input_processor.check(prompt_token_ids, params)
+
+    def compile_grammar(self, constraint):
+        """Compiled here for the handlers' checks; sent as text, the engine compiles it again
+        (``_without_compiled``)."""
+        return self._input_processor.grammars.compile(constraint)
+
+    # -- running requests (EngineClient) --
 
     def start(self) -> None:
         """The server is about to answer: the engine thread and its background compile start."""
-        from pagedjax.entrypoints.startup import freeze_startup_objects
+        from pagedjax.engine.hosting.startup import freeze_startup_objects
 
         freeze_startup_objects()  # this process's start-up objects, as the engine's are there
         self._send(("start", self.metrics.model_name))
@@ -102,6 +144,11 @@ class EngineProcess:
             self.process.terminate()
             self.process.join(timeout=10)
 
+    def close(self) -> None:
+        """Stop the engine process if it still runs (the app's shutdown stops it first)."""
+        if self.process.is_alive():
+            self.stop()
+
     def submit(self, requests: list[tuple], params, lora_request=None, priority: int = 0) -> list:
         """As EngineLoop.submit, in one message: the futures fail with ValueError, QueueFull or
         RuntimeError."""
@@ -121,9 +168,8 @@ class EngineProcess:
         self._send_unless_gone(("abort", request_id))
 
     def command(self, name: str, *args):
-        """As EngineLoop.command: the engine's method ``name`` run between steps."""
-        if name not in ENGINE_COMMANDS:
-            raise ValueError(f"unknown engine command {name!r}; known: {sorted(ENGINE_COMMANDS)}")
+        """As EngineLoop.command: the engine's command ``name`` run between steps."""
+        check_command(name)
         return self._ask(("command", name, args))
 
     # -- talking to the engine process --
@@ -216,31 +262,6 @@ class RemoteMetrics:
         with contextlib.suppress(RuntimeError, OSError, concurrent.futures.TimeoutError):
             self._last = self._process._ask(("metrics",)).result(timeout=self._timeout_s)
         return self._last
-
-
-class RemoteEngine:
-    """The engine as the API process reads it: what build_app and the handlers use of an
-    LLMEngine before and beside the engine loop, from the engine process's ServingInfo."""
-
-    def __init__(self, info: ServingInfo, process: EngineProcess):
-        self.engine_loop = process  # build_app serves through it
-        self.tokenizer = info.tokenizer
-        self.config = info.config
-        self.model_config = info.model_config
-        self.eos_token_ids = info.eos_token_ids
-        self.default_sampling_params = info.default_sampling_params
-        self.input_processor = InputProcessor(info.capacity, info.tokenizer)
-        # build_app and ServedModels read whether the engine serves LoRA adapters from this
-        self.lora_manager = "in the engine process" if info.enable_lora else None
-
-    def check_request(self, prompt_token_ids: list[int], params) -> None:
-        """The engine's admission check, on the same limits (LLMEngine.check_request)."""
-        self.input_processor.check(prompt_token_ids, params)
-
-    def add_lora(self, lora_request) -> bool:
-        """Load an adapter in the engine process (--lora-modules at start); ValueError as the
-        engine's."""
-        return self.engine_loop.command("add_lora", lora_request).result()
 
 
 def _without_compiled(params):

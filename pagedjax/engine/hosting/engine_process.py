@@ -28,35 +28,24 @@ import queue
 import signal
 import threading
 
-from pagedjax.entrypoints.openai.engine_loop import ENGINE_COMMANDS, EngineLoop, QueueFull
-from pagedjax.entrypoints.openai.output_delta import OutputEncoder
+from pagedjax.engine.client import ENGINE_COMMANDS, QueueFull
+from pagedjax.engine.hosting.engine_loop import EngineLoop, run_command
+from pagedjax.engine.hosting.output_delta import OutputEncoder
+from pagedjax.engine.hosting.startup import EngineOptions, start_engine
 
 logger = logging.getLogger("pagedjax.api_server")
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineOptions:
-    """How the engine process builds its engine and its start (api_server.serve's arguments)."""
-
-    engine_args: object  # EngineArgs: LLM's keywords
-    max_queue: int
-    warmup: bool = True
-    warmup_all: bool = False
-    background_compile: bool = True
-    log_level: str = "info"
 
 
 @dataclasses.dataclass
 class ServingInfo:
     """What the API process needs of the engine, without its model: the tokenizer, the configs
-    and the admission limits (engine_client.RemoteEngine)."""
+    and the admission limits (engine_client.EngineProcess serves them as an EngineClient)."""
 
     tokenizer: object
     config: object  # EngineConfig
     model_config: object
     capacity: object  # input_processor.Capacity
     eos_token_ids: object
-    enable_lora: bool
     default_sampling_params: dict
 
 
@@ -67,7 +56,6 @@ def serving_info(engine) -> ServingInfo:
         model_config=engine.model_config,
         capacity=engine.input_processor.capacity,
         eos_token_ids=engine.eos_token_ids,
-        enable_lora=getattr(engine, "lora_manager", None) is not None,
         default_sampling_params=engine.default_sampling_params,
     )
 
@@ -93,24 +81,23 @@ class RemoteError:
 
 
 class EngineCore:
-    """The engine loop fed from a pipe and answering into another."""
+    """The engine loop fed from a pipe and answering into another. ``flush`` is the loop's
+    ``after_pass``: what a pass of the loop produced goes out as one message."""
 
-    def __init__(self, engine, max_queue: int, conn_out):
+    def __init__(self, conn_out):
         self._conn_out = conn_out
         self._pass: list[tuple] = []  # what this pass of the loop produced
         self._pass_lock = threading.Lock()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_all, name="pagedjax-send", daemon=True)
         self._sender.start()
-        self.engine = engine
-        self.loop = EngineLoop(engine, max_queue, after_pass=self._flush)
-        if getattr(engine, "lora_manager", None) is not None:
-            self.loop.metrics.max_loras = engine.config.max_loras
+        self.loop: EngineLoop | None = None
 
     # -- the main thread: commands from the API process --
 
-    def serve(self, conn_in) -> None:
-        """Apply the API process's commands until it says stop or goes away."""
+    def serve(self, loop: EngineLoop, conn_in) -> None:
+        """Apply the API process's commands to ``loop`` until it says stop or goes away."""
+        self.loop = loop
         while True:
             try:
                 msg = conn_in.recv()
@@ -150,7 +137,7 @@ class EngineCore:
             self._outbox.put(("pass", [("result", cid, (error, None))]))
         elif not self.loop.is_running:
             try:
-                result = (None, getattr(self.engine, name)(*args))
+                result = (None, run_command(self.loop.engine, name, args))
             except Exception as e:
                 result = (RemoteError.of(e), None)
             self._outbox.put(("pass", [("result", cid, result)]))
@@ -189,7 +176,7 @@ class EngineCore:
         settled it has been sent already)."""
         fut.add_done_callback(lambda f: self._note(entry(f)))
         if fut.done():
-            self._flush()
+            self.flush()
 
     def _compile_grammar(self, params) -> None:
         """A constraint arrives as its text (engine_client strips the compiled grammar, which
@@ -197,7 +184,7 @@ class EngineCore:
         thread (cached: a constraint seen before costs a lookup)."""
         constraint = getattr(params, "structured_outputs", None)
         if constraint is not None:
-            self.engine.input_processor.grammars.compile(constraint).first_mask()
+            self.loop.compile_grammar(constraint).first_mask()
 
     # -- the engine thread and the sender --
 
@@ -205,7 +192,7 @@ class EngineCore:
         with self._pass_lock:
             self._pass.append(entry)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         with self._pass_lock:
             batch, self._pass = self._pass, []
         if batch:
@@ -231,37 +218,19 @@ def engine_main(options: EngineOptions, conn_in, conn_out) -> None:
     then serve the API process's commands. Signals are the API process's: it stops this one."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from pagedjax import LLM
-    from pagedjax.entrypoints import startup
     from pagedjax.entrypoints.log_setup import log_to_stderr
 
     log_to_stderr(options.log_level)
+    core = EngineCore(conn_out)
     try:
-        llm = LLM(**options.engine_args.keywords())
-        start = startup.prepare(
-            llm,
-            warmup=options.warmup,
-            warmup_all=options.warmup_all,
-            background=options.background_compile,
-        )
+        loop = start_engine(options, after_pass=core.flush)
     except BaseException as e:
         logger.exception("the engine process could not start")
         conn_out.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    if not llm.engine.is_driver:  # multi-process: process 0 serves; this one replays its steps
+    if loop is None:  # multi-process: process 0 serves; this one has replayed its steps
         conn_out.send(("follower", None))
-        llm.engine.follow()
-        llm.close()
         return
-    core = EngineCore(llm.engine, options.max_queue, conn_out)
-    core.loop.attach_startup(start)
-    if not llm.engine_args.disable_log_stats:
-        from pagedjax.engine.stats_log import start_stats_log
-
-        start_stats_log(lambda: core.loop.metrics.engine_stats)
-    conn_out.send(("ready", serving_info(llm.engine)))
-    core.serve(conn_in)
-    if core.loop.is_running:  # a step outlived shutdown
-        logger.warning("the engine thread is still stepping; leaving the engine open")
-    else:
-        llm.close()
+    conn_out.send(("ready", serving_info(loop.engine)))
+    core.serve(loop, conn_in)
+    loop.close()
