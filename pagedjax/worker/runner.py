@@ -355,8 +355,8 @@ class Runner:
         jax.block_until_ready(self.kv_cache.pages)
 
     def free_device_memory(self) -> None:
-        """The pool and the parameters: the runner is unusable afterwards."""
+        """The pool, and the runner's hold on the parameters: the runner is unusable afterwards.
+        The parameters are dropped, not deleted: placing them may have kept the caller's own
+        arrays (a model loaded once and served by several runners)."""
         self.kv_cache.free()
-        for leaf in jax.tree.leaves(self.params):
-            leaf.delete()
         self.params = None

@@ -17,6 +17,7 @@ from hf_models import make_tiny_model, save_word_tokenizer
 from server_helpers import live_server, metrics, raw, wait_idle
 
 from pagedjax import LLM, SamplingParams
+from pagedjax.config import EngineConfig
 from pagedjax.entrypoints.api_server import EngineLoop, QueueFull, ServerLimits, build_app
 from pagedjax.entrypoints.openai.app_options import AppOptions
 from pagedjax.lora.engine_lora import EngineLoRA
@@ -325,6 +326,7 @@ def test_bad_requests_get_their_errors_while_others_stream(server, client):
 
 def test_a_full_waiting_queue_refuses():
     class _Engine:  # one request already waits
+        config = EngineConfig(model="m")
         lora = EngineLoRA()  # off
         runner = None  # its compile counts are read only when /metrics is
 
