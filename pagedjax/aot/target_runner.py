@@ -36,7 +36,7 @@ from pagedjax.models.sharding import (
     scales_sharding,
     sharded_config,
 )
-from pagedjax.worker import step_program
+from pagedjax.worker import programs, step_program
 from pagedjax.worker.input_batch import InputBatcher
 from pagedjax.worker.kv_cache import KVCache, num_host_blocks, pool_dtype
 from pagedjax.worker.runner import Runner
@@ -64,7 +64,7 @@ class TargetRunner:
     """What ``warmup_jobs`` and ``startup_jobs`` read of a runner, for ``target``."""
 
     verifies_draft_probs = False  # a draft model's runner verifies with q rows: not modelled
-    lora_slots = None  # LoRA's slots are not modelled
+    lora = None  # LoRA's slots are not modelled
     sampling_input = Runner.sampling_input  # the runner's own
 
     def __init__(self, model: ModelConfig, engine: EngineConfig, target: Target, layer_loop=None):
@@ -116,6 +116,8 @@ class TargetRunner:
         self.max_blocks_per_seq = self.batcher.max_blocks_per_seq
         self.max_model_len = sched.max_model_len
         self.fill_width = step_program.fill_width(sched.max_num_seqs)
+        # the step programs' static arguments, as the Runner makes them
+        self.statics = programs.ModelStatics(self.config, self.backend, self.mesh, self.linear)
 
     # ---- what warm-up reads ------------------------------------------------------------------
 
