@@ -17,9 +17,9 @@ from hf_models import make_tiny_model, save_word_tokenizer
 from server_helpers import live_server, metrics, raw, wait_idle
 
 from pagedjax import LLM, SamplingParams
+from pagedjax.engine.engine_lora import EngineLoRA
 from pagedjax.entrypoints.api_server import EngineLoop, QueueFull, ServerLimits, build_app
 from pagedjax.entrypoints.openai.app_options import AppOptions
-from pagedjax.lora.engine_lora import EngineLoRA
 
 KEY = "test-key"
 MODEL = "tiny"
