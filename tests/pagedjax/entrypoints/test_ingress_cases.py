@@ -1,4 +1,4 @@
-"""The plain server against tests/ingress_cases.py: the body checks, CORS and HEAD that the
+"""The plain server against tests/support/ingress_cases.py: the body checks, CORS and HEAD that the
 Ray Serve ingress must answer the same way (tests/pagedjax/entrypoints/serve_ray/test_serve_ray.py
 runs the same cases there); and the ingress's own pieces that run without a cluster."""
 

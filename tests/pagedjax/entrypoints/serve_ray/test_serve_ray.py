@@ -148,7 +148,7 @@ def two(cluster, model_dir):
 
 @pytest.mark.slow
 def test_the_ingress_answers_hostile_bodies_cors_and_head_like_the_plain_server(cluster, model_dir):
-    """tests/ingress_cases.py, which the plain server answers (test_ingress_cases.py): deep
+    """tests/support/ingress_cases.py, which the plain server answers (test_ingress_cases.py): deep
     nesting a 400 (a RecursionError in the routing key was a 500), a body over the limit a 413
     from the ingress itself, CORS preflights and HEAD /health answered (both were 405)."""
     one = RayServeOptions(num_replicas=1, num_cpus=0.5, routing="prefix")
