@@ -157,7 +157,7 @@ def stray_files_at_the_tests_root(names: list[str]) -> list[str]:
 
 
 def test_the_tests_root_holds_only_conftest_and_tests():
-    names = [p.name for p in (ROOT / "tests").iterdir() if p.is_file() and p.name != ".DS_Store"]
+    names = [p.name for p in (ROOT / "tests").iterdir() if p.is_file()]
     assert stray_files_at_the_tests_root(names) == []
 
 
