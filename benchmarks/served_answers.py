@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             args.client, args.concurrency, args.max_tokens, args.stream, args.batches, args.logprobs
         )
         return 0
-    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "support")]
     from server_helpers import make_byte_model
 
     model_dir = tempfile.mkdtemp(prefix="served-answers-")

@@ -1,7 +1,7 @@
 """How much longer normal streams take while hostile bodies flood the server (issue 41's soak):
-a ``pagedjax serve --engine-process`` on a tiny model (tests/server_soak.py), 64 greedy streams
-of 24 tokens (8 at a time) timed alone, then in the midst of 200 hostile bodies sent four at a
-time from client processes of their own; ``--rounds`` such pairs against one server, after one
+a ``pagedjax serve --engine-process`` on a tiny model (tests/support/server_soak.py), 64 greedy
+streams of 24 tokens (8 at a time) timed alone, then in the midst of 200 hostile bodies sent four
+at a time from client processes of their own; ``--rounds`` such pairs against one server, after one
 untimed mix (which compiles what the mix needs) and the server's background compile.
 
 Prints each round's median and max latency alone and mixed, their ratios, and the ratios over
@@ -19,7 +19,7 @@ many).
 ``--hostile refused`` sends only the classes the server refuses with a 4xx (what they cost is the
 server's isolation of bad input), ``--hostile served`` only the valid ones it answers (long choice
 lists, echo with prompt logprobs, clients that leave a stream: work the engine shares with the
-normal streams), ``--hostile K`` only class K (its index in ``tests/server_soak.py``).
+normal streams), ``--hostile K`` only class K (its index in ``tests/support/server_soak.py``).
 ``--hostile ordinary`` is the control: the same clients sending the normal streams' own request,
 so that what a class costs the normal streams reads against what ordinary load costs them.
 """
@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the soak's parts are the test's
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "support")]  # the soak's parts are the test's
 
 import server_soak  # noqa: E402
 

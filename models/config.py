@@ -2,7 +2,7 @@
 
 One frozen dataclass describes every supported family; the families are config-driven variants of
 the shared decoder (models/decoder.py). ``models/registry.py`` turns a checkpoint's
-``config.json`` into a ModelConfig, family by family.
+``config.json`` fields into a ModelConfig's, family by family.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any
+
+from .registry import FULL, SLIDING, as_tuples, family_for_hf, family_of
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 # HF activation name -> ours (models/layers.py).
@@ -22,7 +24,6 @@ SUPPORTED_ACTIVATIONS = {
     "gelu": "gelu",
     "relu": "relu",
 }
-SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +134,6 @@ class ModelConfig:
 
     @property
     def family(self) -> str:
-        from .registry import family_of
-
         return family_of(self.architecture).name
 
     @property
@@ -203,28 +202,14 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Inverse of ``to_dict`` (after a JSON round trip, which turns tuples into lists)."""
-        return cls(**{k: _tuples(v) for k, v in d.items()})
+        return cls(**{k: as_tuples(v) for k, v in d.items()})
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x layout);
         an unsupported architecture raises a ValueError listing the supported ones."""
-        from .registry import config_from_hf
-
-        return config_from_hf(d)
-
-
-def _tuples(x):
-    if isinstance(x, list):
-        return tuple(_tuples(v) for v in x)
-    return x
-
-
-def hashable_rope(rope: dict[str, Any]) -> tuple[tuple[str, Any], ...] | None:
-    """Rope scaling parameters as sorted pairs, lists (longrope's factors) as tuples."""
-    if rope.get("rope_type", "default") == "default":
-        return None
-    return tuple(sorted((k, _tuples(v)) for k, v in rope.items()))
+        family = family_for_hf(d)
+        return cls(architecture=family.architecture, **family.fields(d))
 
 
 def longrope_attention_factor(config: ModelConfig) -> float:

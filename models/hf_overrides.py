@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .config import ModelConfig, hashable_rope
+from .config import ModelConfig
+from .registry import hashable_rope
 
 
 def _rope_scaling(value) -> dict:

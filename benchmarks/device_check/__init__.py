@@ -1,8 +1,11 @@
 """One command that proves and times pagedjax on a GPU: run it first whenever a GPU is at hand.
 
-Stages, each guarded (a failure is recorded with its traceback and the next stage still runs) and
-each with its own time budget (stages 1-5 are sized for 8 minutes on one H200, stages 6-8 for
-about 300 s more: 750 s in all, 600 s with --budget-scale 0.8; --stages runs a part of it):
+Stages, each guarded (a failure is recorded with its traceback and the next stage still runs).
+On one H200 stages 1-5 take about 8 minutes and stages 6-8 about 5 more; ``--stages 1,2,3``
+runs a part. Each stage has its own time limit in seconds (``sizes.py``: env 15, kernels 90,
+engine 60 + 150, decode 60, peer 75, serve 150, backends 90, probe 60): a stage checks it between
+steps and stops early, and one that overruns is cut off at 1.5 times its limit plus 30 s;
+``--budget-scale F`` multiplies every limit (a slower device: above 1).
 
   1 env       jax/jaxlib/torch/transformers versions, backend, device kind, memory, the Pallas
               GPU lowerings this JAX offers (Triton; Mosaic GPU) and the ops it ships

@@ -14,7 +14,7 @@ from .cache import cache_key, cache_root
 from .gguf import gguf_reader
 
 if TYPE_CHECKING:
-    from ..loader import LoadedModel
+    from .loaded import LoadedModel
 
 
 def load_tokenizer(loaded: LoadedModel):

@@ -30,8 +30,8 @@ from pagedjax.bench import emit, latency_poisson, vllm_result
 
 def _llm(args, max_model_len: int | None = None):
     """The LLM of the engine flags (EngineArgs, as vLLM's LLM.from_engine_args)."""
-    from pagedjax import LLM
     from pagedjax.engine.arg_utils import EngineArgs
+    from pagedjax.entrypoints.llm import LLM
 
     kwargs = EngineArgs.from_cli_args(args).keywords()
     if kwargs["max_model_len"] is None and max_model_len is not None:
@@ -41,7 +41,7 @@ def _llm(args, max_model_len: int | None = None):
 
 def fixed_batch(args) -> dict:
     """vLLM's measurement: the timed iterations of one batch."""
-    from pagedjax import BeamSearchParams, SamplingParams
+    from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 
     llm = _llm(args)
     limit = llm.config.scheduler.max_model_len

@@ -40,7 +40,7 @@ def _summary(values_s: list[float]) -> dict:
 
 def serve(engine, requests, arrivals: np.ndarray, prefix: str = "lat") -> dict:
     """Feed requests at their arrival offsets (s) while stepping; per-request token times."""
-    from pagedjax import SamplingParams
+    from pagedjax.sampling_params import SamplingParams
 
     order = np.argsort(arrivals, kind="stable")
     times: dict[str, list[float]] = {}

@@ -105,7 +105,7 @@ class _Engines:
         self.model, self.block_size, self.llms = model, block_size, {}
 
     def peak(self, run, caching: bool = False) -> int:
-        from pagedjax import LLM
+        from pagedjax.entrypoints.llm import LLM
 
         if caching not in self.llms:
             self.llms[caching] = LLM(
@@ -137,7 +137,7 @@ def sharing(
     block_size: int = 16,
     prefixes=FEW_SHOT_PREFIXES,
 ) -> dict:
-    from pagedjax import BeamSearchParams, SamplingParams
+    from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 
     cfg = Path(model) / "config.json"  # an HF checkpoint directory; else a GGUF (big vocab)
     vocab = min(json.loads(cfg.read_text())["vocab_size"], 1000) if cfg.exists() else 1000

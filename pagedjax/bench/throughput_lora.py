@@ -18,7 +18,7 @@ def random_adapters(model_config, num: int, rank: int, directory: Path, seed: in
     """``num`` random adapters of rank ``rank`` under ``directory``, as LoRARequests (ids 1..)."""
     from safetensors.numpy import save_file
 
-    from pagedjax import LoRARequest
+    from pagedjax.lora.request import LoRARequest
 
     if model_config.family in ("opt", "phi3"):  # other module names or fused projections
         raise ValueError(f"--num-loras: no random adapters for {model_config.family} models")

@@ -100,7 +100,7 @@ class Timed:
 def generate_pagedjax(llm, requests: list[Request], loras: list | None = None) -> Timed:
     """One ``LLM.generate`` over the requests (greedy, EOS ignored), checked and timed; ``loras``:
     each request's LoRARequest or None."""
-    from pagedjax import SamplingParams
+    from pagedjax.sampling_params import SamplingParams
 
     prompts = [r.prompt_token_ids for r in requests]
     params = [
@@ -165,7 +165,7 @@ def run_pagedjax(spec: dict, requests: list[Request]) -> dict:
     t0 = time.perf_counter()
     import jax
 
-    from pagedjax import LLM
+    from pagedjax.entrypoints.llm import LLM
 
     llm = LLM(
         spec["model"],

@@ -3,8 +3,8 @@ and automatic prefix caching.
 
 Pure Python; imports no jax. The device pool holds num_blocks blocks; block 0 is the null block
 (never handed out, the target of the runner's padding). The host pool holds swapped-out blocks.
-Swapping lives in block_swap.py, prefix matching and hashing in prefix_cache.py, the
-sliding-window arithmetic in window.py.
+Swapping lives in block_swap.py, prefix matching and hashing in prefix_cache.py, speculation's
+lookahead slots in block_lookahead.py, the sliding-window arithmetic in window.py.
 
 Invariants (tests/pagedjax/core/test_block_manager_state_machine.py checks them after every step):
 - every device block but the null block is free xor referenced, and its ref count equals the
@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence as Sequence_
 
+from pagedjax.core.block_lookahead import LookaheadSlotsMixin
 from pagedjax.core.block_pool import (
     AllocStatus,
     Block,
@@ -39,7 +40,7 @@ WATERMARK = 0.01  # share of the pool kept free for running sequences' growth
 __all__ = ["AllocStatus", "BlockManager", "BlockManagerStats", "hash_block_tokens"]
 
 
-class BlockManager(PrefixCacheMixin, SwapMixin, BlockPool):
+class BlockManager(PrefixCacheMixin, SwapMixin, LookaheadSlotsMixin, BlockPool):
     """Block tables over a BlockPool: admission, growth, copy-on-write, prefix matching, swap.
 
     With ``sliding_window`` (every layer attends with that one window; see core/window.py), a
@@ -341,37 +342,6 @@ class BlockManager(PrefixCacheMixin, SwapMixin, BlockPool):
                 copies.append((src.block_id, dst.block_id))
         self._grow_table(table, self._target_len(seq))
         return copies
-
-    def append_lookahead_slots(self, seq: Sequence, num_slots: int) -> int:
-        """Speculation, after append_slots: slots for up to num_slots proposed tokens past seq's
-        end, from free blocks above the watermark only. Returns how many it gave; trim_slots
-        gives back those of rejected tokens."""
-        table = self._device_table(seq)
-        covered = self._num_table_tokens(table)
-        if covered != seq.get_len():
-            raise ValueError(f"seq_id {seq.seq_id}: {covered} slots for {seq.get_len()} tokens")
-        spare = max(0, self.get_num_free_blocks() - self.watermark_blocks)
-        num_slots = max(0, min(num_slots, (len(table) + spare) * self.block_size - covered))
-        self._grow_table(table, covered + num_slots)
-        return num_slots
-
-    def trim_slots(self, seq: Sequence, num_tokens: int) -> None:
-        """Keep only seq's first num_tokens slots (at least its computed tokens): the blocks past
-        them go back to the pool (speculation rolled back; they hold no computed token)."""
-        table = self._device_table(seq)
-        if not seq.num_computed_tokens <= num_tokens <= self._num_table_tokens(table):
-            raise ValueError(f"seq_id {seq.seq_id}: cannot trim its table to {num_tokens} slots")
-        keep = self._num_blocks_for(num_tokens)
-        for block_id in reversed(table[keep:]):
-            self._decref(self.blocks[block_id])
-        del table[keep:]
-        if table:
-            last = self.blocks[table[-1]]
-            fill = num_tokens - (keep - 1) * self.block_size
-            if fill != last.num_tokens and last.ref_count > 1:
-                raise ValueError(f"seq_id {seq.seq_id}: its last block {last.block_id} is shared")
-            self._add_tokens(fill - last.num_tokens)
-            last.num_tokens = fill
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares every block of parent."""

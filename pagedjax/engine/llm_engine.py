@@ -20,6 +20,7 @@ from pagedjax.core.request_queue import check_priority
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.sequence import Sequence, SequenceGroup
 from pagedjax.distributed import Channel, DriverOrFollower
+from pagedjax.engine.engine_lora import EngineLoRA, LoRARequest, lora_methods
 from pagedjax.engine.input_processor import (
     Capacity,
     InputProcessor,
@@ -33,7 +34,6 @@ from pagedjax.engine.request_table import RequestTable
 from pagedjax.engine.step_loop import StepLoop
 from pagedjax.inspection import state as inspection
 from pagedjax.inspection.step_profile import StepProfile, model_read_bytes
-from pagedjax.lora.engine_lora import EngineLoRA, LoRARequest, lora_methods
 from pagedjax.models.loader import LoadedModel, load_model, load_tokenizer
 from pagedjax.models.sharding import (
     replicate_kv_heads,
@@ -237,7 +237,7 @@ class LLMEngine:
         if self.requests.pop(request_id, None) is not None:
             self.scheduler.abort(request_id)
 
-    # vLLM's add_lora, remove_lora, list_loras, pin_lora: those of lora/engine_lora.py
+    # vLLM's add_lora, remove_lora, list_loras, pin_lora: those of engine/engine_lora.py
     add_lora, remove_lora, list_loras, pin_lora = lora_methods()
 
     def has_unfinished_requests(self) -> bool:  # or outputs not yet returned by step()

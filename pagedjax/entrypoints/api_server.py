@@ -14,7 +14,6 @@ from pagedjax.engine.client import QueueFull
 from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.engine.hosting.startup import EngineOptions
 from pagedjax.entrypoints.launch import launch_server
-from pagedjax.entrypoints.log_setup import log_to_stderr
 from pagedjax.entrypoints.openai.app_options import AppOptions
 from pagedjax.entrypoints.openai.protocol import ServerLimits
 from pagedjax.entrypoints.openai.serving import (
@@ -24,6 +23,7 @@ from pagedjax.entrypoints.openai.serving import (
     load_chat_template,
 )
 from pagedjax.entrypoints.request_log import RequestLog
+from pagedjax.utils.log_setup import log_to_stderr
 
 __all__ = [
     "AppOptions",

@@ -7,7 +7,7 @@ import sys
 
 from pagedjax.engine.arg_utils import EngineArgs
 from pagedjax.entrypoints.serve_args import add_serve_args, serve_options
-from pagedjax.serve_ray.cli_args import add_ray_args
+from pagedjax.entrypoints.serve_ray.cli_args import add_ray_args
 from pagedjax.utils.argparse_utils import FlexibleArgumentParser, HelpFormatter
 
 DESCRIPTION = """\
@@ -32,7 +32,8 @@ def _initialize_distributed(args: argparse.Namespace) -> bool:
 
 def _generate(args: argparse.Namespace) -> int:
     is_driver = _initialize_distributed(args)
-    from pagedjax import LLM, SamplingParams
+    from pagedjax.entrypoints.llm import LLM
+    from pagedjax.sampling_params import SamplingParams
 
     llm = LLM(**EngineArgs.from_cli_args(args).keywords())
     params = SamplingParams(
@@ -84,7 +85,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.ray:
         if engine_args.enable_lora:
             raise ValueError("--enable-lora is not served with --ray yet")
-        from pagedjax.serve_ray.cli_args import serve_on_ray
+        from pagedjax.entrypoints.serve_ray.cli_args import serve_on_ray
 
         server = {"api_key": options.api_key, "limits": options.limits}
         server |= {"tool_config": options.tool_config, "public_metrics": options.public_metrics}

@@ -15,7 +15,6 @@ from pagedjax.engine.arg_utils import EngineArgs
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.stats_log import StatsLog
 from pagedjax.entrypoints.chat_template import ChatOptions
-from pagedjax.entrypoints.log_setup import configure_default_logging
 from pagedjax.inputs import PromptType, TokensPrompt, is_one_prompt
 from pagedjax.lora.request import LoRARequest
 from pagedjax.metrics.offline import RequestCounts, engine_metrics
@@ -23,6 +22,7 @@ from pagedjax.metrics.reader import Metric
 from pagedjax.models.loading.tokenizer import encode_text
 from pagedjax.outputs import BeamSearchOutput, EngineStats, RequestOutput
 from pagedjax.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagedjax.utils.log_setup import configure_default_logging
 from pagedjax.worker.runner import Runner
 
 Params = SamplingParams | BeamSearchParams

@@ -41,7 +41,14 @@ from pagedjax.inspection.views import (
 
 if TYPE_CHECKING:
     from pagedjax.core.scheduler import Scheduler
-    from pagedjax.engine.request import Request
+
+
+class Request(Protocol):
+    """What the views read of one of the engine's requests (engine/request.py's Request)."""
+
+    prompt: str | None
+    error: str | None  # why the engine ended it, if it did
+    group: SequenceGroup
 
 
 class StateSource(Protocol):

@@ -1,5 +1,6 @@
 """Small integer helpers shared by the host side (the kernels, a lower layer, keep their own),
-and vLLM's FlexibleArgumentParser where vLLM's examples import it (``vllm.utils``)."""
+vLLM's FlexibleArgumentParser where vLLM's examples import it (``vllm.utils``), and where
+pagedjax's own log lines go (log_setup.py)."""
 
 from __future__ import annotations
 

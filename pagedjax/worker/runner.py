@@ -16,7 +16,7 @@ policy's common programs, worker/warmup_jobs.py) before it answers and the rest 
 Block copies and swaps requested by the scheduler run before the step that needs them. An engine
 that speculates takes, in steps with queries longer than one token, the logits of 1 + k rows per
 sequence (its last token and its proposals) and samples them with the verify program
-(``pagedjax.spec_decode.rejection``), which also says which proposals were accepted; its decode
+(``pagedjax.worker.rejection``), which also says which proposals were accepted; its decode
 steps are the plain engine's.
 
 Padding and buckets are input_batch's; the pool, its host mirror and block moves kv_cache's; the

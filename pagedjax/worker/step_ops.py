@@ -4,7 +4,7 @@ which programs run, on what, each host array's transfer and each program's launc
 The step program (async scheduling's token fill, the model, and the sampling of a plain greedy
 batch or, its input packed with the step's, of a sampled decode step); else the sampler program
 unless the batch is plain greedy; the verify program in a step that verifies proposals
-(``pagedjax.spec_decode.rejection``); the score program for each chunk of prompt rows
+(``pagedjax.worker.rejection``); the score program for each chunk of prompt rows
 (worker/prompt_logprobs.py).
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from pagedjax.spec_decode.rejection import verify_step
 from pagedjax.worker import programs, step_program
 from pagedjax.worker.lora import slots_of
+from pagedjax.worker.rejection import verify_step
 from pagedjax.worker.sampler import SamplingInput
 
 

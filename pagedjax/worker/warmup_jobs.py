@@ -30,10 +30,10 @@ import re
 import jax
 import numpy as np
 
-from pagedjax.spec_decode.rejection import verify_step
 from pagedjax.worker import programs, prompt_logprobs, sampler, step_program
 from pagedjax.worker.input_batch import StepShape, moves_bucket
 from pagedjax.worker.lora import slots_of
+from pagedjax.worker.rejection import verify_step
 from pagedjax.worker.sampler import SamplingInput, Variant
 from pagedjax.worker.warmup import Job, common_shapes
 

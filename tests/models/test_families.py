@@ -1,6 +1,6 @@
 """Model families beyond Llama (Qwen3, Gemma 2/3, Mixtral, Qwen2/3-MoE, Phi-3, OPT, Mistral with
 its window): logits and greedy tokens equal to Hugging Face transformers (PyTorch, CPU, float32)
-on the same random tiny models (tests/hf_models.py FAMILY_CONFIGS).
+on the same random tiny models (tests/support/hf_models.py FAMILY_CONFIGS).
 
 Fast: every family's config, the logits of one config per mechanism, and Gemma 2 through the
 engine with recompute preemption. Slow (``-m slow``): every family's logits, and 32 greedy tokens

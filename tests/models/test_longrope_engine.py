@@ -10,7 +10,7 @@ from hf_models import hf_greedy, make_tiny_model, speculation_prompts
 from pagedjax import LLM, SamplingParams
 
 BLOCK = 8
-SWITCH = 32  # tests/hf_models.py phi3: original_max_position_embeddings
+SWITCH = 32  # tests/support/hf_models.py phi3: original_max_position_embeddings
 MAX_TOKENS = 24
 # Prompts that reach the switch while decoding; one repeats itself, so n-gram lookup proposes.
 PROMPT_LENS = [13, 16, 23]

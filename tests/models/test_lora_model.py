@@ -2,8 +2,8 @@
 device slots, and a batch whose rows use different adapters (and none) giving, row by row, the
 logits of transformers + PEFT with that row's adapter merged into a copy of the base model.
 
-Tiny random Llama, Qwen2, Gemma 2 and Phi-3 models (tests/hf_models.py); three adapters each, of
-different ranks, scalings and targets, their B matrices random (PEFT starts B at zero).
+Tiny random Llama, Qwen2, Gemma 2 and Phi-3 models (tests/support/hf_models.py); three adapters
+each, of different ranks, scalings and targets, their B matrices random (PEFT starts B at zero).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = textwrap.dedent(
     """
     import json, sys
-    sys.path[:0] = [sys.argv[2], sys.argv[2] + "/tests"]
+    sys.path[:0] = [sys.argv[2], sys.argv[2] + "/tests/support"]
     import jax
     from hf_models import make_tiny_model
     from pagedjax import LLM, SamplingParams

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the packages first, then tests/hf_models.py
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "support")]  # the packages, then the helpers
 
 from hf_models import make_tiny_model  # noqa: E402
 from pagedjax.models.loader import default_model_path, load_model  # noqa: E402

@@ -43,7 +43,7 @@ def test_nothing_probes_an_engine_or_a_runner_for_what_it_has():
         "hasattr(runner",
         "getattr(runner",
         "scheduler.lora =",  # the scheduler takes its LoRA admission in its constructor
-        "lora_manager",  # one seam: the engine's ``lora`` (lora/engine_lora.py)
+        "lora_manager",  # one seam: the engine's ``lora`` (engine/engine_lora.py)
     )
     found = [f"{path}: {p}" for path, text in _sources().items() for p in probes if p in text]
     assert found == []

@@ -218,7 +218,7 @@ def engine_main(options: EngineOptions, conn_in, conn_out) -> None:
     then serve the API process's commands. Signals are the API process's: it stops this one."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from pagedjax.entrypoints.log_setup import log_to_stderr
+    from pagedjax.utils.log_setup import log_to_stderr
 
     log_to_stderr(options.log_level)
     core = EngineCore(conn_out)

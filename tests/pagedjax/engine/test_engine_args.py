@@ -197,7 +197,7 @@ def test_another_tokenizer_replaces_the_models(tmp_path):
 
 
 def test_ray_replicas_keywords_are_engine_args_checked_before_deploying():
-    from pagedjax.serve_ray.options import builder_arguments
+    from pagedjax.entrypoints.serve_ray.options import builder_arguments
 
     model, _, kwargs = builder_arguments({"model": "m", "llm_kwargs": '{"max_num_seqs": 4}'})
     assert (model, kwargs["llm_kwargs"]) == ("m", {"max_num_seqs": 4})

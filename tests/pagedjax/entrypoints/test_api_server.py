@@ -18,9 +18,9 @@ from server_helpers import live_server, metrics, raw, wait_idle
 
 from pagedjax import LLM, SamplingParams
 from pagedjax.config import EngineConfig
+from pagedjax.engine.engine_lora import EngineLoRA
 from pagedjax.entrypoints.api_server import EngineLoop, QueueFull, ServerLimits, build_app
 from pagedjax.entrypoints.openai.app_options import AppOptions
-from pagedjax.lora.engine_lora import EngineLoRA
 
 KEY = "test-key"
 MODEL = "tiny"

@@ -1,6 +1,6 @@
-"""The plain server against tests/ingress_cases.py: the body checks, CORS and HEAD that the
-Ray Serve ingress must answer the same way (tests/pagedjax/serve_ray/test_serve_ray.py runs the
-same cases there); and the ingress's own pieces that run without a cluster."""
+"""The plain server against tests/support/ingress_cases.py: the body checks, CORS and HEAD that the
+Ray Serve ingress must answer the same way (tests/pagedjax/entrypoints/serve_ray/test_serve_ray.py
+runs the same cases there); and the ingress's own pieces that run without a cluster."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from server_helpers import live_server
 from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import build_app
 from pagedjax.entrypoints.openai.app_options import AppOptions
-from pagedjax.serve_ray.prefix_key import block_hashes, prompt_text
+from pagedjax.entrypoints.serve_ray.prefix_key import block_hashes, prompt_text
 
 
 def test_the_plain_server_answers_every_case():

@@ -1,8 +1,9 @@
-"""A soak against a real ``pagedjax serve`` process (issue 41; its parts in tests/server_soak.py):
-200 hostile bodies next to 64 normal greedy streams. The server must stay up, every hostile body
-must get an answer below 500, every normal stream must finish with the text it has alone, and
-the KV pool must be empty afterwards. How much longer the normal streams take in the flood than
-alone is a measurement, not a pass/fail check here: benchmarks/server_soak.py reports it.
+"""A soak against a real ``pagedjax serve`` process (issue 41; its parts in
+tests/support/server_soak.py): 200 hostile bodies next to 64 normal greedy streams. The server
+must stay up, every hostile body must get an answer below 500, every normal stream must finish
+with the text it has alone, and the KV pool must be empty afterwards. How much longer the normal
+streams take in the flood than alone is a measurement, not a pass/fail check here:
+benchmarks/server_soak.py reports it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """LoRA fakes for the engine and server tests: a fake runner with adapter slots, a loader that
-needs no files, and an engine of the fake model (tests/fake_model.py) with LoRA on."""
+needs no files, and an engine of the fake model (tests/support/fake_model.py) with LoRA on."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""LoRA through LLMEngine over the fake model (tests/fake_model.py): the options and their
+"""LoRA through LLMEngine over the fake model (tests/support/fake_model.py): the options and their
 errors, adapters added at add_request, admission with more adapters than slots, and the prefix
 cache keyed by adapter."""
 

@@ -1,7 +1,7 @@
 """A mixed LoRA soak against a real ``pagedjax serve --engine-process`` (its parts in
-tests/server_soak.py): four adapters and the base model under 32 concurrent greedy streams (two
-waves of them) while one client loads, unloads and re-loads adapters at run time: good ones
-(a served adapter's directory under new names), a truncated one, non-finite ones (a NaN in
+tests/support/server_soak.py): four adapters and the base model under 32 concurrent greedy
+streams (two waves of them) while one client loads, unloads and re-loads adapters at run time:
+good ones (a served adapter's directory under new names), a truncated one, non-finite ones (a NaN in
 lora_A, a lora_B that overflows once scaled) and paths outside the allowed root or missing.
 Every normal stream's text equals its solo run, no good request gets a 5xx, each bad load is a
 400 naming what is wrong, the server stays up and the KV pool returns to 0 blocks. Two device

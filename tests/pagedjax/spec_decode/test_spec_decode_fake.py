@@ -1,4 +1,4 @@
-"""Speculation through the real engine over a fake model (tests/spec_fake.py): outputs
+"""Speculation through the real engine over a fake model (tests/support/spec_fake.py): outputs
 are identical with and without it over many random workloads (tiny pools that preempt by
 recompute or swap, prefix caching, chunked prefill, parallel samples, stop tokens, max_tokens,
 the model's length, aborts), the block manager's invariants hold after every step (cached blocks

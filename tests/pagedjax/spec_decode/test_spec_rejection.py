@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from pagedjax.spec_decode.rejection import rejection_sample
+from pagedjax.worker.rejection import rejection_sample
 from pagedjax.worker.sampler import SamplingInput, SamplingRow, sample
 
 VOCAB = 6

@@ -154,7 +154,7 @@ def test_block_bytes_and_bad_kv_cache_dtype():
 TP_WORKER = textwrap.dedent(
     """
     import json, sys
-    sys.path.append(sys.argv[2] + "/tests")
+    sys.path.append(sys.argv[2] + "/tests/support")
     from pathlib import Path
     from hf_models import make_tiny_model
     from pagedjax import LLM, SamplingParams

@@ -17,9 +17,9 @@ from pagedjax.models.config import ModelConfig
 from pagedjax.models.linear import process_weights_after_loading
 from pagedjax.models.llama import param_shapes
 
-from pagedjax.spec_decode.rejection import verify_step
 from pagedjax.worker import programs, sampler, step_program
 from pagedjax.worker.input_batch import InputBatcher, StepShape
+from pagedjax.worker.rejection import verify_step
 from pagedjax.worker.sampler import Filters, SamplingInput, SamplingRow
 
 V = 300  # wider than the candidates (256): the full-sort path exists

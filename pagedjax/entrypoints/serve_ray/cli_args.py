@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import argparse
 
-from pagedjax.serve_ray.options import ROUTING_POLICIES, AutoscalingOptions, RayServeOptions
+from pagedjax.entrypoints.serve_ray.options import (
+    ROUTING_POLICIES,
+    AutoscalingOptions,
+    RayServeOptions,
+)
 
 
 def add_ray_args(p: argparse.ArgumentParser) -> None:
@@ -66,8 +70,8 @@ def serve_on_ray(args: argparse.Namespace, llm_kwargs: dict, server_kwargs: dict
         raise ValueError("--ray replicas are single-process; drop --num-processes")
     from pathlib import Path
 
+    from pagedjax.entrypoints.serve_ray.app import run
     from pagedjax.models.loader import default_model_path
-    from pagedjax.serve_ray.app import run
 
     model = args.model or default_model_path()
     run(

@@ -1,6 +1,7 @@
 """What a careless or hostile client sends, and what the server answers: the same cases run
 against the plain server and the Ray Serve ingress (tests/pagedjax/entrypoints/
-test_ingress_cases.py, tests/pagedjax/serve_ray/test_serve_ray.py), so that both answer alike.
+test_ingress_cases.py, tests/pagedjax/entrypoints/serve_ray/test_serve_ray.py), so that both
+answer alike.
 
 ``SERVER_KWARGS`` are build_app's options both are served with: a small body limit and CORS
 for one origin. Each case: (name, method, path, body bytes or None, headers, status, a check of

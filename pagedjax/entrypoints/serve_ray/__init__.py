@@ -10,6 +10,6 @@ holds the user's choices (replicas, resources, routing, autoscaling) without imp
 Needs the ``ray`` extra: ``pip install 'pagedjax[ray]'``.
 """
 
-from pagedjax.serve_ray.options import AutoscalingOptions, RayServeOptions
+from pagedjax.entrypoints.serve_ray.options import AutoscalingOptions, RayServeOptions
 
 __all__ = ["AutoscalingOptions", "RayServeOptions"]

@@ -1,6 +1,6 @@
 """A fake runner that verifies proposals, for driving the real engine with speculation on.
 
-It extends tests/fake_model.py's FakeRunner: the proposals' tokens are written to their
+It extends tests/support/fake_model.py's FakeRunner: the proposals' tokens are written to their
 slots like any other, and row j of a sequence with p proposals reads its context back through the
 block table up to the token before position ``start + 1 + j``, so a lookahead slot that was not
 allocated, or a rejected token's slot read as if it held an accepted one, changes the output.

@@ -1,5 +1,5 @@
-"""pagedjax on Ray Serve (pagedjax.serve_ray): two CPU replicas of a tiny model on a local Ray
-cluster (loopback only) behind the ingress, driven by the official openai client."""
+"""pagedjax on Ray Serve (pagedjax.entrypoints.serve_ray): two CPU replicas of a tiny model on a
+local Ray cluster (loopback only) behind the ingress, driven by the official openai client."""
 
 from __future__ import annotations
 
@@ -18,8 +18,12 @@ from ingress_cases import SERVER_KWARGS, check_all
 from server_helpers import free_port, live_server
 
 from pagedjax.engine.hosting.engine_loop import EngineLoop
-from pagedjax.serve_ray.options import AutoscalingOptions, RayServeOptions, builder_arguments
-from pagedjax.serve_ray.prefix_key import BLOCK_CHARS, block_hashes, prompt_text
+from pagedjax.entrypoints.serve_ray.options import (
+    AutoscalingOptions,
+    RayServeOptions,
+    builder_arguments,
+)
+from pagedjax.entrypoints.serve_ray.prefix_key import BLOCK_CHARS, block_hashes, prompt_text
 
 MAX_MODEL_LEN = 128
 LLM_KWARGS = {"block_size": 8, "num_blocks": 160, "max_model_len": MAX_MODEL_LEN, "seed": 0}
@@ -62,7 +66,7 @@ except ImportError:  # the ray extra is not installed: only the tests above run
 
 
 def test_serve_run_arguments_become_options():
-    """``serve run pagedjax.serve_ray.app:app_builder key=value ...`` passes strings."""
+    """``serve run pagedjax.entrypoints.serve_ray.app:app_builder key=value ...`` passes strings."""
     args = {"model": "m", "num_replicas": "3", "num_gpus": "2", "routing": "random"}
     model, options, kw = builder_arguments({**args, "llm_kwargs": '{"tensor_parallel_size": 2}'})
     assert model == "m" and kw["llm_kwargs"] == {"tensor_parallel_size": 2}
@@ -102,7 +106,7 @@ def cluster(tmp_path_factory):
 
 
 def _deploy(cluster, model_dir, name, options, server_kwargs=None):
-    from pagedjax.serve_ray.app import build
+    from pagedjax.entrypoints.serve_ray.app import build
 
     app = build(
         model_dir,
@@ -144,7 +148,7 @@ def two(cluster, model_dir):
 
 @pytest.mark.slow
 def test_the_ingress_answers_hostile_bodies_cors_and_head_like_the_plain_server(cluster, model_dir):
-    """tests/ingress_cases.py, which the plain server answers (test_ingress_cases.py): deep
+    """tests/support/ingress_cases.py, which the plain server answers (test_ingress_cases.py): deep
     nesting a 400 (a RecursionError in the routing key was a 500), a body over the limit a 413
     from the ingress itself, CORS preflights and HEAD /health answered (both were 405)."""
     one = RayServeOptions(num_replicas=1, num_cpus=0.5, routing="prefix")

@@ -10,9 +10,9 @@ import time
 
 from ray import serve
 
-from pagedjax.serve_ray.ingress import Ingress
-from pagedjax.serve_ray.options import RayServeOptions, builder_arguments
-from pagedjax.serve_ray.replica import EngineReplica
+from pagedjax.entrypoints.serve_ray.ingress import Ingress
+from pagedjax.entrypoints.serve_ray.options import RayServeOptions, builder_arguments
+from pagedjax.entrypoints.serve_ray.replica import EngineReplica
 
 
 def build(
@@ -37,8 +37,8 @@ def build(
 
 
 def app_builder(args: dict):
-    """For ``serve run pagedjax.serve_ray.app:app_builder model=PATH num_replicas=2 ...`` or a
-    Serve config file's ``import_path`` (arguments: options.builder_arguments)."""
+    """For ``serve run pagedjax.entrypoints.serve_ray.app:app_builder model=PATH num_replicas=2
+    ...`` or a Serve config file's ``import_path`` (arguments: options.builder_arguments)."""
     model, options, kwargs = builder_arguments(args)
     return build(model, options, **kwargs)
 

@@ -95,7 +95,7 @@ class RayServeOptions:
             "ray_actor_options": actor,
             "max_ongoing_requests": self.max_ongoing_requests,
             "request_router_config": {
-                "request_router_class": "pagedjax.serve_ray.router:PrefixAwareRouter",
+                "request_router_class": "pagedjax.entrypoints.serve_ray.router:PrefixAwareRouter",
                 "request_routing_stats_period_s": self.routing_stats_period_s,
                 "request_routing_stats_timeout_s": max(5.0, 5 * self.routing_stats_period_s),
             },

@@ -13,7 +13,7 @@ import os
 
 from ray import serve
 
-from pagedjax.serve_ray import asgi
+from pagedjax.entrypoints.serve_ray import asgi
 
 
 def _load(model, served_model_name, llm_kwargs, server_kwargs, startup_kwargs):
@@ -24,8 +24,8 @@ def _load(model, served_model_name, llm_kwargs, server_kwargs, startup_kwargs):
     from pagedjax.engine.arg_utils import EngineArgs
     from pagedjax.engine.hosting.startup import EngineOptions
     from pagedjax.entrypoints.launch import launch_server
-    from pagedjax.entrypoints.log_setup import configure_default_logging
     from pagedjax.entrypoints.openai.app_options import AppOptions
+    from pagedjax.utils.log_setup import configure_default_logging
 
     configure_default_logging()
     engine_args = EngineArgs.from_keywords(model, **{"disable_log_stats": True, **llm_kwargs})

@@ -23,9 +23,9 @@ from ray.serve.handle import DeploymentHandle
 
 from pagedjax.entrypoints.openai.protocol import APIError, ServerLimits
 from pagedjax.entrypoints.openai.request_body import read_body_within
-from pagedjax.serve_ray.prefix_key import block_hashes, prompt_text
+from pagedjax.entrypoints.serve_ray.prefix_key import block_hashes, prompt_text
 
-logger = logging.getLogger("pagedjax.serve_ray")
+logger = logging.getLogger("pagedjax.entrypoints.serve_ray")
 
 REPLICA_LOST = (RayActorError, ActorUnavailableError)
 _HOP_BY_HOP = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
