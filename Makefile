@@ -5,7 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: install demo test test-all lint clean device-check wheelhouse
+.PHONY: install install-tpu install-cuda demo test test-all test-aot compile lint clean \
+	device-check wheelhouse
 
 install: $(STAMP)
 
@@ -23,9 +24,30 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# The Ray Serve tests (all slow), and the H100 step programs compiled without a GPU (the CUDA 12
+# plugin, about 3.4 GB: tests/aot/ skips them where it is absent).
 test-all: install
-	$(BIN)/python -m pip install --quiet -e '.[test,ray]'  # the Ray Serve tests (all slow)
+	$(BIN)/python -m pip install --quiet -e '.[test,ray,cuda]'
 	$(BIN)/python -m pytest -q
+
+# The compilers of the machines we have not got: libtpu (jax's [tpu] extra, about 0.7 GB) and
+# the CUDA 12 plugin ([cuda], about 3.4 GB), pinned to the base install's jax.
+install-tpu: install
+	$(BIN)/python -m pip install --quiet -e '.[test,tpu]'
+install-cuda: install
+	$(BIN)/python -m pip install --quiet -e '.[test,cuda]'
+
+# TPU kernels and step programs compiled for v5e and v6e with libtpu (tests/aot/, a few minutes;
+# .ci/run runs it).
+test-aot: install-tpu
+	$(BIN)/python -m pytest -q tests/aot
+
+# `pagedjax compile` for a machine that is not here: TARGET=v5e-8|v6e-1|h100|..., the model's
+# config (MODEL=dir|config.json|hub id|.gguf) and engine flags in ARGS, e.g.
+#   make compile TARGET=v5e-8 MODEL=meta-llama/Meta-Llama-3-8B ARGS="--dtype bfloat16"
+TARGET ?= v5e-1
+compile: $(if $(filter h100 h200,$(TARGET)),install-cuda,install-tpu)
+	$(BIN)/pagedjax compile --target $(TARGET) $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
 # The GPU/TPU check, one command (benchmarks/device_check/): the kernels against references, the
 # engine against transformers, decode bandwidth, serving over HTTP, every attention backend. Stages

@@ -212,7 +212,7 @@ def token_seq_ids(step: StepInput) -> jax.Array:  # i32[num_tokens]
     """The sequence owning each token row (padding rows: clipped to a real one)."""
     qsl = step.query_start_loc
     rows = jnp.arange(step.token_ids.shape[0])
-    seq = jnp.searchsorted(qsl, rows, side="right") - 1
+    seq = jnp.searchsorted(qsl, rows, side="right", method="compare_all") - 1  # no while loop
     return jnp.clip(seq, 0, qsl.shape[0] - 2)
 
 

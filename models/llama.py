@@ -1,5 +1,6 @@
 """The model entry points the engine calls, for every family: ``forward``, the stacked KV pool
-(``init_kv_pool``, ``layer_block``, ``kv_pool_bytes_per_block``) and ``param_shapes``.
+(``init_kv_pool``, ``kv_pool_shapes``, ``layer_block``, ``kv_pool_bytes_per_block``) and
+``param_shapes``.
 
 ``forward(params, kv_pool, step_input, config)`` is a pure function returning ``(logits,
 kv_pool)``. Every supported family (models/registry.py) is a config-driven variant of the shared
@@ -14,12 +15,14 @@ the kernels read and write the layer's pages in place, with no slice of the pool
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from .. import pallas_kernels
+from ..pallas_kernels.pool_layout import pool_layout
 from .config import ModelConfig
 from .decoder import DecoderModel
 from .layer_loop import flax_tree, is_per_layer
@@ -36,24 +39,43 @@ def is_kv8(dtype) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 
-def init_kv_pool(
-    config: ModelConfig, num_blocks: int, block_size: int, dtype, sharding=None
-) -> KVPool:
-    """Zeroed pool of ``num_blocks`` blocks per layer: ``(k_pages, v_pages)``, and for an 8-bit
-    ``dtype`` also ``(k_scales, v_scales)``, f32[num_kv_heads, num_layers * num_blocks,
-    block_size] (one scale per token and kv head). With a sharding (the pages'), each device
-    allocates only its slice; the scales are split by kv heads like the pages."""
+def kv_pool_shapes(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype, platform: str | None = None
+) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The pool's arrays as ``init_kv_pool`` makes them for ``platform`` (default: JAX's
+    default backend): pages [num_kv_heads, num_layers * num_blocks, block_size, head_dim] and,
+    for an 8-bit ``dtype``, f32 scales [num_kv_heads, num_layers * num_blocks, width]; on a TPU
+    head_dim and width are padded to whole 128-lane rows and the scales' rows to a multiple of 8
+    (pallas_kernels/pool_layout.py)."""
     if config.num_layers * num_blocks * block_size >= 2**31:
         raise ValueError(
             f"num_blocks={num_blocks} x block_size={block_size} x {config.num_layers} layers "
             "exceeds the int32 slot range of the pool"
         )
-    shape = (config.num_kv_heads, config.num_layers * num_blocks, block_size, config.head_dim)
-    pages = (jnp.zeros(shape, dtype, device=sharding), jnp.zeros(shape, dtype, device=sharding))
+    layout = pool_layout(platform or jax.default_backend(), block_size, config.head_dim)
+    lead = (config.num_kv_heads, config.num_layers * num_blocks)
+    pages = (jax.ShapeDtypeStruct((*lead, block_size, layout.head_dim), jnp.dtype(dtype)),) * 2
     if not is_kv8(dtype):
         return pages
+    rows = layout.scale_rows(lead[1])  # on a TPU a multiple of 8 (pool_layout.py says why)
+    shape = (lead[0], rows, layout.scale_width)
+    return pages + (jax.ShapeDtypeStruct(shape, jnp.float32),) * 2
+
+
+def init_kv_pool(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype, sharding=None
+) -> KVPool:
+    """Zeroed pool of ``num_blocks`` blocks per layer: ``(k_pages, v_pages)``, and for an 8-bit
+    ``dtype`` also ``(k_scales, v_scales)`` (one scale per token and kv head), shaped by
+    ``kv_pool_shapes`` for the sharding's platform. With a sharding (the pages'), each device
+    allocates only its slice; the scales are split by kv heads like the pages."""
+    platform = next(iter(sharding.device_set)).platform if sharding is not None else None
+    shapes = kv_pool_shapes(config, num_blocks, block_size, dtype, platform)
+    pages = tuple(jnp.zeros(s.shape, s.dtype, device=sharding) for s in shapes[:2])
+    if len(shapes) == 2:
+        return pages
     scales = scales_sharding(sharding) if sharding is not None else None
-    return pages + tuple(jnp.ones(shape[:3], jnp.float32, device=scales) for _ in range(2))
+    return pages + tuple(jnp.ones(s.shape, s.dtype, device=scales) for s in shapes[2:])
 
 
 def layer_block(pool: jax.Array, config: ModelConfig, layer: int, block):
@@ -68,12 +90,15 @@ def layer_pages(pool: jax.Array, config: ModelConfig, layer: int) -> jax.Array:
     return pool[:, layer * num_blocks : (layer + 1) * num_blocks]
 
 
-def kv_pool_bytes_per_block(config: ModelConfig, block_size: int, dtype) -> int:
-    """Bytes of one block in every layer, K and V: the pages, plus an 8-bit pool's f32 scales
-    (one per token and kv head)."""
-    slots = 2 * config.num_layers * config.num_kv_heads * block_size  # K and V token rows
-    scale_bytes = jnp.dtype(jnp.float32).itemsize if is_kv8(dtype) else 0
-    return slots * (config.head_dim * jnp.dtype(dtype).itemsize + scale_bytes)
+def kv_pool_bytes_per_block(
+    config: ModelConfig, block_size: int, dtype, platform: str | None = None
+) -> int:
+    """Bytes of one block in every layer, K and V, as ``kv_pool_shapes`` stores it on
+    ``platform``: the pages, plus an 8-bit pool's f32 scale rows (a row per block and layer;
+    the few spare rows a TPU rounds up to are not the blocks')."""
+    shapes = kv_pool_shapes(config, 1, block_size, dtype, platform)
+    row_bytes = [math.prod(s.shape) // s.shape[1] * s.dtype.itemsize for s in shapes]
+    return config.num_layers * sum(row_bytes)
 
 
 def forward(

@@ -193,7 +193,9 @@ def pad_block_tables(block_tables: jax.Array, num_cols: int) -> jax.Array:
 
 
 # 8-bit KV pools: K/V pages in one of these dtypes, plus f32 scales [num_kv_heads, num_blocks,
-# block_size] (one per token per KV head, symmetric): value = pages.astype(f32) * scales[..., None].
+# scale_width] (one per token per KV head, symmetric, token t of a block in column t; the columns
+# past block_size, a TPU pool's padding to whole 128-lane rows, pool_layout.py, unused):
+# value = pages.astype(f32) * scales[..., :block_size, None].
 KV8_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 
@@ -224,19 +226,32 @@ def check_kv_scales(k_pages, v_pages, k_scales, v_scales) -> bool:
     if quantized:
         want = tuple(k_pages.shape[:3])  # [num_kv_heads, num_blocks, block_size]
         for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
-            if tuple(s.shape) != want or s.dtype != jnp.float32:
+            ok = s.ndim == 3 and s.shape[0] == want[0] and s.shape[1] >= want[1]
+            ok = ok and s.shape[2] >= want[2]
+            if not ok or s.dtype != jnp.float32 or s.shape != k_scales.shape:
                 raise ValueError(
                     f"{name} must be float32{list(want)} (the pool's [num_kv_heads, num_blocks, "
-                    f"block_size]), got {s.dtype}{list(s.shape)}"
+                    f"block_size]; on a TPU padded: pool_layout.py) like the other scales, got "
+                    f"{s.dtype}{list(s.shape)}"
                 )
     return quantized
+
+
+def require_block_scale_rows(kv) -> None:
+    """For kernels that read an 8-bit pool's scales as [num_kv_heads, num_blocks, block_size]
+    (the GPU and CPU layout; a TPU pool's rows are padded: pool_layout.py)."""
+    if kv.quantized and kv.k_scales.shape[2] != kv.block_size:
+        raise ValueError(
+            f"scales of {kv.k_scales.shape[2]} columns for blocks of {kv.block_size}: this "
+            "backend reads scale rows of block_size (a TPU pool's layout is the TPU backend's)"
+        )
 
 
 def dequantize(pages, scales):
     """8-bit pages (any leading shape) and their scales -> f32; float pages pass through."""
     if scales is None:
         return pages
-    return pages.astype(jnp.float32) * scales[..., None]
+    return pages.astype(jnp.float32) * scales[..., : pages.shape[-2], None]
 
 
 def with_scale_refs(kernel, position: int, quantized: bool):

@@ -77,10 +77,18 @@ class AttentionBackend:
     def attend(
         self, q: jax.Array, kv: PagedKV, md: AttentionMetadata, opts: AttentionOptions
     ) -> jax.Array:
-        """``decode`` for the decode layout (``md.query_start_loc`` None), else ``ragged``."""
+        """``decode`` for the decode layout (``md.query_start_loc`` None), else ``ragged``. A
+        pool stored with a larger head_dim than q's (a TPU's rows padded to 128 lanes,
+        pool_layout.py: its padding columns are zeros) is read with q padded with zeros, which
+        leaves the logits as they are, and the output cut back to q's head_dim."""
+        head_dim, pool_dim = q.shape[2], kv.k_pages.shape[3]
+        if pool_dim > head_dim:
+            q = jnp.pad(q, ((0, 0), (0, 0), (0, pool_dim - head_dim)))
         if md.query_start_loc is None:
-            return self.decode(q, kv, md, opts)
-        return self.ragged(q, kv, md, opts)
+            out = self.decode(q, kv, md, opts)
+        else:
+            out = self.ragged(q, kv, md, opts)
+        return out[..., :head_dim] if pool_dim > head_dim else out
 
 
 def zero_unowned_rows(out: jax.Array, md: AttentionMetadata) -> jax.Array:
@@ -109,5 +117,7 @@ def owned_rows(
     """Rows owned by a sequence within its first ``max_query_len`` queries (as the reference)."""
     num_seqs = query_start_loc.shape[0] - 1
     n = jnp.arange(num_tokens)
-    seq = jnp.clip(jnp.searchsorted(query_start_loc, n, side="right") - 1, 0, num_seqs - 1)
+    # compare_all: a [num_tokens, num_seqs + 1] comparison (a few MiB at most), no while loop
+    seq = jnp.searchsorted(query_start_loc, n, side="right", method="compare_all") - 1
+    seq = jnp.clip(seq, 0, num_seqs - 1)
     return (n < query_start_loc[-1]) & (n - query_start_loc[seq] < max_query_len)

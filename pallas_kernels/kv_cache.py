@@ -4,6 +4,8 @@ Pool layout (per layer): ``[num_kv_heads, num_blocks, block_size, head_dim]``. A
 ``block * block_size + offset``; a negative slot or block id means "skip this entry" (padding).
 An 8-bit pool (int8 or float8_e4m3fn pages) adds f32 scales ``[num_kv_heads, num_blocks,
 block_size]``, one per token and KV head; the block operations move them as leaves of the tree.
+A TPU pool is stored padded to whole 128-lane rows (pool_layout.py): pages of a larger head_dim
+than the rows written (the new rows are padded with zeros) and scale rows wider than block_size.
 
 These are scatters and gathers that XLA already emits in place, so they stay plain XLA (no Pallas
 kernel): what matters is that the pool is donated, so a step never copies the whole pool (the
@@ -61,16 +63,42 @@ def write_kv_reference(
     # Negative slots go out of range so that mode="drop" really drops them (-1 would wrap).
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
 
-    def write(pages, new):  # new [num_tokens, num_kv_heads, ...]
-        flat = pages.reshape(num_kv_heads, num_slots, *pages.shape[3:])
-        flat = flat.at[:, slots].set(new.swapaxes(0, 1).astype(pages.dtype), mode="drop")
+    def write(pages, new):  # new [num_tokens, num_kv_heads, head_dim]
+        flat = pages.reshape(num_kv_heads, num_slots, head_dim)
+        flat = flat.at[:, slots].set(new.swapaxes(0, 1), mode="drop")
         return flat.reshape(pages.shape)
 
+    def write_scales(scales, new):  # new f32[num_tokens, num_kv_heads]
+        blocks = jnp.where(slot_mapping < 0, scales.shape[1], slot_mapping // block_size)
+        return scales.at[:, blocks, slot_mapping % block_size].set(new.T, mode="drop")
+
+    rows = stored_rows(k_pages, k_new, v_new, k_scales)
     if k_scales is None:
-        return write(k_pages, k_new), write(v_pages, v_new)
-    k_q, k_s = quantize_kv(k_new, k_pages.dtype)
-    v_q, v_s = quantize_kv(v_new, v_pages.dtype)
-    return write(k_pages, k_q), write(v_pages, v_q), write(k_scales, k_s), write(v_scales, v_s)
+        return write(k_pages, rows[0]), write(v_pages, rows[1])
+    k_q, v_q, k_s, v_s = rows
+    return (
+        write(k_pages, k_q),
+        write(v_pages, v_q),
+        write_scales(k_scales, k_s),
+        write_scales(v_scales, v_s),
+    )
+
+
+def stored_rows(pages, k_new, v_new, scales=None) -> tuple:
+    """The new rows as the pool stores them: in its dtype, padded with zeros to its head_dim;
+    for an 8-bit pool (``scales`` given) quantized, with their scales f32[num_tokens,
+    num_kv_heads]: (k, v) or (k, v, k_scales, v_scales)."""
+    pad = pages.shape[3] - k_new.shape[2]
+
+    def stored(x):
+        x = x.astype(pages.dtype)
+        return jnp.pad(x, ((0, 0), (0, 0), (0, pad))) if pad else x
+
+    if scales is None:
+        return stored(k_new), stored(v_new)
+    k_q, k_s = quantize_kv(k_new, pages.dtype)
+    v_q, v_s = quantize_kv(v_new, pages.dtype)
+    return stored(k_q), stored(v_q), k_s, v_s
 
 
 @functools.partial(jax.jit, donate_argnames=("k_pages", "v_pages", "k_scales", "v_scales"))
@@ -89,6 +117,14 @@ def write_kv(
     f32[num_kv_heads, num_blocks, block_size]: each new row is quantized per KV head
     (``quantize_kv``) and its scale written at the same slot; then the call returns
     ``(k_pages, v_pages, k_scales, v_scales)``, else ``(k_pages, v_pages)``."""
+    check_write(k_pages, v_pages, k_new, v_new, slot_mapping, k_scales, v_scales)
+    return write_kv_reference(
+        k_pages, v_pages, k_new, v_new, slot_mapping, k_scales=k_scales, v_scales=v_scales
+    )
+
+
+def check_write(k_pages, v_pages, k_new, v_new, slot_mapping, k_scales=None, v_scales=None):
+    """``write_kv``'s arguments, validated (ValueError naming the bad one)."""
     _check_pages(k_pages, v_pages)
     check_kv_scales(k_pages, v_pages, k_scales, v_scales)
     if k_new.shape != v_new.shape or k_new.ndim != 3:
@@ -96,7 +132,7 @@ def write_kv(
             f"k_new/v_new must both be [num_tokens, num_kv_heads, head_dim], "
             f"got {k_new.shape} and {v_new.shape}"
         )
-    if k_new.shape[1:] != (k_pages.shape[0], k_pages.shape[3]):
+    if k_new.shape[1] != k_pages.shape[0] or k_new.shape[2] > k_pages.shape[3]:
         raise ValueError(
             f"k_new rows {k_new.shape[1:]} do not match the pool's "
             f"(num_kv_heads, head_dim) = {(k_pages.shape[0], k_pages.shape[3])}"
@@ -105,25 +141,25 @@ def write_kv(
         raise ValueError(
             f"slot_mapping shape {slot_mapping.shape} must be ({k_new.shape[0]},), one per token"
         )
-    return write_kv_reference(
-        k_pages, v_pages, k_new, v_new, slot_mapping, k_scales=k_scales, v_scales=v_scales
-    )
 
 
 def _check_pool_tree(pages) -> int:
-    """Every leaf is a [num_kv_heads, num_blocks, block_size, head_dim] pool or an 8-bit pool's
-    scales [num_kv_heads, num_blocks, block_size], all with the same num_blocks; returns it."""
+    """Every leaf is a [num_kv_heads, num_blocks, block_size, head_dim] pool, all with the same
+    num_blocks, or an 8-bit pool's scales [num_kv_heads, num_blocks, block_size] (a TPU's with
+    spare rows: pool_layout.py); returns num_blocks."""
     leaves = jax.tree.leaves(pages)
     if not leaves:
         raise ValueError("pages holds no arrays")
-    num_blocks = {leaf.shape[1] if leaf.ndim in (3, 4) else None for leaf in leaves}
-    if None in num_blocks or len(num_blocks) != 1:
+    num_blocks = {leaf.shape[1] for leaf in leaves if leaf.ndim == 4}
+    pools = num_blocks or {leaf.shape[1] for leaf in leaves if leaf.ndim == 3}
+    ok = len(pools) == 1 and all(leaf.ndim in (3, 4) for leaf in leaves)
+    if not ok or any(leaf.shape[1] < min(pools) for leaf in leaves):
         raise ValueError(
             "every pool array must be [num_kv_heads, num_blocks, block_size, head_dim] (or scales "
             f"[num_kv_heads, num_blocks, block_size]) with the same num_blocks, got shapes "
             f"{[leaf.shape for leaf in leaves]}"
         )
-    return num_blocks.pop()
+    return pools.pop()
 
 
 def _check_ids(name: str, ids: jax.Array) -> None:

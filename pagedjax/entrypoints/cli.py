@@ -165,12 +165,27 @@ def _add_serve_parser(sub) -> None:
     srv.set_defaults(func=_serve)
 
 
+def _add_compile_parser(sub) -> None:
+    from pagedjax.aot.cli import build_parser
+
+    p = sub.add_parser(
+        "compile",
+        help="compile the engine's programs for a TPU or GPU that is not here (shapes only)",
+        description="Compile the engine's programs for a TPU slice or an NVIDIA GPU with that "
+        "machine's own compiler, on this one, from the model's config alone; report each "
+        "program's memory and what its optimized HLO holds (pagedjax/aot/).",
+        formatter_class=HelpFormatter,
+    )
+    build_parser(p)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = FlexibleArgumentParser(prog="pagedjax", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(sub)
     _add_serve_parser(sub)
     _add_bench_parser(sub)
+    _add_compile_parser(sub)
     args = parser.parse_args(argv)
     tag = getattr(args, "model_tag", None)
     if tag is not None:

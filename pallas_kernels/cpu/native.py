@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import native
-from .._common import window_operand
+from .._common import require_block_scale_rows, window_operand
 from ..metadata import AttentionMetadata, AttentionOptions, PagedKV
 
 SOURCE = "paged_attention_cpu"
@@ -60,6 +60,7 @@ def _check_dtypes(q, k_pages) -> None:
 def _scales(kv: PagedKV):
     """The scale operands: an 8-bit pool's own, else an unread f32[1] placeholder each."""
     if kv.quantized:
+        require_block_scale_rows(kv)
         return kv.scales
     none = jnp.zeros((1,), jnp.float32)
     return none, none

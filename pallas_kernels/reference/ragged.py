@@ -52,7 +52,8 @@ def reference_prefill(
 
     # Per packed row: its sequence (the last one starting at or before it), position, liveness.
     n = jnp.arange(rows, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(qsl, n, side="right") - 1, 0, num_seqs - 1)
+    seq = jnp.searchsorted(qsl, n, side="right", method="compare_all") - 1  # no while loop
+    seq = jnp.clip(seq, 0, num_seqs - 1)
     j = n - qsl[seq]
     live = (n < jnp.minimum(qsl[-1], num_tokens)) & (j < max_q)
     pos = lens[seq] - (qsl[seq + 1] - qsl[seq]) + j  # i32[rows]

@@ -2,7 +2,9 @@
 
 Decode (``decode.py``): one program per (sequence, KV head, partition), pages copied into
 double-buffered VMEM tiles. Ragged (``ragged.py``): one program per (KV head, tile of packed
-rows), looping over the sequences owning the tile's rows.
+rows), looping over the sequences owning the tile's rows. The KV write (``write.py``): a scatter
+that XLA:TPU runs in place on the pool's row-major layout. The pool itself is stored padded to
+whole 128-lane rows (``pool_layout.py``).
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 
 from ..backend import AttentionBackend, zero_unowned_rows
+from ..metadata import PagedKV
 from .decode import MAX_TABLE_ENTRIES, tpu_decode
 from .ragged import tpu_prefill
+from .write import write_kv_rows
 
 __all__ = ["TpuBackend"]
 
@@ -32,6 +36,12 @@ class TpuBackend(AttentionBackend):
     partition_size: int | None = None
     block_q: int | None = None
     max_table_entries: int = MAX_TABLE_ENTRIES
+
+    def write_kv(self, kv, k_new, v_new, slot_mapping):
+        """In place on the row-major pool the kernels read (tpu/write.py says why)."""
+        return PagedKV(
+            *write_kv_rows(kv.k_pages, kv.v_pages, k_new, v_new, slot_mapping, *kv.scales)
+        )
 
     def decode(self, q, kv, md, opts):
         return tpu_decode(

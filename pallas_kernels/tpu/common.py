@@ -32,11 +32,19 @@ def kv_buffers(*, pages_per_block: int, block_size: int, head_dim: int, dtype):
     return [buf, buf, pltpu.SemaphoreType.DMA((2, 2))]
 
 
-def scale_buffers(*, pages_per_block: int, block_size: int):
-    """Scratch of an 8-bit pool: K and V scale double buffers f32[2, 1, block_k], a block's
-    scales in one row (they multiply the logits' columns and the probabilities)."""
-    buf = pltpu.VMEM((2, 1, pages_per_block * block_size), jnp.float32)
+def scale_buffers(*, pages_per_block: int, width: int):
+    """Scratch of an 8-bit pool: K and V scale double buffers f32[2, pages_per_block, width],
+    each page's whole scale row (``width`` columns: a TPU pool's rows are 128-lane padded,
+    pool_layout.py, since a DMA moves whole 512-byte rows)."""
+    buf = pltpu.VMEM((2, pages_per_block, width), jnp.float32)
     return [buf, buf]
+
+
+def block_scales(rows, block_size: int):
+    """f32[1, pages * block_size]: the scales of a key block's tokens in order (they multiply
+    the logits' columns and the probabilities), from its pages' rows f32[pages, width]."""
+    pages = rows.shape[0]
+    return jnp.concatenate([rows[j : j + 1, :block_size] for j in range(pages)], axis=1)
 
 
 def page_copies(k_hbm, v_hbm, k_buf, v_buf, sems, *, head, page_ids, slot, scales=None):
@@ -56,12 +64,12 @@ def page_copies(k_hbm, v_hbm, k_buf, v_buf, sems, *, head, page_ids, slot, scale
         copies.append(
             pltpu.make_async_copy(v_hbm.at[head, page], v_buf.at[slot, rows], sems.at[1, slot])
         )
-        if scales is not None:
+        if scales is not None:  # the page's whole scale row (block_scales picks its tokens)
             ks_hbm, vs_hbm, ks_buf, vs_buf = scales
             for kv, (src, dst) in enumerate(((ks_hbm, ks_buf), (vs_hbm, vs_buf))):
                 copies.append(
                     pltpu.make_async_copy(
-                        src.at[head, pl.ds(page, 1)], dst.at[slot, :, rows], sems.at[kv, slot]
+                        src.at[head, pl.ds(page, 1)], dst.at[slot, pl.ds(j, 1)], sems.at[kv, slot]
                     )
                 )
     return copies

@@ -5,8 +5,8 @@ rows. Context lengths and block table are scalar-prefetched into SMEM; pages are
 HBM pool into a double-buffered VMEM tile (next block's DMAs in flight while this one computes).
 Partitions are merged afterwards. Logits AND value rows past the length (or before the sliding
 window) are masked; key blocks wholly before the window are skipped. An 8-bit pool's per-token
-scales are copied with its pages (one row per block) and multiply the logits' columns (K) and the
-probabilities (V); the pages are cast to the query's dtype (exact).
+scales are copied with its pages (each page's whole scale row, pool_layout.py) and multiply the
+logits' columns (K) and the probabilities (V); the pages are cast to the query's dtype (exact).
 
 SMEM is small, so the batch is cut into chunks whose block table fits ``max_table_entries``, one
 ``pallas_call`` per chunk, instead of prefetching a huge table whole.
@@ -50,7 +50,7 @@ def _decode_kernel(
     q_ref,  # [group, head_dim] (VMEM block)
     k_hbm,  # [num_kv_heads, num_blocks, block_size, head_dim] (HBM, copied by hand)
     v_hbm,
-    ks_hbm,  # f32[num_kv_heads, num_blocks, block_size]: an 8-bit pool's K scales (HBM), or None
+    ks_hbm,  # f32[num_kv_heads, num_blocks, width]: an 8-bit pool's K scale rows (HBM), or None
     vs_hbm,
     # outputs
     o_ref,  # [group, head_dim]: normalised partial output
@@ -60,7 +60,7 @@ def _decode_kernel(
     k_buf,  # [2, block_k, head_dim]
     v_buf,
     sems,  # DMA[2 (k, v), 2 (slot)]
-    ks_buf=None,  # f32[2, 1, block_k]: an 8-bit pool's K scales (absent for a float pool)
+    ks_buf=None,  # f32[2, pages_per_block, width]: an 8-bit pool's K scale rows (or absent)
     vs_buf=None,
     *,
     scale: float,
@@ -105,8 +105,9 @@ def _decode_kernel(
         k_scale = v_scale = None
         if ks_buf is not None:  # 8-bit pool: scale the logits' columns and the probabilities
             key = token0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-            k_scale = ks_buf[slot]  # f32[1, block_k]
-            v_scale = jnp.where(seen(key), vs_buf[slot], 0.0)  # stale scales may be NaN
+            k_scale = tpu.block_scales(ks_buf[slot], block_size)  # f32[1, block_k]
+            v_scale = tpu.block_scales(vs_buf[slot], block_size)
+            v_scale = jnp.where(seen(key), v_scale, 0.0)  # stale scales may be NaN
             v = v.astype(q.dtype)
         s = attention_logits(q, k_buf[slot], scale, soft_cap, k_scale)
         s = jnp.where(seen(col), s, -jnp.inf)
@@ -166,7 +167,8 @@ def _decode_call(
         dtype=k_pages.dtype,
     )
     if scales:
-        scratch += tpu.scale_buffers(pages_per_block=tiling.pages_per_block, block_size=block_size)
+        width = scales[0].shape[2]
+        scratch += tpu.scale_buffers(pages_per_block=tiling.pages_per_block, width=width)
     return pl.pallas_call(
         with_scale_refs(kernel, 6, bool(scales)),
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -46,7 +46,7 @@ def _ragged_kernel(
     table_hbm,  # i32[num_seqs, table_cols] (HBM)
     k_hbm,  # [num_kv_heads, num_blocks, block_size, head_dim] (HBM)
     v_hbm,
-    ks_hbm,  # f32[num_kv_heads, num_blocks, block_size]: an 8-bit pool's K scales (HBM), or None
+    ks_hbm,  # f32[num_kv_heads, num_blocks, width]: an 8-bit pool's K scale rows (HBM), or None
     vs_hbm,
     # outputs
     o_ref,  # [group, block_q, head_dim]
@@ -56,7 +56,7 @@ def _ragged_kernel(
     k_buf,  # [2, block_k, head_dim]
     v_buf,
     sems,  # DMA[2 (k, v), 2 (slot)]
-    ks_buf=None,  # f32[2, 1, block_k]: an 8-bit pool's K scales (absent for a float pool)
+    ks_buf=None,  # f32[2, pages_per_block, width]: an 8-bit pool's K scale rows (or absent)
     vs_buf=None,
     *,
     scale: float,
@@ -120,8 +120,9 @@ def _ragged_kernel(
                 used = key < ctx
                 if windowed:
                     used &= key >= lo
-                k_scale = ks_buf[slot]  # f32[1, block_k]
-                v_scale = jnp.where(used, vs_buf[slot], 0.0)  # stale scales may be NaN
+                k_scale = tpu.block_scales(ks_buf[slot], block_size)  # f32[1, block_k]
+                v_scale = tpu.block_scales(vs_buf[slot], block_size)
+                v_scale = jnp.where(used, v_scale, 0.0)  # stale scales may be NaN
                 v = v.astype(q.dtype)
             s = attention_logits(q, k_buf[slot], scale, soft_cap, k_scale)
             s = jnp.where(seen, s, -jnp.inf)
@@ -145,6 +146,14 @@ def _ragged_kernel(
         return seq + 1
 
     jax.lax.while_loop(more, attend, first_seq_ref[tile])
+
+
+def _first_seqs(qsl, num_tiles: int, block_q: int, num_seqs: int) -> jax.Array:
+    """i32[num_tiles]: the first sequence owning a row of each tile. compare_all: one
+    [num_tiles, num_seqs + 1] comparison, no while loop in the step's program."""
+    tile_start = jnp.arange(num_tiles, dtype=jnp.int32) * block_q
+    first = jnp.searchsorted(qsl, tile_start, side="right", method="compare_all") - 1
+    return jnp.clip(first.astype(jnp.int32), 0, num_seqs)
 
 
 def tpu_prefill(
@@ -174,9 +183,7 @@ def tpu_prefill(
     lens = wrapper.clipped_lens(md, g)
     qsl = md.query_start_loc.astype(jnp.int32)
     num_tiles = cdiv(max(num_tokens, 1), block_q)
-    tile_start = jnp.arange(num_tiles, dtype=jnp.int32) * block_q
-    first_seq = jnp.searchsorted(qsl, tile_start, side="right").astype(jnp.int32) - 1
-    first_seq = jnp.clip(first_seq, 0, g.num_seqs)
+    first_seq = _first_seqs(qsl, num_tiles, block_q, g.num_seqs)
     padded = num_tiles * block_q
     qg = wrapper.grouped_queries(q, g, pad_rows=padded - num_tokens).transpose(1, 2, 0, 3)
 
@@ -190,7 +197,8 @@ def tpu_prefill(
     )
     rows_spec = pl.BlockSpec((None, group, block_q, head_dim), lambda h, t, *_: (h, 0, t, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    scale_bufs = tpu.scale_buffers(pages_per_block=pages_per_block, block_size=g.block_size)
+    width = kv.k_scales.shape[2] if kv.quantized else g.block_size
+    scale_bufs = tpu.scale_buffers(pages_per_block=pages_per_block, width=width)
     out = pl.pallas_call(
         with_scale_refs(kernel, 8, kv.quantized),
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -28,6 +28,7 @@ from .._common import (
     next_pow2,
     online_softmax_step,
     pad_block_tables,
+    require_block_scale_rows,
     softmax_finish,
     softmax_init,
     window_operand,
@@ -146,6 +147,7 @@ def triton_decode(
 ) -> jax.Array:  # [num_seqs, num_heads, head_dim]
     """Build the grid and BlockSpecs, run the kernel, merge the partitions."""
     g = wrapper.geometry(q, kv, md)
+    require_block_scale_rows(kv)
     group_p = max(16, next_pow2(g.group))
     if pages_per_block is None:
         pages_per_block = max(1, 128 // g.block_size)

@@ -24,6 +24,7 @@ from .._common import (
     cdiv,
     next_pow2,
     online_softmax_step,
+    require_block_scale_rows,
     softmax_finish,
     softmax_init,
     window_operand,
@@ -139,6 +140,7 @@ def triton_prefill(
     interpret: bool = False,
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]; rows owned by no sequence are unspecified
     g = wrapper.geometry(q, kv, md)
+    require_block_scale_rows(kv)
     max_query_len = md.max_q(g.num_rows)
     group_p = next_pow2(g.group)
     block_q = _query_tile(block_q, group_p, max_query_len)
