@@ -31,6 +31,8 @@ def split_prompt(p) -> tuple[list[str] | None, list[list[int]] | None]:
 
 
 class OpenAIServingCompletion(OpenAIServing):
+    """/v1/completions: one engine request per prompt, text choices (CompletionShape)."""
+
     async def create_completion(
         self, request: Request, req: CompletionRequest, constraint, constraint_field: str, lora
     ) -> Response:

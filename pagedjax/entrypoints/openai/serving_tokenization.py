@@ -17,6 +17,8 @@ from pagedjax.entrypoints.openai.tools import check_tools, template_messages
 
 
 class OpenAIServingTokenization(OpenAIServing):
+    """/tokenize and /detokenize: the tokenizer and chat template alone, no engine request."""
+
     async def create_tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
         return await self.offload.run(self._tokenize_body, req)
 
