@@ -23,10 +23,6 @@ ALLOWED: dict[str, str] = {}
 # any other.
 WIDE_ALLOWED: dict[str, str] = {
     "pagedjax/entrypoints/llm.py::LLM.chat": "vLLM's LLM.chat keywords, a drop-in's API",
-    "pagedjax/entrypoints/openai/responses.py::Responses.final_body": "the OpenAI server's "
-    "split by endpoint (one job object, a response shape for the chat flag) is pending",
-    "pagedjax/entrypoints/openai/responses.py::StreamEvents.__init__": "the same split",
-    "pagedjax/entrypoints/openai/serving_engine.py::OpenAIServing.run": "the same split",
 }
 
 

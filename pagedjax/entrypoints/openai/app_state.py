@@ -1,11 +1,13 @@
-"""What the route handlers share, kept on ``app.state``: the engine client, the serving object,
-the limits, the served names and LoRA adapters (serving_models), the API key and the options
-that open routes. ``install`` puts them there once (build_app); the helpers here read them from
+"""What the route handlers share, kept on ``app.state``: the engine client, each endpoint's
+serving object (``serving_completion``, ``serving_chat``, ``serving_tokenization``), the limits,
+the served names and LoRA adapters (serving_models), the API key and the options that open
+routes. ``install`` puts them there once (build_app); the helpers here read them from
 ``request.app.state``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import time
 
@@ -18,16 +20,26 @@ from pagedjax.entrypoints.openai.offload import INLINE_BODY_BYTES, Offload
 from pagedjax.entrypoints.openai.protocol import APIError, parse_json, parse_request
 from pagedjax.entrypoints.openai.request_body import read_body_within
 from pagedjax.entrypoints.openai.request_params import structured_outputs
-from pagedjax.entrypoints.openai.serving_engine import OpenAIServing
+from pagedjax.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedjax.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedjax.entrypoints.openai.serving_models import ServedModels, model_not_found
-from pagedjax.entrypoints.openai.tools import ToolConfig
+from pagedjax.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoints:
+    """The serving object of each endpoint (vLLM's openai_serving_*)."""
+
+    completion: OpenAIServingCompletion
+    chat: OpenAIServingChat
+    tokenization: OpenAIServingTokenization
 
 
 def install(
     app: FastAPI,
     *,
     engine_client: EngineClient,
-    serving: OpenAIServing,
+    endpoints: Endpoints,
     offload: Offload,
     tokenizer,
     model_names: list[str],
@@ -37,7 +49,9 @@ def install(
     """Everything a handler needs, on ``app.state`` (one app, one set)."""
     state = app.state
     state.engine_client = engine_client
-    state.serving = serving
+    state.serving_completion = endpoints.completion
+    state.serving_chat = endpoints.chat
+    state.serving_tokenization = endpoints.tokenization
     state.offload = offload
     state.tokenizer = tokenizer  # the handlers' own: tokenizers aren't shareable across threads
     state.model_names = model_names  # the base model's names
@@ -46,7 +60,6 @@ def install(
     state.api_key = options.api_key
     state.public_metrics = options.public_metrics
     state.public_docs = options.public_docs
-    state.tool_config = options.tool_config or ToolConfig()
     state.created = int(time.time())
 
 
@@ -64,6 +77,7 @@ def check_key(request: Request) -> None:
 
 
 __all__ = [
+    "Endpoints",
     "check_key",
     "install",
     "model_not_found",

@@ -231,3 +231,8 @@ def vllm_prompt_logprobs(strings: TokenStrings, prompt_logprobs: PromptLogprobsL
 
 def _entry(strings: TokenStrings, token: int, logprob: float, rank: int) -> dict:
     return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": strings.text(token)}
+
+
+def clamp(offsets: list[int], text: str) -> list[int]:
+    """Text offsets within ``text`` (a stop string may have cut it short)."""
+    return [min(o, len(text)) for o in offsets]

@@ -195,6 +195,26 @@ class CompletionRequest(GenerationRequest):
     echo: bool = False  # the prompt comes back before the completion (with logprobs: its too)
     suffix: str | None = None
 
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """(the token limit asked for, None if unset; the field that holds it)."""
+        return self.max_tokens, "max_tokens"
+
+    def logprobs_k(self) -> int | None:
+        """Alternatives per generated token's logprobs (None: no logprobs)."""
+        return self.logprobs
+
+    @property
+    def logprobs_field(self) -> str:
+        """The field a refused logprobs request is named by."""
+        return "logprobs"
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token the engine scores: vLLM's prompt_logprobs, or echo's
+        logprobs (the echoed prompt's), whichever is more."""
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None)]
+        asked = [k for k in asked if k is not None]
+        return max(asked) if asked else None
+
 
 class ChatMessage(_Strict):
     role: str
@@ -225,6 +245,31 @@ class ChatRequest(GenerationRequest, _ChatTemplateFields):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """(the token limit asked for, None if unset; the field that holds it:
+        max_completion_tokens over the older max_tokens)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def logprobs_k(self) -> int | None:
+        """Alternatives per generated token's logprobs (None: no logprobs); top_logprobs
+        without logprobs is a 400."""
+        if self.logprobs:
+            return self.top_logprobs or 0
+        if self.top_logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+
+    @property
+    def logprobs_field(self) -> str:
+        """The field a refused logprobs request is named by."""
+        return "top_logprobs" if self.top_logprobs else "logprobs"
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token the engine scores (vLLM's prompt_logprobs)."""
+        return self.prompt_logprobs
 
 
 # field -> the values that ask for nothing this server lacks

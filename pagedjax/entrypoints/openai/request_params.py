@@ -1,6 +1,8 @@
 """From a validated request body (protocol) to what the engine takes: its structured-output
-constraint, its logit_bias with integer keys, its SamplingParams, and the bound on the logprob
-entries its response could carry. Everything here raises APIError naming the field."""
+constraint, its logit_bias with integer keys, its SamplingParams or BeamSearchParams
+(``engine_params``, vLLM's ``to_sampling_params``: each request class says which of its fields
+hold the token limit and the logprobs), and the bound on the logprob entries its response could
+carry. Everything here raises APIError naming the field."""
 
 from __future__ import annotations
 
@@ -90,6 +92,46 @@ def logit_bias(req: GenerationRequest, vocab_size: int) -> dict[int, float] | No
             )
         out[token] = value
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamsContext:
+    """What a request's params are built against: the server's limits, the model's sampling
+    defaults (its generation config) for fields a request leaves unset, its vocabulary size."""
+
+    limits: ServerLimits
+    defaults: dict
+    vocab_size: int
+
+
+def engine_params(
+    req: GenerationRequest,
+    max_tokens: int,
+    max_tokens_field: str,
+    constraint: StructuredOutputsParams | None,
+    constraint_field: str,
+    context: ParamsContext,
+) -> SamplingParams | BeamSearchParams:
+    """The engine's params for ``req`` (a completion or chat request): beam search with
+    use_beam_search, else sampling, generating up to ``max_tokens`` (asked for in
+    ``max_tokens_field``) under ``constraint`` (from ``constraint_field``). The logit_bias is
+    checked first, whatever runs."""
+    extra = {"logit_bias": logit_bias(req, context.vocab_size), "structured_outputs": constraint}
+    prompt_k = req.engine_prompt_logprobs()
+    if prompt_k is not None:
+        extra["prompt_logprobs"] = prompt_k
+    if req.use_beam_search:
+        refused = constraint_field if constraint is not None else None
+        return beam_search_params(req, max_tokens, max_tokens_field, refused)
+    return sampling_params(
+        req,
+        max_tokens,
+        max_tokens_field,
+        req.logprobs_k(),
+        context.limits,
+        defaults=context.defaults,
+        **extra,
+    )
 
 
 def sampling_params(

@@ -3,9 +3,9 @@
 
 - ``health_router``: /health and /ping (open to all), /metrics, /openapi.json, /docs, /redoc
 - ``models_router``: /v1/models, /v1/models/{id}, /version
-- ``tokenize_router``: /tokenize, /detokenize (vLLM's)
-- ``generate_router``: /v1/completions, /v1/chat/completions (and /v1/responses, which runs as
-  a chat completion: routes_responses.py)
+- ``tokenize_router``: /tokenize, /detokenize (vLLM's; serving_tokenization.py)
+- ``generate_router``: /v1/completions (serving_completion.py), /v1/chat/completions
+  (serving_chat.py; /v1/responses runs as one: routes_responses.py)
 - ``lora_router`` (with --enable-lora and run-time updates only: pagedjax/lora/updates.py):
   /v1/load_lora_adapter, /v1/unload_lora_adapter
 """
@@ -19,7 +19,6 @@ from fastapi import APIRouter, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from pagedjax.core.request_queue import check_priority
 from pagedjax.entrypoints.openai.app_state import check_key, read_constrained, read_json
 from pagedjax.entrypoints.openai.metrics import CONTENT_TYPE
 from pagedjax.entrypoints.openai.protocol import (
@@ -31,20 +30,9 @@ from pagedjax.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
     UnloadLoRAAdapterRequest,
     bad_request,
-    chat_messages,
-    chat_options,
     error_response,
     parse_body,
 )
-from pagedjax.entrypoints.openai.request_params import (
-    beam_search_params,
-    check_response_logprobs,
-    default_max_tokens,
-    logit_bias,
-    sampling_params,
-)
-from pagedjax.entrypoints.openai.serving_engine import Echo
-from pagedjax.entrypoints.openai.tools import template_messages, tool_mode
 
 health_router = APIRouter()
 models_router = APIRouter()
@@ -112,7 +100,7 @@ def _model_card(request: Request, name: str, lora=None) -> dict:
         "owned_by": "pagedjax",
         "root": name if lora is None else lora.lora_path,
         "parent": None if lora is None else state.models.parent,
-        "max_model_len": state.serving.max_model_len,
+        "max_model_len": state.engine_client.max_model_len,
     }
 
 
@@ -163,7 +151,7 @@ async def tokenize(request: Request):
     req = parse_body(TokenizeChatRequest if chat else TokenizeCompletionRequest, data)
     if req.model is not None:
         state.models.resolve(req.model)
-    return await state.serving.tokenize_body(req)
+    return await state.serving_tokenization.create_tokenize(req)
 
 
 @tokenize_router.post("/detokenize")
@@ -174,7 +162,7 @@ async def detokenize(request: Request):
     req = parse_body(DetokenizeRequest, await read_json(request))
     if req.model is not None:
         state.models.resolve(req.model)
-    return await state.serving.detokenize_body(req)
+    return await state.serving_tokenization.create_detokenize(req)
 
 
 # -- LoRA adapters at run time (vLLM's) --
@@ -222,158 +210,24 @@ async def unload_lora_adapter(request: Request):
     return PlainTextResponse(f"Success: LoRA adapter {lora.lora_name!r} removed successfully.")
 
 
-# -- generation --
-
-
-def _split_prompt(p) -> tuple[list[str] | None, list[list[int]] | None]:
-    """A completion request's ``prompt`` as (texts, None) or (None, token id lists)."""
-    if isinstance(p, str):
-        return [p], None
-    if p and all(isinstance(x, str) for x in p):
-        return p, None
-    if p and all(isinstance(x, list) for x in p):
-        return None, [list(x) for x in p]
-    return None, [list(p)]
+# -- generation (serving_completion, serving_chat) --
 
 
 @generate_router.post("/v1/completions")
 async def completions(request: Request):
     check_key(request)
     state = request.app.state
-    serving, limits = state.serving, state.limits
     req, constraint, constraint_field = await read_constrained(request, CompletionRequest)
     lora = state.models.resolve(req.model)  # a LoRA adapter's name runs under it
-    texts, prompts = _split_prompt(req.prompt)
-    count = len(texts or prompts)
-    if count > limits.max_queue:
-        raise bad_request(
-            f"prompt: {count} prompts in one request; this server queues at most "
-            f"{limits.max_queue}",
-            "prompt",
-        )
-    prompts = await serving.prompt_ids(texts, prompts, req.truncate_prompt_tokens)
-    max_tokens = req.max_tokens
-    if max_tokens is None:
-        room = serving.max_model_len - max(len(x) for x in prompts)
-        max_tokens = default_max_tokens(room, serving.defaults)
-    echo_only = req.echo and max_tokens == 0  # the engine makes one token, never shown
-    await serving.check_constraint(constraint, constraint_field)
-    extra = {"logit_bias": logit_bias(req, serving.vocab), "structured_outputs": constraint}
-    asked = [req.prompt_logprobs, req.logprobs if req.echo else None]  # vLLM's field, echo's
-    asked = [k for k in asked if k is not None]
-    if asked:
-        extra["prompt_logprobs"] = max(asked)
-    max_tokens_run = 1 if echo_only else max_tokens
-    if req.use_beam_search:
-        refused = constraint_field if constraint is not None else None
-        params = beam_search_params(req, max_tokens_run, "max_tokens", refused)
-    else:
-        params = sampling_params(
-            req,
-            max_tokens_run,
-            "max_tokens",
-            req.logprobs,
-            limits,
-            defaults=serving.defaults,
-            **extra,
-        )
-    shown = 0 if echo_only else max_tokens
-    check_response_logprobs(
-        limits, prompts, k=req.logprobs, n=req.n, max_tokens=shown, echo=req.echo, field="logprobs"
-    )
-    _check_prompt_logprobs(limits, prompts * req.n, req.prompt_logprobs)  # on every choice
-    _check_priority(serving, req.priority)
-    await serving.admit(prompts, params, "prompt")
-    echo = None
-    if req.echo:
-        if texts is None or req.truncate_prompt_tokens is not None:  # the prompt that runs
-            texts = await serving.echo_texts(prompts)
-        echo = Echo(texts, echo_only)
-    return await serving.run(
-        request, req, prompts, params, chat=False, k_logprobs=req.logprobs, echo=echo, lora=lora
-    )
-
-
-def _check_priority(serving, priority: int) -> None:
-    """vLLM's ``priority``: any integer under --scheduling-policy priority, else only 0."""
-    try:
-        check_priority(priority, serving.client.config.scheduler.policy)
-    except ValueError as e:
-        raise bad_request(str(e), "priority") from None
-
-
-def _check_prompt_logprobs(limits, prompts, k: int | None) -> None:
-    """vLLM's prompt_logprobs: k alternatives and its own per token of each of ``prompts``."""
-    check_response_logprobs(
-        limits, prompts, k=k, n=1, max_tokens=0, echo=True, field="prompt_logprobs"
-    )
-
-
-def _chat_tools(req, tool_config, constraint, field):
-    """(constraint, its field, the tools shown to the template, the tool mode) of a chat request
-    whose own structured output is ``constraint`` (from ``field``): it, or the schema its tool
-    choice imposes. Walks the tools' schemas: off the event loop when there are tools."""
-    shown_tools, tools = tool_mode(req, tool_config, constraint)
-    if tools is not None and tools.constraint is not None:  # "required" or named
-        constraint, field = tools.constraint, "tools"
-    return constraint, field, shown_tools, tools
+    serving = state.serving_completion
+    return await serving.create_completion(request, req, constraint, constraint_field, lora)
 
 
 @generate_router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     check_key(request)
-    req, constraint, constraint_field = await read_constrained(request, ChatRequest)
-    return await run_chat(request, req, constraint, constraint_field)
-
-
-async def run_chat(request: Request, req: ChatRequest, constraint, constraint_field: str):
-    """Answer a parsed chat request whose own constraint (response_format, structured_outputs
-    or a guided field) is ``constraint``, from ``constraint_field``: /v1/chat/completions, and
-    /v1/responses, which runs as one (routes_responses.py)."""
     state = request.app.state
-    serving, limits, tokenizer = state.serving, state.limits, state.tokenizer
+    req, constraint, constraint_field = await read_constrained(request, ChatRequest)
     lora = state.models.resolve(req.model)  # a LoRA adapter's name runs under it
-    if tokenizer is None or tokenizer.chat_template is None:
-        raise bad_request("this model's tokenizer has no chat template")
-    args = (req, state.tool_config, constraint, constraint_field)
-    if req.tools:
-        constraint, constraint_field, shown_tools, tools = await serving.offload.run_grammar(
-            _chat_tools, *args
-        )
-    else:
-        constraint, constraint_field, shown_tools, tools = _chat_tools(*args)
-    options = chat_options(req)
-    messages = template_messages(chat_messages(req))
-    ids = await serving.chat_prompt_ids(messages, shown_tools, options, req.truncate_prompt_tokens)
-    if req.max_completion_tokens is not None:
-        max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
-    else:
-        max_tokens, field = req.max_tokens, "max_tokens"
-    if max_tokens is None:
-        max_tokens = default_max_tokens(serving.max_model_len - len(ids), serving.defaults)
-    k = None
-    if req.logprobs:
-        k = req.top_logprobs or 0
-    elif req.top_logprobs:
-        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    await serving.check_constraint(constraint, constraint_field)
-    extra = {"logit_bias": logit_bias(req, serving.vocab), "structured_outputs": constraint}
-    if req.prompt_logprobs is not None:
-        extra["prompt_logprobs"] = req.prompt_logprobs
-    if req.use_beam_search:
-        refused = constraint_field if constraint is not None else None
-        params = beam_search_params(req, max_tokens, field, refused)
-    else:
-        params = sampling_params(
-            req, max_tokens, field, k, limits, defaults=serving.defaults, **extra
-        )
-    lp_field = "top_logprobs" if req.top_logprobs else "logprobs"
-    check_response_logprobs(
-        limits, [ids], k=k, n=req.n, max_tokens=max_tokens, echo=False, field=lp_field
-    )
-    _check_prompt_logprobs(limits, [ids], req.prompt_logprobs)
-    _check_priority(serving, req.priority)
-    await serving.admit([ids], params, "messages")
-    return await serving.run(
-        request, req, [ids], params, chat=True, k_logprobs=k, tools=tools, lora=lora
-    )
+    serving = state.serving_chat
+    return await serving.create_chat_completion(request, req, constraint, constraint_field, lora)

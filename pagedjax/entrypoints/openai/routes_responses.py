@@ -25,7 +25,6 @@ from pagedjax.entrypoints.openai.responses_protocol import (
     chat_body,
     echoed_fields,
 )
-from pagedjax.entrypoints.openai.routes import run_chat
 
 responses_router = APIRouter()
 
@@ -63,7 +62,8 @@ async def create_response(request: Request):
     lora = state.models.resolve(req.model)
     try:
         chat, constraint, field = await state.offload.run_grammar(_chat_request, req)
-        result = await run_chat(request, chat, constraint, field)
+        serving = state.serving_chat
+        result = await serving.create_chat_completion(request, chat, constraint, field, lora)
     except APIError as e:
         e.param = _responses_param(e.param)
         raise

@@ -5,8 +5,9 @@ and the API docs.
 A request is validated whole (protocol), every prompt passes the engine's admission check, and
 only then is anything submitted to the engine. build_app puts the shared objects on
 ``app.state`` (app_state) and includes the routers (routes), whose module-level handlers read
-them from there. Generation and streaming are in serving_engine; metrics in metrics. Handlers
-reach the engine only through its EngineClient (engine/client.py).
+them from there. Each endpoint has its serving object (serving_completion, serving_chat,
+serving_tokenization, over serving_engine's shared base); metrics in metrics. Handlers reach
+the engine only through its EngineClient (engine/client.py).
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ from pagedjax.entrypoints.openai.offload import Offload
 from pagedjax.entrypoints.openai.protocol import APIError, error_response
 from pagedjax.entrypoints.openai.routes import ROUTERS, lora_router
 from pagedjax.entrypoints.openai.routes_responses import responses_router
-from pagedjax.entrypoints.openai.serving_engine import OpenAIServing
+from pagedjax.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedjax.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedjax.entrypoints.openai.serving_models import ServedModels
+from pagedjax.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedjax.entrypoints.openai.tools import ToolConfig
 from pagedjax.lora.updates import LoRAUpdates
 
 __all__ = ["AppOptions", "Cors", "build_app", "check_api_key", "load_chat_template"]
@@ -68,14 +72,19 @@ def build_app(
             raise ValueError("--chat-template needs a tokenizer; this model has none")
         tokenizer.chat_template = o.chat_template
     offload = Offload(tokenizer)  # tokenizing, grammars and big responses, off the event loop
-    serving = OpenAIServing(client, tokenizer, model_names[0], offload)
+    args = (client, tokenizer, model_names[0], offload, o.limits)
+    endpoints = app_state.Endpoints(
+        completion=OpenAIServingCompletion(*args),
+        chat=OpenAIServingChat(*args, tool_config=o.tool_config or ToolConfig()),
+        tokenization=OpenAIServingTokenization(*args),
+    )
     app = FastAPI(
         title="pagedjax", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     app_state.install(
         app,
         engine_client=client,
-        serving=serving,
+        endpoints=endpoints,
         offload=offload,
         tokenizer=tokenizer,
         model_names=model_names,

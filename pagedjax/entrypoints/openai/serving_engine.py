@@ -1,6 +1,8 @@
-"""What the OpenAI endpoints share: prompt admission, submitting a request's prompts to the
-engine thread, and the two ways of answering — final choices, or streamed server-sent events.
-Tokenizing, grammar compilation and response building run on the offload pool.
+"""What the OpenAI endpoints share (vLLM's serving_engine.py, under serving_completion.py,
+serving_chat.py and serving_tokenization.py): prompt tokenizing and chat rendering, the checks
+before admission, and running a GenerationJob (job.py) — its prompts submitted to the engine,
+its outputs awaited, and its answer given whole or streamed as server-sent events, by its
+shape. Tokenizing, grammar compilation and response building run on the offload pool.
 
 A request that fails inside the engine ends with OpenAI's error JSON, or, once a stream's headers
 are out, with an error event and ``[DONE]``; it never takes another request with it.
@@ -9,43 +11,29 @@ are out, with an error event and ``[DONE]``; it never takes another request with
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
-import time
 import uuid
 
 from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
+from pagedjax.core.request_queue import check_priority
 from pagedjax.engine.client import EngineClient, QueueFull
 from pagedjax.engine.input_processor import truncated
 from pagedjax.entrypoints.chat_template import ChatOptions
+from pagedjax.entrypoints.openai.job import GenerationJob
 from pagedjax.entrypoints.openai.offload import Offload
 from pagedjax.entrypoints.openai.output_collector import Job as _Job
 from pagedjax.entrypoints.openai.output_collector import Wakeups as _Wakeups
-from pagedjax.entrypoints.openai.protocol import (
-    APIError,
-    DetokenizeRequest,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-    bad_request,
-    chat_echo,
-    chat_messages,
-    chat_options,
-)
-from pagedjax.entrypoints.openai.responses import (
-    Echo,
-    Responses,
-    StreamEvents,
-    with_chat_echo,
-)
-from pagedjax.entrypoints.openai.tools import check_tools, template_messages
+from pagedjax.entrypoints.openai.protocol import APIError, ServerLimits, bad_request
+from pagedjax.entrypoints.openai.request_params import ParamsContext, check_response_logprobs
+from pagedjax.entrypoints.openai.responses import Responses, StreamEvents
 from pagedjax.models.loading.tokenizer import encode_text, max_chars_per_token
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["Echo", "OpenAIServing"]
+__all__ = ["OpenAIServing"]
 
 logger = logging.getLogger("pagedjax.api_server")
 
@@ -55,12 +43,17 @@ _POLL_S = 0.25  # how often a waiting handler checks that its client is still th
 class OpenAIServing:
     """The engine as the endpoints see it: through its client (engine/client.py), with
     tokenizing, grammar compilation and response building on the offload pool (never on the
-    event loop)."""
+    event loop). Each endpoint is a subclass; engine request ids are unique across them."""
 
-    def __init__(self, client: EngineClient, tokenizer, model_name: str, offload):
+    _ids = itertools.count()  # engine request ids' prefix, shared by every endpoint
+
+    def __init__(
+        self, client: EngineClient, tokenizer, model_name: str, offload, limits: ServerLimits
+    ):
         self.client = client
         self.offload: Offload = offload
         self.tokenizer = tokenizer  # the handlers' own copy; encoding uses offload.tokenizer
+        self.limits = limits
         self.responses = Responses(tokenizer, client.eos_token_ids, model_name)
         self.max_model_len = client.max_model_len
         # a text of c characters is at least c / k tokens (None: no such bound)
@@ -68,7 +61,7 @@ class OpenAIServing:
         self.vocab = client.model_config.vocab_size
         # the model's sampling defaults (its generation config), for fields a request leaves unset
         self.defaults: dict = client.default_sampling_params
-        self._counter = itertools.count()
+        self.params_context = ParamsContext(limits, self.defaults, self.vocab)
         self._wakeups: _Wakeups | None = None  # for the event loop the handlers run on
 
     # -- on the offload pool --
@@ -102,16 +95,7 @@ class OpenAIServing:
                     f"token id {t} is outside the vocabulary [0, {self.vocab})", param
                 )
 
-    def _prompt_ids(self, texts, prompts, truncate: int | None = None) -> list[list[int]]:
-        if texts is not None:
-            bounded = truncate is None
-            prompts = [self.tokenize(t, "prompt", bounded=bounded) for t in texts]
-        ids = [truncated(x, truncate, self.max_model_len) for x in prompts]
-        for x in ids:
-            self.check_token_ids(x)
-        return ids
-
-    def _chat_prompt_ids(
+    def render_chat(
         self,
         messages: list[dict],
         tools: list[dict] | None,
@@ -132,38 +116,6 @@ class OpenAIServing:
         ids = self.tokenize(text, "messages", options.add_special_tokens, bounded)
         return truncated(ids, truncate, self.max_model_len)
 
-    def _tokenize_body(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
-        """/tokenize's answer (vLLM's): the ids of a prompt, or of a conversation as the chat
-        endpoint renders it, however long (the body's size bounds the work)."""
-        tok = self.offload.tokenizer
-        if isinstance(req, TokenizeChatRequest):
-            tools = check_tools(req.tools) or None
-            messages = template_messages(chat_messages(req))
-            options = chat_options(req)
-            ids = self._chat_prompt_ids(messages, tools, options, bounded=False)
-        else:
-            if tok is None:
-                raise bad_request("this model has no tokenizer", "prompt")
-            ids = self.tokenize(req.prompt, "prompt", req.add_special_tokens, bounded=False)
-        return {
-            "count": len(ids),
-            "max_model_len": self.max_model_len,
-            "tokens": ids,
-            "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None,
-        }
-
-    def _detokenize_body(self, req: DetokenizeRequest) -> dict:
-        """/detokenize's answer: the text of ``req.tokens`` (special tokens kept, as vLLM)."""
-        tok = self.offload.tokenizer
-        if tok is None:
-            raise bad_request("this model has no tokenizer", "tokens")
-        self.check_token_ids(req.tokens, "tokens")
-        return {"prompt": tok.decode(req.tokens)}
-
-    def _detokenize(self, prompts: list[list[int]]) -> list[str]:
-        tok = self.offload.tokenizer
-        return ["" if tok is None else tok.decode(ids, skip_special_tokens=True) for ids in prompts]
-
     def _admit(self, prompts: list[list[int]], params: SamplingParams, param: str) -> None:
         for ids in prompts:
             try:
@@ -176,32 +128,6 @@ class OpenAIServing:
                 raise bad_request(str(e), param, code) from None
 
     # -- awaited by the handlers --
-
-    async def prompt_ids(
-        self, texts: list[str] | None, prompts, truncate: int | None = None
-    ) -> list[list[int]]:
-        """Completions' prompts as token ids (``texts`` tokenized, else ``prompts``; their last
-        ``truncate``, vLLM's truncate_prompt_tokens), every id checked against the vocabulary."""
-        return await self.offload.run(self._prompt_ids, texts, prompts, truncate)
-
-    async def chat_prompt_ids(
-        self,
-        messages: list[dict],
-        tools: list[dict] | None,
-        options: ChatOptions,
-        truncate: int | None = None,
-    ) -> list[int]:
-        """The conversation rendered by the chat template (with ``tools``), then tokenized."""
-        return await self.offload.run(self._chat_prompt_ids, messages, tools, options, truncate)
-
-    async def tokenize_body(self, req) -> dict:
-        return await self.offload.run(self._tokenize_body, req)
-
-    async def detokenize_body(self, req: DetokenizeRequest) -> dict:
-        return await self.offload.run(self._detokenize_body, req)
-
-    async def echo_texts(self, prompts: list[list[int]]) -> list[str]:
-        return await self.offload.run(self._detokenize, prompts)
 
     async def admit(self, prompts: list[list[int]], params: SamplingParams, param: str) -> None:
         """The engine's admission check on every prompt, before anything is submitted."""
@@ -222,11 +148,23 @@ class OpenAIServing:
         if not self.client.is_running:
             raise APIError(500, "the engine thread has stopped", "server_error", "engine_error")
 
-    async def start(
-        self, prompts: list[list[int]], params: SamplingParams, lora=None, priority: int = 0
-    ) -> _Job:
-        """Submit one engine request per prompt (under the LoRA adapter ``lora``, if given, with
-        ``priority``), all in one command: the engine takes them between the same two steps."""
+    def check_priority(self, priority: int) -> None:
+        """vLLM's ``priority``: any integer under --scheduling-policy priority, else only 0."""
+        try:
+            check_priority(priority, self.client.config.scheduler.policy)
+        except ValueError as e:
+            raise bad_request(str(e), "priority") from None
+
+    def check_prompt_logprobs(self, prompts: list[list[int]], k: int | None) -> None:
+        """vLLM's prompt_logprobs: k alternatives and its own per token of each of ``prompts``."""
+        check_response_logprobs(
+            self.limits, prompts, k=k, n=1, max_tokens=0, echo=True, field="prompt_logprobs"
+        )
+
+    async def start(self, job: GenerationJob) -> _Job:
+        """Submit one engine request per prompt of ``job`` (under its LoRA adapter, with its
+        priority), all in one command: the engine takes them between the same two steps."""
+        params = job.params
         lp = getattr(params, "logprobs", None), getattr(params, "prompt_logprobs", None)
         if lp != (None, None):  # beam search asks for neither
             self.offload.mark_heavy()  # its outputs are turned into events in the heavy lane
@@ -234,25 +172,26 @@ class OpenAIServing:
         if self._wakeups is None or self._wakeups.loop is not loop:
             self._wakeups = _Wakeups(loop)
         cumulative = params.output_kind == RequestOutputKind.CUMULATIVE
-        job = _Job(loop, cumulative, self._wakeups)
-        base = f"{next(self._counter)}-{uuid.uuid4().hex[:8]}"
-        job.request_ids = [f"{base}-{i}" for i in range(len(prompts))]
-        requests = [(rid, ids, job.sink) for rid, ids in zip(job.request_ids, prompts, strict=True)]
+        collector = _Job(loop, cumulative, self._wakeups)
+        base = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        collector.request_ids = [f"{base}-{i}" for i in range(len(job.prompts))]
+        ids = zip(collector.request_ids, job.prompts, strict=True)
+        requests = [(rid, prompt, collector.sink) for rid, prompt in ids]
         try:
-            for fut in self.client.submit(requests, params, lora, priority):
+            for fut in self.client.submit(requests, params, job.lora, job.priority):
                 fut = asyncio.wrap_future(fut)
                 while not (await asyncio.wait({fut}, timeout=_POLL_S))[0]:
                     self.check_engine_thread()
                 fut.result()
         except BaseException as e:
-            for rid in job.request_ids:
+            for rid in collector.request_ids:
                 self.client.abort(rid)
             if isinstance(e, QueueFull):
                 raise APIError(503, f"server busy: {e}", "server_error", "queue_full") from None
             if isinstance(e, ValueError):
                 raise bad_request(str(e)) from None
             raise
-        return job
+        return collector
 
     async def next_outputs(self, request: Request, job: _Job) -> list[RequestOutput] | None:
         """The outputs that arrived since the last call (each request's latest), waiting for
@@ -290,82 +229,30 @@ class OpenAIServing:
             if rid not in job.finished:
                 self.client.abort(rid)
 
-    async def run(
-        self,
-        request,
-        req,
-        prompts,
-        params,
-        chat: bool,
-        k_logprobs: int | None,
-        echo=None,
-        tools=None,
-        lora=None,
-    ):
-        """Answer ``req``: streamed or whole; ``tools`` (a tools.ToolMode) takes the choices'
-        tool calls out of their text; ``lora``: the LoRA adapter its ``model`` named. A whole
-        answer reads only the finished outputs, so its requests ask for nothing else (vLLM's
-        FINAL_ONLY): no output is built, sent or awaited at the steps in between."""
-        if not req.stream:
-            params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-        job = await self.start(prompts, params, lora, getattr(req, "priority", 0))
-        responses = self.responses
-        if req.return_tokens_as_token_ids:
-            responses = responses.with_token_ids()
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        now = int(time.time())
-        if req.stream:
-            options = req.stream_options
-            include_usage = options is not None and options.include_usage
-            events = StreamEvents(
-                responses,
-                rid,
-                now,
-                job.request_ids,
-                prompts,
-                params,
-                chat,
-                k_logprobs,
-                echo,
-                model=lora.lora_name if lora is not None else None,
-                continuous_usage=include_usage and options.continuous_usage_stats,
-                chat_echo=chat_echo(req) if chat else "",
-            )
-            gen = self.stream(request, job, events, include_usage)
-            if tools is not None:
-                gen = tools.events(gen)
+    async def run(self, request: Request, job: GenerationJob) -> Response:
+        """Answer ``job``: streamed (as its shape's chunks) or whole (its shape's body)."""
+        collector = await self.start(job)
+        responses = self.responses.for_job(job)
+        if job.stream is not None:
+            events = StreamEvents(responses, job, collector.request_ids)
+            gen = job.shape.wrap_stream(self.stream(request, collector, events))
             return StreamingResponse(gen, media_type="text/event-stream")
         finals: dict[str, RequestOutput] = {}
         try:
-            while not job.done:
-                outs = await self.next_outputs(request, job)
+            while not collector.done:
+                outs = await self.next_outputs(request, collector)
                 if outs is None:
                     return PlainTextResponse("", status_code=499)
                 finals.update((out.request_id, out) for out in outs if out.finished)
         finally:
-            self.abort_unfinished(job)
-        ordered = [finals[r] for r in job.request_ids]
-        body = await self.offload.run(
-            responses.final_body,
-            rid,
-            now,
-            chat,
-            req.n,
-            params,
-            prompts,
-            ordered,
-            k_logprobs,
-            echo,
-            lora.lora_name if lora is not None else None,
-            req.prompt_logprobs,
-        )
-        if tools is not None:
-            body = await self.offload.run(tools.final_body, body)
-        if chat and (echoed := chat_echo(req)):
-            body = await self.offload.run(with_chat_echo, body, echoed)
+            self.abort_unfinished(collector)
+        ordered = [finals[r] for r in collector.request_ids]
+        body = await self.offload.run(responses.final_body, job, ordered)
+        if job.shape.rewrites_body:
+            body = await self.offload.run(job.shape.finish_body, body)
         return Response(body, media_type="application/json")
 
-    async def stream(self, request, job: _Job, events: StreamEvents, include_usage: bool):
+    async def stream(self, request, job: _Job, events: StreamEvents):
         try:
             for e in events.opening():
                 yield e
@@ -380,7 +267,7 @@ class OpenAIServing:
                         batch = events.events(out)
                     for e in batch:
                         yield e
-            if include_usage:
+            if events.job.stream.include_usage:
                 yield events.usage_event()
         except APIError as e:  # after the headers: OpenAI's error, as an event
             yield events.event(e.body())

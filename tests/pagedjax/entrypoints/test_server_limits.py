@@ -46,7 +46,9 @@ def server(tmp_path_factory):
         EngineLoop(llm.engine, limits.max_queue), MODEL, AppOptions(api_key=KEY, limits=limits)
     )
     with live_server(app) as base:
-        yield types.SimpleNamespace(base=base, serving=app.state.serving, engine=llm.engine)
+        yield types.SimpleNamespace(
+            base=base, serving=app.state.serving_completion, engine=llm.engine
+        )
 
 
 def post(server, body: dict, path="/v1/completions", timeout=60):
