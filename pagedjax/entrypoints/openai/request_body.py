@@ -2,7 +2,7 @@
 ``max_body_bytes`` a 413 (the declared length refused before reading), not all there within
 ``body_timeout_s`` a 408, a client gone before the end a 400. The plain server's handlers read
 their bodies so (app_state.read_body), and so does the Ray Serve ingress before it routes one
-(serve_ray/ingress.py): both answer a body the same way.
+(entrypoints/serve_ray/ingress.py): both answer a body the same way.
 """
 
 from __future__ import annotations
