@@ -104,7 +104,7 @@ def step_programs(model: str | None, repeats: int) -> list[dict]:
 
 def generate_wall(model: str | None, repeats: int, cache_root: Path) -> dict:
     """Wall time of `pagedjax generate` in fresh processes sharing ``cache_root``."""
-    cmd = [sys.executable, "-m", "pagedjax.entrypoints.cli", "generate", "--prompt", PROMPT]
+    cmd = [sys.executable, "-m", "pagedjax.cli", "generate", "--prompt", PROMPT]
     cmd += ["--max-tokens", "48"] + (["--model", model] if model else [])
     env = {**os.environ, "PAGEDJAX_CACHE_DIR": str(cache_root)}
     env.pop("PAGEDJAX_COMPILATION_CACHE", None)

@@ -2,7 +2,7 @@
 
 import sys
 
-from pagedjax.entrypoints.cli import main
+from pagedjax.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -243,7 +243,7 @@ def test_every_dependency_serving_imports_is_in_the_image_or_the_wheelhouse(dc):
     names = {re.split(r"[<>=\[ ;]", d, maxsplit=1)[0] for d in project["dependencies"]}
     modules = {n.replace("-", "_").removesuffix("_checkpoint") for n in names}
     code = (
-        "import sys, pagedjax.entrypoints.cli, pagedjax.entrypoints.api_server, "
+        "import sys, pagedjax.cli, pagedjax.entrypoints.api_server, "
         "pagedjax.engine.hosting.engine_process, pagedjax.entrypoints.llm, "
         "pagedjax.bench.serve\n"
         "import uvicorn  # imported when the server starts\n"

@@ -1,5 +1,5 @@
 """vLLM's metric names (``vllm:...``), their help texts and buckets: the one list that the
-server's /metrics (entrypoints/openai/vllm_metrics.py) and ``LLM.get_metrics()`` (offline.py)
+server's /metrics (vllm_series.py) and ``LLM.get_metrics()`` (offline.py)
 both read. Names are given without the ``vllm:`` prefix (``full`` adds it)."""
 
 from __future__ import annotations

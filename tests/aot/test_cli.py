@@ -10,7 +10,7 @@ import json
 import pytest
 from aot_cases import target_or_skip
 
-from pagedjax.entrypoints.cli import main
+from pagedjax.cli import main
 
 TINY = {
     "architectures": ["LlamaForCausalLM"],

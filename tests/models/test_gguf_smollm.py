@@ -80,7 +80,7 @@ def test_chat_template_answers(llm):
 
 
 def test_cli_generate(gguf_path, capsys):
-    from pagedjax.entrypoints.cli import main
+    from pagedjax.cli import main
 
     rc = main(
         [

@@ -155,7 +155,7 @@ def test_serve_from_process_0_while_process_1_follows(model_dir, runs, tmp_path)
     coordinator, http = free_ports(2)
     procs = []
     for pid in range(2):
-        args = ["-m", "pagedjax.entrypoints.cli", "serve", "--model", str(model_dir)]
+        args = ["-m", "pagedjax.cli", "serve", "--model", str(model_dir)]
         args += ["--tensor-parallel-size", "4", "--max-model-len", "128", "--port", str(http)]
         args += ["--no-warmup"]
         args += ["--coordinator-address", f"127.0.0.1:{coordinator}"]

@@ -145,7 +145,7 @@ def run_normal(base: str, pool) -> tuple[list[str], list[float]]:
 def served(tmp_path):
     make_byte_model(tmp_path)
     port = free_port()
-    argv = [sys.executable, "-c", "from pagedjax.entrypoints.cli import main; main()", "serve"]
+    argv = [sys.executable, "-c", "from pagedjax.cli import main; main()", "serve"]
     argv += ["--model", str(tmp_path), "--port", str(port), "--api-key", KEY]
     argv += ["--served-model-name", MODEL, "--block-size", "8", "--num-blocks", "400"]
     argv += ["--max-model-len", "96", "--max-num-seqs", "16", "--engine-process"]

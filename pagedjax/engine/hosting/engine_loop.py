@@ -29,7 +29,7 @@ import threading
 import time
 
 from pagedjax.engine.client import DEFAULT_MAX_QUEUE, EngineClient, QueueFull, check_command
-from pagedjax.entrypoints.openai.metrics import ServerMetrics
+from pagedjax.metrics.server import ServerMetrics
 from pagedjax.outputs import RequestOutput
 
 logger = logging.getLogger("pagedjax.api_server")

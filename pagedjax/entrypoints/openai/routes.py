@@ -20,7 +20,6 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from pagedjax.entrypoints.openai.app_state import check_key, read_constrained, read_json
-from pagedjax.entrypoints.openai.metrics import CONTENT_TYPE
 from pagedjax.entrypoints.openai.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -33,6 +32,7 @@ from pagedjax.entrypoints.openai.protocol import (
     error_response,
     parse_body,
 )
+from pagedjax.metrics.server import CONTENT_TYPE
 
 health_router = APIRouter()
 models_router = APIRouter()

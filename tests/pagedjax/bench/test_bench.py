@@ -9,7 +9,7 @@ from hf_models import make_tiny_model
 from pagedjax.pallas_kernels.cpu import native as native_attention
 
 from pagedjax.bench.throughput import cpu_ticks, steal_share
-from pagedjax.entrypoints.cli import main
+from pagedjax.cli import main
 
 
 @pytest.fixture(scope="module")

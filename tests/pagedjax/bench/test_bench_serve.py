@@ -20,9 +20,9 @@ from server_helpers import free_port, live_server, save_byte_tokenizer
 
 from pagedjax import LLM
 from pagedjax.bench import serve_metrics, serve_peers, serve_workload
+from pagedjax.cli import main
 from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import build_app
-from pagedjax.entrypoints.cli import main
 
 MODEL = "tiny"
 CHAT_TEMPLATE = "{% for m in messages %}w10 {{ m['content'] }} {% endfor %}w12"

@@ -8,7 +8,7 @@ import json
 import pytest
 from test_bench_serve import StubServer, stub_script, tiny_dir  # noqa: F401 (fixtures)
 
-from pagedjax.entrypoints.cli import main
+from pagedjax.cli import main
 
 
 def bench(stub, tiny_dir, *flags: str) -> int:  # noqa: F811 (the fixture's value)

@@ -13,10 +13,9 @@ from pagedjax.models import loader
 from pagedjax.models.config import ModelConfig
 from pagedjax.models.hf_overrides import apply_hf_overrides
 
-from pagedjax import LLM, EngineArgs
+from pagedjax import LLM, EngineArgs, cli
 from pagedjax.engine import model_loading
 from pagedjax.engine.arg_options import log_inert_fields
-from pagedjax.entrypoints import cli
 from pagedjax.utils import FlexibleArgumentParser
 
 

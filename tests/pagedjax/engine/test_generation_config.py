@@ -12,9 +12,8 @@ import pytest
 from hf_models import make_tiny_model
 from server_helpers import live_server, raw
 
-from pagedjax import LLM, SamplingParams
+from pagedjax import LLM, SamplingParams, cli
 from pagedjax.engine.hosting.engine_loop import EngineLoop
-from pagedjax.entrypoints import cli
 from pagedjax.entrypoints.api_server import build_app
 from pagedjax.generation_config import default_sampling_params
 

@@ -347,7 +347,7 @@ def test_a_full_waiting_queue_refuses():
 
 
 def test_cli_has_serve(capsys):
-    from pagedjax.entrypoints.cli import main
+    from pagedjax.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["serve", "--help"])
@@ -379,8 +379,7 @@ def test_served_model_aliases(server, client):
 def test_cli_scheduler_and_cache_flags_reach_the_engine(monkeypatch):
     """vLLM's scheduler and cache flags on ``serve``: given, they reach the engine's arguments;
     left out, they are EngineArgs' own defaults (LLM's too)."""
-    from pagedjax import EngineArgs
-    from pagedjax.entrypoints import cli
+    from pagedjax import EngineArgs, cli
 
     seen = {}
     monkeypatch.setattr(cli, "_initialize_distributed", lambda args: True)
@@ -406,7 +405,7 @@ def test_cli_scheduler_and_cache_flags_reach_the_engine(monkeypatch):
 def test_cli_serve_takes_the_model_as_vllm_serve_does(monkeypatch, capsys):
     """``pagedjax serve MODEL`` as ``vllm serve MODEL``, the same as ``--model MODEL``; both at
     once must agree."""
-    from pagedjax.entrypoints import cli
+    from pagedjax import cli
 
     seen = []
     monkeypatch.setattr(cli, "_initialize_distributed", lambda args: True)

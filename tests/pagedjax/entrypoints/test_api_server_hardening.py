@@ -281,7 +281,7 @@ def test_max_completion_tokens_zero_is_a_400(server, client):
 
 
 def test_empty_api_key_refuses_to_start(server, capsys):
-    from pagedjax.entrypoints.cli import main
+    from pagedjax.cli import main
 
     with pytest.raises(ValueError, match="api-key"):
         build_app(EngineLoop(server.engine), MODEL, AppOptions(api_key=""))
@@ -469,7 +469,7 @@ def test_a_body_that_stalls_is_dropped(server):
 
 
 def test_cli_serve_defaults_to_the_models_context_and_opens_what_flags_say(tmp_path, monkeypatch):
-    from pagedjax.entrypoints.cli import main
+    from pagedjax.cli import main
 
     path = tmp_path / "short_context"
     make_tiny_model("llama_gqa", path, max_position_embeddings=300)  # under the old 2048

@@ -256,7 +256,7 @@ def test_a_dead_engine_process_fails_streams_health_and_new_requests(process_ser
 
 def test_sigterm_finishes_open_streams_and_stops_the_engine_process(model_dir, tmp_path):
     port = free_port()
-    argv = [sys.executable, "-c", "from pagedjax.entrypoints.cli import main; main()", "serve"]
+    argv = [sys.executable, "-c", "from pagedjax.cli import main; main()", "serve"]
     argv += ["--model", str(model_dir), "--port", str(port), "--api-key", KEY, "--engine-process"]
     argv += ["--served-model-name", MODEL, "--block-size", "8", "--num-blocks", "200"]
     argv += ["--max-model-len", "96", "--no-background-compile"]

@@ -285,7 +285,7 @@ def test_chat_logprobs_over_the_response_limit_is_a_400(server):
 
 def test_the_cli_passes_the_response_limit_to_the_server(monkeypatch):
     import pagedjax.entrypoints.api_server as api_server
-    from pagedjax.entrypoints.cli import main
+    from pagedjax.cli import main
 
     got = []
     monkeypatch.setattr(api_server, "serve", lambda engine_args, o: got.append(o.limits))

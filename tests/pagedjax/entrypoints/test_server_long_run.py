@@ -140,7 +140,7 @@ def _make_adapter(directory) -> None:
 def test_serve_runs_its_whole_background_compile_then_a_long_mixed_load(tmp_path):
     _make_adapter(tmp_path / "tone")
     port = free_port()
-    argv = [sys.executable, "-c", "from pagedjax.entrypoints.cli import main; main()", "serve"]
+    argv = [sys.executable, "-c", "from pagedjax.cli import main; main()", "serve"]
     argv += ["--port", str(port), "--api-key", KEY, "--served-model-name", MODEL]
     argv += ["--enable-lora", "--max-loras", "2"]
     argv += ["--max-lora-rank", "8", "--lora-modules", f"tone={tmp_path / 'tone'}"]

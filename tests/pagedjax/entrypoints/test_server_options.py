@@ -9,8 +9,8 @@ from fastapi.testclient import TestClient
 from server_helpers import CHAT_TEMPLATE, save_byte_tokenizer
 from transformers import AutoTokenizer
 
+from pagedjax import cli
 from pagedjax.engine.hosting.engine_loop import EngineLoop
-from pagedjax.entrypoints import cli
 from pagedjax.entrypoints.api_server import Cors, build_app, load_chat_template
 from pagedjax.entrypoints.openai.app_options import AppOptions
 

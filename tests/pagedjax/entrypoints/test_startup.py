@@ -195,7 +195,7 @@ def test_pagedjax_serve_answers_health_soon_with_empty_caches(tmp_path):
     port = free_port()
     env = {**os.environ, "PAGEDJAX_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    cmd = [sys.executable, "-m", "pagedjax.entrypoints.cli", "serve", "--port", str(port)]
+    cmd = [sys.executable, "-m", "pagedjax.cli", "serve", "--port", str(port)]
     log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"

@@ -352,7 +352,7 @@ def test_openai_agents_sdk_calls_a_tool_then_answers(server):
     ],
 )
 def test_serve_refuses_bad_tool_flags_before_loading(flags, says, capsys):
-    from pagedjax.entrypoints.cli import main
+    from pagedjax.cli import main
 
     assert main(["serve", "--model", "/nonexistent", *flags]) == 2
     assert says in capsys.readouterr().err

@@ -16,7 +16,7 @@ from pagedjax import LLM
 from pagedjax.engine.hosting.engine_loop import EngineLoop
 from pagedjax.entrypoints.api_server import build_app
 from pagedjax.entrypoints.openai.app_options import AppOptions
-from pagedjax.entrypoints.openai.vllm_metrics import VLLM_METRIC_NAMES, one_two_five
+from pagedjax.metrics.vllm_series import VLLM_METRIC_NAMES, one_two_five
 
 MODEL = "tiny-bytes"
 

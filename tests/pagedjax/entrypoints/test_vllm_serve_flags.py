@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 from server_helpers import free_port, make_byte_model, raw
 
-from pagedjax.entrypoints import cli
+from pagedjax import cli
 
 KEY = "vllm-flags-key"
 
@@ -111,7 +111,7 @@ def byte_model(tmp_path_factory):
 def test_a_vllm_serve_line_starts_the_server(byte_model, tmp_path):
     """The whole start, as a user runs it (about a minute on a CPU: marked slow)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "pagedjax.entrypoints.cli", *_vllm_serve_line(byte_model, port)]
+    cmd = [sys.executable, "-m", "pagedjax.cli", *_vllm_serve_line(byte_model, port)]
     log_path = tmp_path / "serve.log"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     with open(log_path, "wb") as log:

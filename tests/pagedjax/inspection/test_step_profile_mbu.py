@@ -9,8 +9,8 @@ import pytest
 from hf_models import make_tiny_model
 
 from pagedjax import LLM, SamplingParams
-from pagedjax.entrypoints.openai.metrics import ServerMetrics
 from pagedjax.inspection.step_profile import StepProfile
+from pagedjax.metrics.server import ServerMetrics
 from pagedjax.worker.input_batch import InputBatcher, ScheduledSeq, count_padding
 
 

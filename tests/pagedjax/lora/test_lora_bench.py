@@ -11,7 +11,7 @@ from hf_models import make_tiny_model
 
 from pagedjax.bench import throughput
 from pagedjax.bench.throughput_lora import lora_options, mixed_evenly
-from pagedjax.entrypoints.cli import main
+from pagedjax.cli import main
 
 
 def test_the_lora_side_runs_after_the_base_only_one_with_the_same_requests(monkeypatch):

@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 from lora_fakes import FakeLoRARunner, adapter_dir, fake_loader, lora_engine
 from server_helpers import live_server, metrics, raw
 
+from pagedjax import cli
 from pagedjax.engine.hosting.engine_loop import EngineLoop
-from pagedjax.entrypoints import cli
 from pagedjax.entrypoints.api_server import build_app
 from pagedjax.entrypoints.openai.app_options import AppOptions
 from pagedjax.lora.updates import RUNTIME_UPDATES_ENV, LoRAUpdates

@@ -117,7 +117,7 @@ def _churn(base: str, dirs: dict, stop: threading.Event, seen: list) -> None:
 def test_adapters_loaded_unloaded_and_broken_while_32_streams_run(tmp_path):
     base_dir, allowed, dirs = _make(tmp_path)
     port = free_port()
-    argv = [sys.executable, "-c", "from pagedjax.entrypoints.cli import main; main()", "serve"]
+    argv = [sys.executable, "-c", "from pagedjax.cli import main; main()", "serve"]
     argv += ["--model", str(base_dir), "--port", str(port), "--api-key", KEY]
     argv += ["--served-model-name", "base", "--block-size", "8", "--num-blocks", "400"]
     argv += ["--max-model-len", "96", "--max-num-seqs", "16", "--engine-process"]

@@ -7,8 +7,8 @@ import json
 import pytest
 from fake_model import idle_stats
 
-from pagedjax.entrypoints.cli import main
-from pagedjax.entrypoints.openai.metrics import ServerMetrics
+from pagedjax.cli import main
+from pagedjax.metrics.server import ServerMetrics
 from pagedjax.spec_decode import SpecDecodingStats
 
 

@@ -14,9 +14,8 @@ from hf_models import tiny_llama_dir
 from pagedjax.models.config import ModelConfig
 from pagedjax.models.llama import kv_pool_bytes_per_block
 
-from pagedjax import LLM
+from pagedjax import LLM, cli
 from pagedjax.config import CacheConfig
-from pagedjax.entrypoints import cli
 from pagedjax.worker import kv_cache
 
 GIB = 2**30

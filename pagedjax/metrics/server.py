@@ -9,7 +9,7 @@ the seconds it took are read at scrape time instead (``compile_counts``): a serv
 compile adds to them on a thread of its own, between the engine's passes.
 
 The same figures are also exported under vLLM's names (``vllm:...``, labelled ``model_name``),
-with vLLM's request histograms: vllm_metrics.py.
+with vLLM's request histograms: vllm_series.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pagedjax.entrypoints.openai import vllm_metrics
+from pagedjax.metrics import vllm_series
 from pagedjax.outputs import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -113,9 +113,9 @@ class _EngineCollector:
 
     def _vllm_families(self, stats: EngineStats):
         m = self._metrics
-        yield from vllm_metrics.engine_families(stats, m.model_name, m.block_size)
+        yield from vllm_series.engine_families(stats, m.model_name, m.block_size)
         if m.cache_config is not None:
-            yield vllm_metrics.cache_config_info(m.cache_config, stats)
+            yield vllm_series.cache_config_info(m.cache_config, stats)
         if m.lora_info is not None:
             running, waiting = m.lora_info
             info = GaugeMetricFamily(
@@ -178,7 +178,7 @@ class ServerMetrics:
         reg = self.registry
         self.block_size = block_size  # the engine counts prefix-cache blocks, vLLM tokens
         self.cache_config = cache_config  # vllm:cache_config_info's labels (None: not shown)
-        self.vllm = vllm_metrics.VllmRequestMetrics(reg, max_model_len)
+        self.vllm = vllm_series.VllmRequestMetrics(reg, max_model_len)
         self.prompt_tokens = Counter(
             "pagedjax_prompt_tokens", "Prompt tokens admitted.", registry=reg
         )

@@ -1,7 +1,7 @@
 """The server's metrics under vLLM's names (``vllm:...``), labelled ``model_name`` (the first
 served name) and ``engine`` ("0"), as vLLM V1's Prometheus logger exports them, so that vLLM's
 Grafana dashboards and alerts read a pagedjax server unchanged. They stand beside the
-``pagedjax_`` names (metrics.py).
+``pagedjax_`` names (server.py).
 
 - Gauges and engine counters (requests running and waiting, KV cache usage, preemptions, prefix
   cache queries and hits in tokens, speculative decoding) come from the engine's stats snapshot
