@@ -20,8 +20,9 @@ Nothing here branches on data (no ``lax.cond`` or loop): on a GPU a conditional 
 for the device before it can dispatch the next program. Sampling is data (worker/sampling_input.py):
 what a batch needs beyond that is decided on the host from its rows, as a few static fields of
 ``SamplingInput``: whether some row has a penalty, whether the batch is constrained, whether some
-row samples, and whether some sampling row has top-k or top-p (``Filters``: a batch with one
-takes the candidates and, for rows they do not decide, the full sort). Top logprobs are computed
+row samples, and whether some sampling row has top-p or a top-k past the candidates (``Filters``:
+a sampling batch takes the candidates, and only a batch with such a row also takes, for the rows
+they do not decide, the full sort). Top logprobs are computed
 at one width whenever a sampler runs. A greedy batch without penalties, bias or logprobs needs no
 sampler: the step program takes its argmax (``greedy``).
 
@@ -139,7 +140,7 @@ def _threshold(x: jax.Array, s: SamplingInput, active: jax.Array) -> jax.Array:
     num_seqs, vocab = x.shape
     row_max = jnp.max(x, axis=-1)
     min_p_threshold = row_max + jnp.log(s.min_p)  # p >= min_p * p_max, in logit space
-    if s.filters == Filters.MIN_P:  # static: no row has top-k or top-p
+    if s.filters == Filters.MIN_P:  # static: no row samples
         return jnp.minimum(min_p_threshold, row_max)
     k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)
     top_k_on = k < vocab
@@ -153,6 +154,10 @@ def _threshold(x: jax.Array, s: SamplingInput, active: jax.Array) -> jax.Array:
     # into a full sort.
     xs = jax.lax.optimization_barrier(jax.lax.top_k(x, width)[0])  # [num_seqs, width]
     n1 = survivors(xs)
+    if s.filters == Filters.CANDIDATES:  # static: no top-p, no top-k past the candidates
+        threshold = jnp.take_along_axis(xs, jnp.maximum(n1, 1)[:, None] - 1, axis=-1)[:, 0]
+        threshold = jnp.where(sorts, threshold, min_p_threshold)
+        return jnp.minimum(threshold, row_max)
     in_xs = (k <= width) | (n1 < width)
     # The mass of min-p's survivors, which a nucleus past the candidates is measured against.
     kept = jnp.where(x >= min_p_threshold[:, None], jnp.exp(x - row_max[:, None]), 0.0)

@@ -8,7 +8,7 @@ are always computed at one width. What a batch needs is decided here as a few st
 (``Variant``), each of which keeps a large cost off the batches that do not need it: whether some
 row has a penalty (the token history), whether the batch is constrained (bias and bitmask
 columns), whether some row samples (the random draw), and whether some sampling row has top-k or
-top-p (the candidates and the sort, ``Filters``). ``MODES`` and ``variants`` list the few
+top-p past the candidates (the full sort: ``Filters``). ``MODES`` and ``variants`` list the few
 programs this makes: the sampler never multiplies the model's programs by more than three.
 """
 
@@ -53,20 +53,25 @@ class SamplingRow:
 
 
 class Filters(enum.IntEnum):
-    """How much of the top-k / top-p machinery a batch's sampling rows need (static)."""
+    """How much of the top-k / top-p machinery a batch's rows need (static)."""
 
-    MIN_P = 0  # no row has top-k or top-p: min-p's threshold alone
-    # Some row has top-k or top-p: the candidates decide each row's threshold where they can
-    # (a top-k within them, a nucleus that closes inside them), the full sort elsewhere.
-    SORT = 1
+    MIN_P = 0  # no row samples: min-p's threshold alone (greedy rows keep their argmax anyway)
+    # No row has top-p or a top-k past the candidates: the candidates decide every row's
+    # threshold (its top-k among them; min-p alone without one), no sort. Sampling rows with no
+    # filter but temperature and min-p take it too: the candidates cost little beside the draw.
+    CANDIDATES = 1
+    # Some row has top-p, or a top-k past the candidates: the candidates decide each row's
+    # threshold where they can (a top-k within them, a nucleus that closes inside them), the full
+    # sort elsewhere.
+    SORT = 2
 
 
 def filters_needed(rows: Sequence[SamplingRow], vocab_size: int) -> Filters:
-    """The least filtering that gives every row in ``rows`` its exact threshold."""
+    """The least filtering that gives every row of a sampling batch its exact threshold."""
     for r in rows:
-        if r.top_p < 1 or 0 < r.top_k < vocab_size:
+        if r.top_p < 1 or NUM_CANDIDATES < r.top_k < vocab_size:
             return Filters.SORT
-    return Filters.MIN_P
+    return Filters.CANDIDATES
 
 
 def _bucket(n: int) -> int:
@@ -246,6 +251,7 @@ class Variant:
         """A row whose batch runs this variant's program (warm-up)."""
         return SamplingRow(
             temperature=1.0 if self.random else 0.0,
+            top_k=50 if self.filters == Filters.CANDIDATES else 0,
             top_p=0.5 if self.filters == Filters.SORT else 1.0,
             repetition_penalty=1.5 if self.penalties else 1.0,
             logit_bias=((0, 1.0),) if self.constrained else (),
@@ -253,8 +259,8 @@ class Variant:
 
 
 # (random, filters) of the batches a sampler runs: greedy with top logprobs, sampling with
-# temperature and min-p, sampling with top-k or top-p too.
-MODES = ((False, Filters.MIN_P), (True, Filters.MIN_P), (True, Filters.SORT))
+# temperature, min-p and a top-k within the candidates, sampling with top-p (or a wider top-k).
+MODES = ((False, Filters.MIN_P), (True, Filters.CANDIDATES), (True, Filters.SORT))
 
 
 def plain_greedy(rows: Sequence[SamplingRow], num_top_logprobs: int = 0) -> bool:

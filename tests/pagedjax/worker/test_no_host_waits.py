@@ -102,9 +102,11 @@ def test_the_variant_follows_the_rows():
     assert str(build([SamplingRow()])) == "greedy"
     # Greedy rows are never filtered, whatever they set.
     assert build([SamplingRow(top_p=0.5, top_k=3)]).filters == Filters.MIN_P
-    assert build([SamplingRow(1.0, min_p=0.1)]).filters == Filters.MIN_P
-    assert build([SamplingRow(1.0, top_k=256)]).filters == Filters.SORT
-    assert build([SamplingRow(1.0, top_k=V + 5)]).filters == Filters.MIN_P  # k >= vocab: off
+    # A sampling batch takes the candidates; the sort only for top-p or a top-k past them.
+    assert build([SamplingRow(1.0, min_p=0.1)]).filters == Filters.CANDIDATES
+    assert build([SamplingRow(1.0, top_k=256)]).filters == Filters.CANDIDATES
+    assert build([SamplingRow(1.0, top_k=257)]).filters == Filters.SORT
+    assert build([SamplingRow(1.0, top_k=V + 5)]).filters == Filters.CANDIDATES  # k >= vocab: off
     assert build([SamplingRow(1.0, top_k=5), SamplingRow(top_p=0.9)]).filters == Filters.SORT
     # Six sampler programs per row count, three sampling in a decode step: no more.
     assert len(set(sampler.variants())) == len(sampler.variants()) == 6

@@ -427,3 +427,28 @@ def test_greedy_batches_take_the_branchless_program_with_the_same_outputs():
         history_width=HISTORY,
     )
     assert (pen.penalties, pen.random) == (True, False)
+
+
+def test_top_k_within_the_candidates_skips_the_sort_with_the_same_tokens():
+    """A sampling batch whose top-ks all lie within the candidates and which has no top-p takes
+    the candidates alone (Filters.CANDIDATES, no sort): the same filtered logits and tokens as
+    the sort gives, min-p alone included."""
+    rng = np.random.default_rng(3)
+    logits = random_logits(rng, S)
+    logits[0] = 0  # all tied
+    rows = [
+        SamplingRow(1.0, top_k=k, min_p=m, seed=i)
+        for i, (k, m) in enumerate(
+            zip((1, 5, 50, 256, 0, 20, 256, 3), (0, 0, 0, 0, 0.1, 0.3, 0.2, 0), strict=True)
+        )
+    ]
+    s = SamplingInput.build(rows, S, V, history_width=HISTORY)
+    assert s.filters == sampler.Filters.CANDIDATES
+    out, processed = _run(np.asarray(logits, np.float32), s)
+    out_sort, processed_sort = _run(
+        np.asarray(logits, np.float32), s.replace(filters=sampler.Filters.SORT)
+    )
+    np.testing.assert_array_equal(np.asarray(processed), np.asarray(processed_sort))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(out_sort.tokens))
+    wider = SamplingInput.build([SamplingRow(1.0, top_k=257)], S, V, history_width=HISTORY)
+    assert wider.filters == sampler.Filters.SORT  # past the candidates: the sort decides
