@@ -162,9 +162,10 @@ def served(tmp_path):
                 proc.kill()
 
 
-def wait_healthy(proc, port: int, log) -> str:
+def wait_healthy(proc, port: int, log, timeout: float = 600) -> str:
+    """The server's base URL once /health answers 200 (its log's tail if it exits first)."""
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + timeout
     while True:
         assert proc.poll() is None, log.read_text()[-3000:]
         try:

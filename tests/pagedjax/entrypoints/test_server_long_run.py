@@ -18,6 +18,7 @@ import time
 import pytest
 from peft_adapters import save_random_adapter
 from server_helpers import free_port, metrics, raw, sse_events
+from server_soak import wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -149,7 +150,7 @@ def test_serve_runs_its_whole_background_compile_then_a_long_mixed_load(tmp_path
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        base = _wait_healthy(proc, port, log_path)
+        base = wait_healthy(proc, port, log_path, timeout=1200)  # a cold cache
         sampler = Sampler(proc.pid, base)
         sampler.start()
         deadline = time.monotonic() + 3600
@@ -228,17 +229,3 @@ def _load(base: str, bodies, expected, seconds: float):
     for t in threads:
         t.join()
     return failures, counts
-
-
-def _wait_healthy(proc, port: int, log_path) -> str:
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 1200
-    while True:
-        assert proc.poll() is None, log_path.read_text()[-3000:]
-        try:
-            if raw(base, "GET", "/health", key=None, timeout=5)[0] == 200:
-                return base
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(1)
