@@ -239,7 +239,14 @@ class Variant:
     penalties: bool = False
     constrained: bool = False  # bias and bitmask columns (some row may have either)
     random: bool = False
-    filters: Filters = Filters.MIN_P
+    filters: Filters | None = None  # None: the least a batch of this kind takes (MODES)
+
+    def __post_init__(self):
+        least = Filters.CANDIDATES if self.random else Filters.MIN_P
+        filters = least if self.filters is None else Filters(self.filters)
+        if (self.random, filters) not in MODES:
+            raise ValueError(f"no sampler program samples {self.random=} with {filters!r}")
+        object.__setattr__(self, "filters", filters)
 
     def __str__(self) -> str:
         # Not ``constrained``: every sampler program's input is, no step program's is.

@@ -348,7 +348,7 @@ def test_the_background_compiles_next_what_the_traffic_grows_into():
         "model decode t64 s64 b32",
         "step decode t64 s64 b32 sampler top_logprobs",  # rare: never jumps
         "model decode t32 s32 b32",
-        "sampler s32 sampling min_p",  # the default rows' sampler, for any kind of step
+        "sampler s32 sampling candidates",  # the default rows' sampler, for any kind of step
         "model prefill q256 t256 s8 b16",
     ]
     jobs = [(n, None) for n in names]
@@ -359,7 +359,7 @@ def test_the_background_compiles_next_what_the_traffic_grows_into():
         order.append(jobs.pop(i)[0])
     assert order == [
         "model decode t32 s32 b32",
-        "sampler s32 sampling min_p",
+        "sampler s32 sampling candidates",
         "model decode t64 s64 b32",
     ]
     used.append(StepShape(128, 8, 16, 128))  # one prompt of up to 128 tokens

@@ -112,6 +112,10 @@ def test_the_variant_follows_the_rows():
     assert len(set(sampler.variants())) == len(sampler.variants()) == 6
     assert all(v.constrained for v in sampler.variants())
     assert len(set(step_program.step_variants())) == 3
+    # A variant no sampler program runs is refused; a sampling one takes the candidates at least.
+    assert sampler.Variant(random=True).filters == Filters.CANDIDATES
+    with pytest.raises(ValueError, match="no sampler program"):
+        sampler.Variant(random=True, filters=Filters.MIN_P)
     assert SamplingInput.build([SamplingRow()], ROWS, V, constrained=True).variant.constrained
 
 
