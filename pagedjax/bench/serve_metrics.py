@@ -272,13 +272,15 @@ def plot_sweep(rows: list[dict], knob: str, path: str) -> str | None:
     return path
 
 
-def _jsonable(x):
+def jsonable(x):
+    """``x`` with non-finite floats as strings (JSON has no inf or NaN), dicts and sequences
+    walked."""
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
     if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
+        return {k: jsonable(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     return x
 
 
@@ -288,7 +290,7 @@ def report(result: dict, knob: str | None, args) -> None:
     rows = [row for s in result["servers"] for row in s["rows"]]
     plotted = plot_sweep(rows, knob, args.plot) if knob and rows else None
     if args.json:
-        print(json.dumps(_jsonable({**result, "rows": rows, "plot": plotted}), indent=2))
+        print(json.dumps(jsonable({**result, "rows": rows, "plot": plotted}), indent=2))
         return
     for s in result["servers"]:
         if "start_error" in s:

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pagedjax.bench.serve_metrics import jsonable
+
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 DEFAULT_PERCENTILE_METRICS = "ttft,tpot,itl"
 LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -221,17 +223,7 @@ def write(path: str, result: dict, append: bool = False) -> None:
     with open(path, "a+" if append else "w", encoding="utf-8") as f:
         if append and f.tell() != 0:
             f.write("\n")
-        json.dump(_jsonable(result), f)
-
-
-def _jsonable(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
-    return x
+        json.dump(jsonable(result), f)
 
 
 def latency_result(latencies_s: list[float]) -> dict:
@@ -259,4 +251,4 @@ def throughput_result(elapsed_s: float, num_requests: int, total_num_tokens: int
 
 def write_json(path: str | Path, result: dict) -> None:
     """--output-json (latency, throughput): indented, as vLLM writes it."""
-    Path(path).write_text(json.dumps(_jsonable(result), indent=4) + "\n")
+    Path(path).write_text(json.dumps(jsonable(result), indent=4) + "\n")

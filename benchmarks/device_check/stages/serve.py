@@ -266,9 +266,9 @@ def record(ctx: Context, data: dict, servers: list[dict], rows: list[dict]) -> N
     from pagedjax.bench import serve_metrics
 
     data["servers"] = [
-        serve_metrics._jsonable({k: v for k, v in srv.items() if k != "rows"}) for srv in servers
+        serve_metrics.jsonable({k: v for k, v in srv.items() if k != "rows"}) for srv in servers
     ]
-    data["rows"] = serve_metrics._jsonable(rows)
+    data["rows"] = serve_metrics.jsonable(rows)
     say(
         f"  {'server':<14}{'conc':>6}{'ok':>6}{'fail':>6}{'exact':>7}{'out tok/s':>11}"
         f"{'TTFT p50':>11}{'TPOT p50':>11}{'E2E p50':>11}   (ms)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from fake_model import idle_stats
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
@@ -14,17 +15,11 @@ from pagedjax.outputs import EngineStats
 
 
 def _stats(tokens: int, running: int) -> EngineStats:
-    return EngineStats(
+    return idle_stats(
         num_blocks_total=100,
         num_blocks_used=25,
         num_blocks_peak=25,
-        kv_slots_allocated_peak=0,
-        kv_tokens_stored_peak=0,
-        kv_utilization=0.0,
-        num_preemptions=0,
-        num_swapped_out=0,
         prefix_cache_hit_rate=0.5,
-        num_compilations=0,
         num_requests_running=running,
         num_requests_waiting=3,
         num_generation_tokens=tokens,
